@@ -1,0 +1,248 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from scaletrain.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FileKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FILE_KIND_UNSPECIFIED: _ClassVar[FileKind]
+    FILE_KIND_SHARD: _ClassVar[FileKind]
+    FILE_KIND_METADATA: _ClassVar[FileKind]
+
+class TierState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_STATE_UNSPECIFIED: _ClassVar[TierState]
+    TIER_STATE_ABSENT: _ClassVar[TierState]
+    TIER_STATE_PENDING: _ClassVar[TierState]
+    TIER_STATE_COMMITTED: _ClassVar[TierState]
+    TIER_STATE_FAILED: _ClassVar[TierState]
+FILE_KIND_UNSPECIFIED: FileKind
+FILE_KIND_SHARD: FileKind
+FILE_KIND_METADATA: FileKind
+TIER_STATE_UNSPECIFIED: TierState
+TIER_STATE_ABSENT: TierState
+TIER_STATE_PENDING: TierState
+TIER_STATE_COMMITTED: TierState
+TIER_STATE_FAILED: TierState
+
+class CheckpointRef(_message.Message):
+    __slots__ = ("run", "step")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    step: int
+    def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class OpenSaveRequest(_message.Message):
+    __slots__ = ("ref", "world_size", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REF_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    ref: CheckpointRef
+    world_size: int
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class OpenSaveResponse(_message.Message):
+    __slots__ = ("save_id",)
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    def __init__(self, save_id: _Optional[str] = ...) -> None: ...
+
+class FileHeader(_message.Message):
+    __slots__ = ("save_id", "path", "rank", "kind")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    path: str
+    rank: int
+    kind: FileKind
+    def __init__(self, save_id: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FileKind, str]] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("offset", "data", "crc32c")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    crc32c: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class FileTrailer(_message.Message):
+    __slots__ = ("size", "sha256")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    sha256: str
+    def __init__(self, size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class WriteFileRequest(_message.Message):
+    __slots__ = ("header", "chunk", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: FileHeader
+    chunk: FileChunk
+    trailer: FileTrailer
+    def __init__(self, header: _Optional[_Union[FileHeader, _Mapping]] = ..., chunk: _Optional[_Union[FileChunk, _Mapping]] = ..., trailer: _Optional[_Union[FileTrailer, _Mapping]] = ...) -> None: ...
+
+class WriteFileResponse(_message.Message):
+    __slots__ = ("path", "size", "sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    sha256: str
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class CommitSaveRequest(_message.Message):
+    __slots__ = ("save_id",)
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    def __init__(self, save_id: _Optional[str] = ...) -> None: ...
+
+class AbortSaveRequest(_message.Message):
+    __slots__ = ("save_id", "reason")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    reason: str
+    def __init__(self, save_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortSaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStatus(_message.Message):
+    __slots__ = ("tier", "state", "bytes", "updated_at", "error")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    tier: _common_pb2.Tier
+    state: TierState
+    bytes: int
+    updated_at: _timestamp_pb2.Timestamp
+    error: str
+    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., state: _Optional[_Union[TierState, str]] = ..., bytes: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class FileInfo(_message.Message):
+    __slots__ = ("path", "rank", "kind", "size", "sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    rank: int
+    kind: FileKind
+    size: int
+    sha256: str
+    def __init__(self, path: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FileKind, str]] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("ref", "world_size", "committed", "tiers", "files", "total_bytes", "created_at", "committed_at", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REF_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    ref: CheckpointRef
+    world_size: int
+    committed: bool
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
+    files: _containers.RepeatedCompositeFieldContainer[FileInfo]
+    total_bytes: int
+    created_at: _timestamp_pb2.Timestamp
+    committed_at: _timestamp_pb2.Timestamp
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., committed: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("run", "include_uncommitted")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_UNCOMMITTED_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    include_uncommitted: bool
+    def __init__(self, run: _Optional[str] = ..., include_uncommitted: _Optional[bool] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints",)
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
+
+class GetCheckpointRequest(_message.Message):
+    __slots__ = ("ref", "latest")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    ref: CheckpointRef
+    latest: bool
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., latest: _Optional[bool] = ...) -> None: ...
+
+class ReadFileRequest(_message.Message):
+    __slots__ = ("ref", "path", "offset", "length")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ref: CheckpointRef
+    path: str
+    offset: int
+    length: int
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ReadFileResponse(_message.Message):
+    __slots__ = ("offset", "data", "crc32c", "tier")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    crc32c: int
+    tier: _common_pb2.Tier
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ...) -> None: ...
+
+class DeleteCheckpointRequest(_message.Message):
+    __slots__ = ("ref",)
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ref: CheckpointRef
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ...) -> None: ...
+
+class DeleteCheckpointResponse(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...) -> None: ...

@@ -1,0 +1,230 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from scaletrain.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    EVENT_KIND_RUN_STARTED: _ClassVar[EventKind]
+    EVENT_KIND_RUN_FINISHED: _ClassVar[EventKind]
+    EVENT_KIND_RUN_FAILED: _ClassVar[EventKind]
+    EVENT_KIND_CHECKPOINT_STARTED: _ClassVar[EventKind]
+    EVENT_KIND_CHECKPOINT_STAGED: _ClassVar[EventKind]
+    EVENT_KIND_CHECKPOINT_COMMITTED: _ClassVar[EventKind]
+    EVENT_KIND_CHECKPOINT_FAILED: _ClassVar[EventKind]
+    EVENT_KIND_RESTART: _ClassVar[EventKind]
+    EVENT_KIND_ALERT: _ClassVar[EventKind]
+    EVENT_KIND_STRAGGLER: _ClassVar[EventKind]
+    EVENT_KIND_LOSS_SPIKE: _ClassVar[EventKind]
+    EVENT_KIND_SDC: _ClassVar[EventKind]
+    EVENT_KIND_REPLAY: _ClassVar[EventKind]
+EVENT_KIND_UNSPECIFIED: EventKind
+EVENT_KIND_RUN_STARTED: EventKind
+EVENT_KIND_RUN_FINISHED: EventKind
+EVENT_KIND_RUN_FAILED: EventKind
+EVENT_KIND_CHECKPOINT_STARTED: EventKind
+EVENT_KIND_CHECKPOINT_STAGED: EventKind
+EVENT_KIND_CHECKPOINT_COMMITTED: EventKind
+EVENT_KIND_CHECKPOINT_FAILED: EventKind
+EVENT_KIND_RESTART: EventKind
+EVENT_KIND_ALERT: EventKind
+EVENT_KIND_STRAGGLER: EventKind
+EVENT_KIND_LOSS_SPIKE: EventKind
+EVENT_KIND_SDC: EventKind
+EVENT_KIND_REPLAY: EventKind
+
+class RegisterRunRequest(_message.Message):
+    __slots__ = ("run_id", "name", "config_json", "world_size", "layout", "model_params", "hardware", "started_at", "ranks")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    name: str
+    config_json: str
+    world_size: int
+    layout: _common_pb2.ParallelLayout
+    model_params: int
+    hardware: str
+    started_at: _timestamp_pb2.Timestamp
+    ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
+    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., config_json: _Optional[str] = ..., world_size: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., model_params: _Optional[int] = ..., hardware: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...) -> None: ...
+
+class RankInfo(_message.Message):
+    __slots__ = ("rank", "host", "device")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    host: str
+    device: str
+    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class RegisterRunResponse(_message.Message):
+    __slots__ = ("created",)
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    def __init__(self, created: _Optional[bool] = ...) -> None: ...
+
+class PhaseTimes(_message.Message):
+    __slots__ = ("step", "data", "forward", "backward", "optimizer", "comm_wait", "checkpoint")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    COMM_WAIT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    step: float
+    data: float
+    forward: float
+    backward: float
+    optimizer: float
+    comm_wait: float
+    checkpoint: float
+    def __init__(self, step: _Optional[float] = ..., data: _Optional[float] = ..., forward: _Optional[float] = ..., backward: _Optional[float] = ..., optimizer: _Optional[float] = ..., comm_wait: _Optional[float] = ..., checkpoint: _Optional[float] = ...) -> None: ...
+
+class DataLoaderOffset(_message.Message):
+    __slots__ = ("global_sample", "rank_sample", "epoch")
+    GLOBAL_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    RANK_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    global_sample: int
+    rank_sample: int
+    epoch: int
+    def __init__(self, global_sample: _Optional[int] = ..., rank_sample: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RankStep(_message.Message):
+    __slots__ = ("run_id", "step", "rank", "loss", "grad_norm", "tokens", "times", "memory_bytes", "peak_memory_bytes", "data_offset", "lr", "time", "param_checksum", "attempt")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    PARAM_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    rank: int
+    loss: float
+    grad_norm: float
+    tokens: int
+    times: PhaseTimes
+    memory_bytes: int
+    peak_memory_bytes: int
+    data_offset: DataLoaderOffset
+    lr: float
+    time: _timestamp_pb2.Timestamp
+    param_checksum: str
+    attempt: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., times: _Optional[_Union[PhaseTimes, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., data_offset: _Optional[_Union[DataLoaderOffset, _Mapping]] = ..., lr: _Optional[float] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., param_checksum: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class StepBatch(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[RankStep]
+    def __init__(self, records: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ...) -> None: ...
+
+class ReportStepsResponse(_message.Message):
+    __slots__ = ("accepted", "duplicates")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    duplicates: int
+    def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+
+class CheckpointEvent(_message.Message):
+    __slots__ = ("tier", "bytes", "seconds")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tier: _common_pb2.Tier
+    bytes: int
+    seconds: float
+    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("run_id", "step", "rank", "kind", "message", "time", "attributes", "checkpoint")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    rank: int
+    kind: EventKind
+    message: str
+    time: _timestamp_pb2.Timestamp
+    attributes: _containers.ScalarMap[str, str]
+    checkpoint: CheckpointEvent
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., message: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attributes: _Optional[_Mapping[str, str]] = ..., checkpoint: _Optional[_Union[CheckpointEvent, _Mapping]] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class ReportEventsResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+
+class GetResumePointRequest(_message.Message):
+    __slots__ = ("run_id", "step")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class RankOffset(_message.Message):
+    __slots__ = ("rank", "offset")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    offset: DataLoaderOffset
+    def __init__(self, rank: _Optional[int] = ..., offset: _Optional[_Union[DataLoaderOffset, _Mapping]] = ...) -> None: ...
+
+class ResumePoint(_message.Message):
+    __slots__ = ("found", "step", "offsets")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    step: int
+    offsets: _containers.RepeatedCompositeFieldContainer[RankOffset]
+    def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ..., offsets: _Optional[_Iterable[_Union[RankOffset, _Mapping]]] = ...) -> None: ...
