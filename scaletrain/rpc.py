@@ -15,7 +15,16 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from scaletrain.errors import ScaletrainError, UserError
+from scaletrain.errors import (
+    AlreadyExists,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ScaletrainError,
+    Unavailable,
+    UserError,
+)
 
 MiB = 1 << 20
 # Payload of one streamed chunk. The message limit leaves room for framing around a chunk.
@@ -126,3 +135,20 @@ def describe_rpc_error(exc: grpc.RpcError, what: str) -> str:
     details = exc.details() if hasattr(exc, "details") else str(exc)
     name = code.name if code is not None else "ERROR"
     return f"{what}: {name}: {details}"
+
+
+# The inverse of `maps_errors`: a client turns a status back into the domain error it stands for.
+_ERRORS: dict[grpc.StatusCode, type[ScaletrainError]] = {
+    cls.code: cls
+    for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, DataLoss, Unavailable)
+}
+_ERRORS[grpc.StatusCode.DEADLINE_EXCEEDED] = Unavailable
+
+
+def error_from_rpc(exc: grpc.RpcError, what: str) -> ScaletrainError:
+    """The domain error for a failed call, with a one-line message; unknown codes keep theirs."""
+    code = exc.code() if hasattr(exc, "code") else None
+    error = _ERRORS.get(code, ScaletrainError)(describe_rpc_error(exc, what))
+    if code is not None and type(error) is ScaletrainError:
+        error.code = code
+    return error

@@ -1,0 +1,7 @@
+"""ckptd: the checkpoint service of scaletrain (one per node).
+
+It takes the files of a sharded torch.distributed.checkpoint save over gRPC, keeps them in memory,
+on local SSD and on S3, and serves byte ranges back from the fastest tier whose copy verifies.
+`ckptd.store` holds the protocol, `ckptd.tiers` the storage, `ckptd.catalog` what is where,
+`ckptd.server` and `ckptd.client` the two ends of the wire.
+"""

@@ -1,0 +1,211 @@
+"""CkptdClient: readable calls to a ckptd over gRPC, for the trainer's DCP writer and reader.
+
+It hides the wire protocol: files go out as header, CRC-32C'd chunks and a size+SHA-256 trailer;
+byte ranges come back verified chunk by chunk. Failures arrive as `scaletrain.errors` exceptions
+with one-line messages, so callers handle NotFound or DataLoss, not gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Mapping
+
+import google_crc32c
+import grpc
+
+from scaletrain.errors import DataLoss, ScaletrainError
+from scaletrain.rpc import CHUNK_BYTES, DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
+from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+
+# A stream's deadline grows with the bytes it carries, assuming at least this throughput.
+_MIN_BYTES_PER_S = 8 << 20
+
+Bytes = bytes | bytearray | memoryview
+
+
+def _stream_timeout(nbytes: int) -> float:
+    return DEFAULT_TIMEOUT_S + nbytes / _MIN_BYTES_PER_S
+
+
+def _chunks(data: Bytes | Iterable[Bytes]) -> Iterator[bytes]:
+    """Re-cut `data` into CHUNK_BYTES pieces: big buffers are sliced, small writes coalesced."""
+    pieces: Iterable[Bytes] = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+    pending = bytearray()
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        if pending:
+            take = min(len(view), CHUNK_BYTES - len(pending))
+            pending += view[:take]
+            view = view[take:]
+            if len(pending) < CHUNK_BYTES:
+                continue
+            yield bytes(pending)
+            pending.clear()
+        while len(view) >= CHUNK_BYTES:
+            yield bytes(view[:CHUNK_BYTES])
+            view = view[CHUNK_BYTES:]
+        pending += view
+    if pending:
+        yield bytes(pending)
+
+
+class CkptdClient:
+    """A connection to one ckptd. Thread-safe; close it (or use `with`) when done."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = make_channel(address)
+        self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> CkptdClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _error(self, exc: grpc.RpcError, what: str) -> ScaletrainError:
+        return error_from_rpc(exc, f"{what} (ckptd at {self.address})")
+
+    # -- save ------------------------------------------------------------------------------------
+
+    def open_save(
+        self, run: str, step: int, world_size: int, labels: Mapping[str, str] | None = None
+    ) -> str:
+        """Start a save of (run, step) written by `world_size` ranks; returns its save id."""
+        request = checkpoint_pb2.OpenSaveRequest(
+            ref=checkpoint_pb2.CheckpointRef(run=run, step=step),
+            world_size=world_size,
+            labels=dict(labels or {}),
+        )
+        try:
+            return self._stub.OpenSave(request, timeout=DEFAULT_TIMEOUT_S).save_id
+        except grpc.RpcError as exc:
+            raise self._error(exc, f"open save {run}/{step}") from None
+
+    def write_file(
+        self,
+        save_id: str,
+        path: str,
+        rank: int,
+        kind: int,
+        data: Bytes | Iterable[Bytes],
+    ) -> checkpoint_pb2.WriteFileResponse:
+        """Stream one file (bytes, or an iterable of buffers of any size) into an open save.
+
+        `kind` is checkpoint_pb2.FILE_KIND_SHARD or FILE_KIND_METADATA.
+        """
+        failures: list[BaseException] = []
+
+        def requests() -> Iterator[checkpoint_pb2.WriteFileRequest]:
+            yield checkpoint_pb2.WriteFileRequest(
+                header=checkpoint_pb2.FileHeader(save_id=save_id, path=path, rank=rank, kind=kind)
+            )
+            sha = hashlib.sha256()
+            offset = 0
+            try:
+                for chunk in _chunks(data):
+                    sha.update(chunk)
+                    yield checkpoint_pb2.WriteFileRequest(
+                        chunk=checkpoint_pb2.FileChunk(
+                            offset=offset, data=chunk, crc32c=google_crc32c.value(chunk)
+                        )
+                    )
+                    offset += len(chunk)
+            except Exception as exc:  # re-raised below, after the stream ends
+                failures.append(exc)
+                return
+            yield checkpoint_pb2.WriteFileRequest(
+                trailer=checkpoint_pb2.FileTrailer(size=offset, sha256=sha.hexdigest())
+            )
+
+        timeout = _stream_timeout(len(data)) if isinstance(data, bytes | bytearray) else None
+        try:
+            return self._stub.WriteFile(requests(), timeout=timeout)
+        except grpc.RpcError as exc:
+            if failures:
+                raise failures[0] from None
+            raise self._error(exc, f"write {path}") from None
+
+    def commit(self, save_id: str) -> checkpoint_pb2.CheckpointInfo:
+        request = checkpoint_pb2.CommitSaveRequest(save_id=save_id)
+        try:
+            # Commit fsyncs the whole checkpoint: allow for big ones.
+            return self._stub.CommitSave(request, timeout=10 * DEFAULT_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise self._error(exc, f"commit save {save_id}") from None
+
+    def abort(self, save_id: str, reason: str = "") -> None:
+        request = checkpoint_pb2.AbortSaveRequest(save_id=save_id, reason=reason)
+        try:
+            self._stub.AbortSave(request, timeout=DEFAULT_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise self._error(exc, f"abort save {save_id}") from None
+
+    # -- query -----------------------------------------------------------------------------------
+
+    def get(self, run: str, step: int | None = None) -> checkpoint_pb2.CheckpointInfo:
+        """A committed checkpoint; with `step` None the newest committed one of `run`."""
+        request = checkpoint_pb2.GetCheckpointRequest(
+            ref=checkpoint_pb2.CheckpointRef(run=run, step=step or 0), latest=step is None
+        )
+        try:
+            return self._stub.GetCheckpoint(request, timeout=DEFAULT_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            what = f"get latest checkpoint of {run}" if step is None else f"get {run}/{step}"
+            raise self._error(exc, what) from None
+
+    # -- read ------------------------------------------------------------------------------------
+
+    def read_stream(
+        self, run: str, step: int, path: str, offset: int = 0, length: int = 0
+    ) -> Iterator[bytes]:
+        """Yield the bytes of [offset, offset+length) of a file (length 0: to the end), verified.
+
+        Raises DataLoss if a chunk fails its CRC-32C or arrives out of place.
+        """
+        request = checkpoint_pb2.ReadFileRequest(
+            ref=checkpoint_pb2.CheckpointRef(run=run, step=step),
+            path=path,
+            offset=offset,
+            length=length,
+        )
+        what = f"read {run}/{step}/{path}"
+        expected = offset
+        try:
+            timeout = _stream_timeout(length) if length else None
+            for reply in self._stub.ReadFile(request, timeout=timeout):
+                if reply.offset != expected or google_crc32c.value(reply.data) != reply.crc32c:
+                    raise DataLoss(f"{what}: chunk at offset {reply.offset} arrived damaged")
+                expected += len(reply.data)
+                yield reply.data
+        except grpc.RpcError as exc:
+            raise self._error(exc, what) from None
+
+    def read(self, run: str, step: int, path: str, offset: int = 0, length: int = 0) -> bytes:
+        return b"".join(self.read_stream(run, step, path, offset, length))
+
+    def delete(self, run: str, step: int) -> list[int]:
+        """Remove a checkpoint from every tier; returns the tiers (common_pb2.Tier) it left."""
+        request = checkpoint_pb2.DeleteCheckpointRequest(
+            ref=checkpoint_pb2.CheckpointRef(run=run, step=step)
+        )
+        try:
+            return list(self._stub.DeleteCheckpoint(request, timeout=DEFAULT_TIMEOUT_S).tiers)
+        except grpc.RpcError as exc:
+            raise self._error(exc, f"delete {run}/{step}") from None
+
+    def list(
+        self, run: str = "", include_uncommitted: bool = False
+    ) -> list[checkpoint_pb2.CheckpointInfo]:
+        """Checkpoints of `run` (every run if empty), oldest step first."""
+        request = checkpoint_pb2.ListCheckpointsRequest(
+            run=run, include_uncommitted=include_uncommitted
+        )
+        try:
+            reply = self._stub.ListCheckpoints(request, timeout=DEFAULT_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise self._error(exc, "list checkpoints") from None
+        return list(reply.checkpoints)

@@ -1,0 +1,61 @@
+"""Configuration of ckptd: where its tiers live and how big they may grow.
+
+Plain dataclasses so that the CLI, the embedded stack and tests build the same objects; S3
+credentials come from the environment (never from command lines, which `ps` shows to everyone)
+and are hidden from `repr`, so a logged config never leaks them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """An S3-compatible bucket that holds the slowest, most durable copy of every checkpoint."""
+
+    endpoint_url: str
+    bucket: str = "scaletrain"
+    region: str = "us-east-1"
+    access_key_id: str = ""
+    secret_access_key: str = ""
+    # A failed upload is retried this many times in all, waiting backoff_s, 2*backoff_s, ...
+    upload_attempts: int = 5
+    backoff_s: float = 1.0
+
+    @classmethod
+    def from_env(cls, endpoint_url: str, bucket: str = "scaletrain") -> S3Config:
+        """Credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, as S3 tools read them."""
+        return cls(
+            endpoint_url=endpoint_url,
+            bucket=bucket,
+            access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", ""),
+            secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", ""),
+        )
+
+    def __repr__(self) -> str:
+        secret = "***" if self.secret_access_key else "''"
+        return (
+            f"S3Config(endpoint_url={self.endpoint_url!r}, bucket={self.bucket!r}, "
+            f"region={self.region!r}, access_key_id={self.access_key_id!r}, "
+            f"secret_access_key={secret})"
+        )
+
+
+@dataclass(frozen=True)
+class CkptdConfig:
+    """One ckptd: its data dir holds the SSD tier and the catalog, so it can be listed offline."""
+
+    data_dir: Path
+    listen: str = "127.0.0.1:0"
+    memory_budget_bytes: int = 1 << 30
+    s3: S3Config | None = None
+    # HOST:PORT of the telemetry service that receives one event per tier commit; None: no events.
+    telemetry: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.memory_budget_bytes < 0:
+            raise ValueError(f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")

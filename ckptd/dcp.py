@@ -1,0 +1,308 @@
+"""torch.distributed.checkpoint storage over ckptd: any PyTorch program can save to ckptd.
+
+    dcp.save(state, storage_writer=CkptdStorageWriter("127.0.0.1:50051", run="r1", step=100))
+    dcp.load(state, storage_reader=CkptdStorageReader("127.0.0.1:50051", run="r1", step=100))
+
+The writer and reader subclass DCP's own filesystem writer and reader and swap their filesystem
+object for one whose streams are gRPC streams to ckptd, so a checkpoint keeps DCP's stock layout
+(`__R_I.distcp` per rank plus `.metadata`) on every tier, and a checkpoint saved at one parallel
+layout loads into another.
+
+Save protocol: the coordinator opens the save in `prepare_global_plan` (it then knows the world
+size) and hands the save id to every rank inside its plan; each rank streams its own files in
+`write_data`; the coordinator writes `.metadata` and commits in `finish`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ckptd.client import CkptdClient
+from scaletrain.rpc import CHUNK_BYTES
+from scaletrain.v1 import checkpoint_pb2
+
+METADATA_NAME = ".metadata"
+_TMP_SUFFIX = ".tmp"
+
+
+def first_cause(exc: CheckpointException) -> BaseException:
+    """The lowest rank's original error inside DCP's CheckpointException (e.g. ckptd's refusal)."""
+    failures = exc.failures
+    if not failures:
+        return exc
+    error, _stack = failures[min(failures)]  # DCP keeps (exception, stack summary) pairs
+    return error
+
+
+def _name(path: str | os.PathLike) -> str:
+    """The file name within the checkpoint: DCP passes `<root>/<name>` paths."""
+    return os.fspath(path).rsplit("/", 1)[-1]
+
+
+class _UploadStream(io.RawIOBase):
+    """A write-only stream that sends its bytes to ckptd as one client-streaming WriteFile call.
+
+    Writes are cut into CHUNK_BYTES chunks and handed to the RPC through a small bounded queue, so
+    memory stays bounded and a slow ckptd slows the writer instead of buffering the whole file.
+    An error on the server side is raised by the next write or by close.
+    """
+
+    def __init__(self, client: CkptdClient, save_id: str, name: str, rank: int) -> None:
+        super().__init__()
+        kind = (
+            checkpoint_pb2.FILE_KIND_METADATA
+            if name == METADATA_NAME
+            else checkpoint_pb2.FILE_KIND_SHARD
+        )
+        self._chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=4)
+        self._pending = bytearray()
+        self._written = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._send, args=(client, save_id, name, rank, kind), daemon=True
+        )
+        self._thread.start()
+
+    def _send(self, client: CkptdClient, save_id: str, name: str, rank: int, kind: int) -> None:
+        try:
+            client.write_file(save_id, name, rank, kind, iter(self._chunks.get, None))
+        except BaseException as exc:
+            self._error = exc
+            # Unblock a writer waiting on a full queue.
+            while not self._chunks.empty():
+                self._chunks.get_nowait()
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        """Bytes written so far: DCP records each item's offset in the file from it."""
+        return self._written
+
+    def write(self, data: Any) -> int:
+        self._raise_if_failed()
+        view = memoryview(data).cast("B")
+        self._pending += view
+        self._written += len(view)
+        while len(self._pending) >= CHUNK_BYTES:
+            self._put(bytes(self._pending[:CHUNK_BYTES]))
+            del self._pending[:CHUNK_BYTES]
+        return len(view)
+
+    def _put(self, chunk: bytes | None) -> None:
+        while self._thread.is_alive():
+            try:
+                self._chunks.put(chunk, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        if self.closed:
+            return  # DCP closes a stream inside its `with` block and again on exit.
+        try:
+            if self._pending:
+                self._put(bytes(self._pending))
+                self._pending.clear()
+            self._put(None)
+            self._thread.join()
+            self._raise_if_failed()
+        finally:
+            super().close()
+
+
+class _RangeReadStream(io.RawIOBase):
+    """A seekable read-only view of one checkpoint file that fetches byte ranges lazily."""
+
+    def __init__(self, client: CkptdClient, run: str, step: int, name: str, size: int) -> None:
+        super().__init__()
+        self._client, self._run, self._step, self._name = client, run, step, name
+        self._size = size
+        self._pos = 0
+        self._block_start = 0
+        self._block = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = min(len(view), self._size - self._pos)
+        if want <= 0:
+            return 0
+        start = self._pos - self._block_start
+        if not (start >= 0 and start + want <= len(self._block)):
+            # Read ahead a whole chunk: DCP reads many small items from one file in order.
+            length = min(max(want, CHUNK_BYTES), self._size - self._pos)
+            self._block = self._client.read(self._run, self._step, self._name, self._pos, length)
+            self._block_start = self._pos
+            start = 0
+        view[:want] = self._block[start : start + want]
+        self._pos += want
+        return want
+
+
+class _CkptdFileSystem(FileSystemBase):
+    """DCP's filesystem interface over one checkpoint in ckptd."""
+
+    def __init__(self, client: CkptdClient, run: str, step: int) -> None:
+        self.client, self.run, self.step = client, run, step
+        self.save_id = ""
+        self.rank = 0
+        self._sizes: dict[str, int] | None = None
+        self._held: dict[str, io.BytesIO] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        name = _name(path)
+        if mode == "rb":
+            with _RangeReadStream(self.client, self.run, self.step, name, self._size(name)) as s:
+                yield s
+        elif name.endswith(_TMP_SUFFIX):
+            # DCP writes the metadata under a temporary name and renames it: hold the (small)
+            # bytes here and send them under the final name at the rename.
+            buffer = self._held[name] = _HeldBuffer()
+            yield buffer
+        else:
+            with _UploadStream(self.client, self.save_id, name, self.rank) as stream:
+                yield stream
+
+    def _size(self, name: str) -> int:
+        if self._sizes is None:
+            info = self.client.get(self.run, self.step)
+            self._sizes = {f.path: f.size for f in info.files}
+        if name not in self._sizes:
+            raise FileNotFoundError(f"checkpoint {self.run}@{self.step} has no file {name!r}")
+        return self._sizes[name]
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        data = self._held.pop(_name(path)).getvalue()
+        with _UploadStream(self.client, self.save_id, _name(new_path), self.rank) as stream:
+            stream.write(data)
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return f"{os.fspath(path)}/{suffix}"
+
+    def init_path(self, path: str | os.PathLike) -> str:
+        return os.fspath(path)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        """Nothing to create: ckptd names the checkpoint by (run, step)."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return os.fspath(checkpoint_id).startswith("ckptd://")
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        """A save is always new: ckptd refuses to overwrite a committed checkpoint itself."""
+        return False
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        """Never called, since `exists` is False; ckptd deletes whole checkpoints."""
+
+
+class _HeldBuffer(io.BytesIO):
+    """A BytesIO that keeps its bytes when closed, since DCP closes it before renaming."""
+
+    def close(self) -> None:
+        """Keep the buffer: `_CkptdFileSystem.rename` reads it afterwards."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _CkptdPlanData:
+    """What the coordinator hands each rank with its plan: its file prefix, rank and save id."""
+
+    prefix: str
+    rank: int
+    save_id: str
+
+
+def _checkpoint_id(run: str, step: int) -> str:
+    return f"ckptd://{run}/{step}"
+
+
+class CkptdStorageWriter(FileSystemWriter):
+    """A DCP storage writer that streams every rank's files to ckptd and commits the save."""
+
+    def __init__(
+        self,
+        address: str,
+        run: str,
+        step: int,
+        labels: dict[str, str] | None = None,
+        thread_count: int = 1,
+    ) -> None:
+        # ckptd makes the files durable itself: no fsync (DCP would call os.sync()) on our side.
+        super().__init__(_checkpoint_id(run, step), sync_files=False, thread_count=thread_count)
+        self.client = CkptdClient(address)
+        self.fs = _CkptdFileSystem(self.client, run, step)
+        self.run, self.step = run, step
+        self.labels = labels or {}
+        self.committed: checkpoint_pb2.CheckpointInfo | None = None
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        save_id = self.client.open_save(self.run, self.step, len(plans), self.labels)
+        self.fs.save_id = save_id
+        return [
+            dataclasses.replace(plan, storage_data=_CkptdPlanData(f"__{i}_", i, save_id))
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        data: _CkptdPlanData = plan.storage_data
+        self.fs.save_id, self.fs.rank = data.save_id, data.rank
+        return super().write_data(plan, planner)
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        self.committed = self.client.commit(self.fs.save_id)
+
+    def abort(self, reason: str) -> None:
+        """Tell ckptd to drop this save's files (call on the coordinator after a failed save)."""
+        if self.fs.save_id:
+            self.client.abort(self.fs.save_id, reason)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class CkptdStorageReader(FileSystemReader):
+    """A DCP storage reader that reads byte ranges of a committed checkpoint from ckptd."""
+
+    def __init__(self, address: str, run: str, step: int) -> None:
+        super().__init__(_checkpoint_id(run, step))
+        self.client = CkptdClient(address)
+        self.fs = _CkptdFileSystem(self.client, run, step)
+
+    def close(self) -> None:
+        self.client.close()

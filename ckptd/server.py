@@ -1,0 +1,272 @@
+"""The gRPC face of ckptd: a thin servicer over CheckpointStore, and the process around it.
+
+The servicer only translates messages; every rule lives in the store. Tier commits are reported
+to telemetry from here (the store just calls an observer), because reporting is a network concern
+and the store must stay usable offline.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import google_crc32c
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from ckptd.config import CkptdConfig
+from ckptd.store import CheckpointStore, TierCommit
+from ckptd.tiers import TIER_NAMES
+from scaletrain.errors import InvalidArgument
+from scaletrain.rpc import CHUNK_BYTES, add_health, bind, make_channel, make_server, maps_errors
+from scaletrain.v1 import (
+    checkpoint_pb2,
+    checkpoint_pb2_grpc,
+    telemetry_pb2,
+    telemetry_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "scaletrain.v1.CheckpointService"
+
+
+class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
+    """CheckpointService over a CheckpointStore."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self._store = store
+
+    @maps_errors
+    def OpenSave(
+        self, request: checkpoint_pb2.OpenSaveRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.OpenSaveResponse:
+        save_id = self._store.open_save(request.ref, request.world_size, dict(request.labels))
+        return checkpoint_pb2.OpenSaveResponse(save_id=save_id)
+
+    @maps_errors
+    def WriteFile(
+        self,
+        request_iterator: Iterator[checkpoint_pb2.WriteFileRequest],
+        context: grpc.ServicerContext,
+    ) -> checkpoint_pb2.WriteFileResponse:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgument("WriteFile stream must start with a header")
+        path = first.header.path
+        with self._store.begin_file(first.header) as upload:
+            for message in request_iterator:
+                part = message.WhichOneof("part")
+                if part == "chunk":
+                    upload.write(message.chunk)
+                elif part == "trailer":
+                    if next(request_iterator, None) is not None:
+                        raise InvalidArgument(f"{path}: messages after the trailer")
+                    record = upload.finish(message.trailer)
+                    return checkpoint_pb2.WriteFileResponse(
+                        path=record.path, size=record.size, sha256=record.sha256
+                    )
+                else:
+                    raise InvalidArgument(f"{path}: a second header or an empty message")
+        raise InvalidArgument(f"{path}: stream ended without a trailer")
+
+    @maps_errors
+    def CommitSave(
+        self, request: checkpoint_pb2.CommitSaveRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.CheckpointInfo:
+        return self._store.commit(request.save_id)
+
+    @maps_errors
+    def AbortSave(
+        self, request: checkpoint_pb2.AbortSaveRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.AbortSaveResponse:
+        self._store.abort(request.save_id, request.reason)
+        return checkpoint_pb2.AbortSaveResponse()
+
+    @maps_errors
+    def ListCheckpoints(
+        self, request: checkpoint_pb2.ListCheckpointsRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.ListCheckpointsResponse:
+        infos = self._store.list(request.run, request.include_uncommitted)
+        return checkpoint_pb2.ListCheckpointsResponse(checkpoints=infos)
+
+    @maps_errors
+    def GetCheckpoint(
+        self, request: checkpoint_pb2.GetCheckpointRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.CheckpointInfo:
+        return self._store.get(request.ref, latest=request.latest)
+
+    @maps_errors
+    def ReadFile(
+        self, request: checkpoint_pb2.ReadFileRequest, context: grpc.ServicerContext
+    ) -> Iterator[checkpoint_pb2.ReadFileResponse]:
+        pieces = self._store.iter_range(
+            request.ref, request.path, request.offset, request.length, piece_bytes=CHUNK_BYTES
+        )
+        for tier, offset, data in pieces:
+            yield checkpoint_pb2.ReadFileResponse(
+                offset=offset, data=data, crc32c=google_crc32c.value(data), tier=tier
+            )
+
+    @maps_errors
+    def DeleteCheckpoint(
+        self, request: checkpoint_pb2.DeleteCheckpointRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.DeleteCheckpointResponse:
+        return checkpoint_pb2.DeleteCheckpointResponse(tiers=self._store.delete(request.ref))
+
+
+class TelemetryReporter:
+    """Reports tier commits to the telemetry service as events: queued, batched, retried.
+
+    Best effort by design: a slow or absent telemetry service costs a save nothing; when the
+    queue is full or every attempt fails, the event is dropped with a warning.
+    """
+
+    def __init__(
+        self, address: str, attempts: int = 5, backoff_s: float = 0.5, max_queued: int = 1000
+    ) -> None:
+        self.address = address
+        self._attempts = attempts
+        self._backoff_s = backoff_s
+        self._channel = make_channel(address)
+        self._stub = telemetry_pb2_grpc.TelemetryServiceStub(self._channel)
+        self._queue: queue.Queue[telemetry_pb2.Event | None] = queue.Queue(max_queued)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckptd-telemetry", daemon=True)
+        self._thread.start()
+
+    def __call__(self, commit: TierCommit) -> None:
+        now = Timestamp()
+        now.GetCurrentTime()
+        event = telemetry_pb2.Event(
+            run_id=commit.run,
+            step=commit.step,
+            rank=-1,
+            kind=telemetry_pb2.EVENT_KIND_CHECKPOINT_COMMITTED,
+            message=f"checkpoint committed on {TIER_NAMES[commit.tier]}",
+            time=now,
+            checkpoint=telemetry_pb2.CheckpointEvent(
+                tier=commit.tier, bytes=commit.bytes, seconds=commit.seconds
+            ),
+        )
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            log.warning("telemetry queue full; dropping the event for %s", event.message)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued for up to `timeout_s`, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        self._stop.set()
+        self._thread.join(1.0)
+        self._channel.close()
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < 100:
+                try:
+                    event = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if event is None:
+                    self._send(batch)
+                    return
+                batch.append(event)
+            self._send(batch)
+
+    def _send(self, batch: list[telemetry_pb2.Event]) -> None:
+        for attempt in range(1, self._attempts + 1):
+            try:
+                self._stub.ReportEvents(telemetry_pb2.EventBatch(events=batch), timeout=10)
+                return
+            except grpc.RpcError as exc:
+                if attempt == self._attempts or self._stop.wait(
+                    self._backoff_s * 2 ** (attempt - 1)
+                ):
+                    log.warning(
+                        "dropping %d telemetry event(s) for %s: %s",
+                        len(batch),
+                        self.address,
+                        exc.code() if hasattr(exc, "code") else exc,
+                    )
+                    return
+
+
+class RunningCkptd:
+    """A started ckptd: its address, its store, and how to stop it."""
+
+    def __init__(
+        self,
+        server: grpc.Server,
+        store: CheckpointStore,
+        reporter: TelemetryReporter | None,
+        host: str,
+        port: int,
+    ) -> None:
+        self.address = f"{host}:{port}"
+        self.port = port
+        self.store = store
+        self._server = server
+        self._reporter = reporter
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Refuse new calls, let calls in flight (and an S3 upload) finish within `grace`."""
+        self._server.stop(grace).wait()
+        self.store.close(timeout_s=grace)
+        if self._reporter is not None:
+            self._reporter.close(timeout_s=grace)
+
+
+def start(config: CkptdConfig) -> RunningCkptd:
+    """Open the store on `config.data_dir` and serve it on `config.listen` (port 0: any free)."""
+    reporter = TelemetryReporter(config.telemetry) if config.telemetry else None
+    try:
+        store = CheckpointStore(config, on_tier_commit=reporter)
+    except BaseException:
+        if reporter is not None:
+            reporter.close(0)
+        raise
+    server = make_server()
+    checkpoint_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(store), server)
+    add_health(server, SERVICE_NAME)
+    try:
+        port = bind(server, config.listen)
+    except BaseException:
+        store.close(0)
+        if reporter is not None:
+            reporter.close(0)
+        raise
+    server.start()
+    return RunningCkptd(server, store, reporter, config.listen.rsplit(":", 1)[0], port)
+
+
+def serve(config: CkptdConfig, grace: float = 5.0) -> None:
+    """Run ckptd in the foreground until SIGTERM or SIGINT, then stop cleanly."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    running = start(config)
+    print(f"ckptd listening on {running.address}", flush=True)
+    stopping = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stopping.set())
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        while not stopping.wait(1.0):
+            pass
+    finally:
+        started = time.monotonic()
+        running.stop(grace)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        log.info("ckptd stopped in %.1fs", time.monotonic() - started)

@@ -1,0 +1,96 @@
+"""The storage tiers of ckptd (memory -> SSD -> S3) and what they share.
+
+Every tier holds committed checkpoints under the same key and answers the same questions (has,
+read a byte range, delete, list); only `put` differs, because each tier is filled from the form the
+bytes naturally have there (buffers, a staged directory, SSD files). Integrity is checked the same
+way on every tier: each file carries one CRC-32C per BLOCK_BYTES block, recorded when the file
+arrived, so a read of any byte range verifies only the blocks it touches instead of the whole file.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Protocol
+
+import google_crc32c
+
+from scaletrain.v1 import common_pb2
+
+# Verification granularity: a small read costs at most one block of extra I/O.
+BLOCK_BYTES = 256 * 1024
+TIER_NAMES = {
+    common_pb2.TIER_MEMORY: "memory",
+    common_pb2.TIER_SSD: "SSD",
+    common_pb2.TIER_S3: "S3",
+}
+
+
+@dataclass(frozen=True, order=True)
+class CheckpointKey:
+    """A checkpoint's identity on every tier; names are validated by the store before use."""
+
+    run: str
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.run}/{self.step}"
+
+
+class Tier(Protocol):
+    """What the store asks of every tier once a checkpoint is committed there."""
+
+    tier: int  # a common_pb2.Tier value
+
+    def has(self, key: CheckpointKey) -> bool: ...
+
+    def read_range(self, key: CheckpointKey, path: str, offset: int, length: int) -> bytes: ...
+
+    def delete(self, key: CheckpointKey) -> bool: ...
+
+    def list(self) -> list[CheckpointKey]: ...
+
+
+class BlockCrcs:
+    """Accumulates the CRC-32C of each BLOCK_BYTES block of a file as its bytes stream in."""
+
+    def __init__(self) -> None:
+        self._done: list[int] = []
+        self._crc = 0
+        self._fill = 0
+
+    def update(self, data: bytes) -> None:
+        # google_crc32c takes only bytes (not memoryviews): slicing copies, at memcpy speed.
+        pos = 0
+        while pos < len(data):
+            take = min(len(data) - pos, BLOCK_BYTES - self._fill)
+            self._crc = google_crc32c.extend(self._crc, data[pos : pos + take])
+            self._fill += take
+            pos += take
+            if self._fill == BLOCK_BYTES:
+                self._done.append(self._crc)
+                self._crc = 0
+                self._fill = 0
+
+    def packed(self) -> bytes:
+        """The CRCs as little-endian uint32s, one per block (the last block may be short)."""
+        crcs = [*self._done, self._crc] if self._fill else self._done
+        return struct.pack(f"<{len(crcs)}I", *crcs)
+
+
+def block_span(offset: int, length: int, size: int) -> tuple[int, int]:
+    """The block-aligned byte range [start, end) that covers [offset, offset+length) of a file."""
+    start = offset // BLOCK_BYTES * BLOCK_BYTES
+    end = min(size, -(-(offset + length) // BLOCK_BYTES) * BLOCK_BYTES)
+    return start, end
+
+
+def first_bad_block(data: bytes, start: int, packed_crcs: bytes) -> int | None:
+    """Index of the first block of `data` (read from block-aligned `start`) whose CRC differs."""
+    first = start // BLOCK_BYTES
+    for i in range(0, len(data), BLOCK_BYTES):
+        block = first + i // BLOCK_BYTES
+        (expected,) = struct.unpack_from("<I", packed_crcs, 4 * block)
+        if google_crc32c.value(data[i : i + BLOCK_BYTES]) != expected:
+            return block
+    return None

@@ -1,0 +1,145 @@
+"""`scaletrain run`: the whole platform on one machine, then a summary of what happened.
+
+Starts the embedded stack, trains under torchrun, waits until the last checkpoint has reached
+every tier, stops everything, and reads the summary back from telemetry's database and ckptd.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import IO
+
+from ckptd.client import CkptdClient
+from scaletrain.errors import UserError
+from scaletrain.stack import Stack, Workdir
+from scaletrain.v1 import checkpoint_pb2, common_pb2
+from telemetry import queries
+from telemetry.db import connect
+
+TIER_NAMES = {
+    common_pb2.TIER_MEMORY: "memory",
+    common_pb2.TIER_SSD: "ssd",
+    common_pb2.TIER_S3: "s3",
+}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    workdir: Workdir
+    ranks: int = 4
+    steps: int = 300
+    ckpt_every: int = 100
+    run_id: str | None = None
+    resume: bool = False
+    trainer_args: list[str] = field(default_factory=list)
+    # How long to wait, after training, for the last checkpoint to reach S3.
+    upload_wait_s: float = 120.0
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    workdir: str
+    exit_code: int
+    steps: int
+    first_loss: float | None
+    last_loss: float | None
+    tokens_per_s: float | None
+    params_sha256: str | None
+    wall_s: float
+    checkpoints: list[dict[str, object]]
+    ui_command: str
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def new_run_id() -> str:
+    return datetime.now(UTC).strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def committed_tiers(info: checkpoint_pb2.CheckpointInfo) -> list[str]:
+    return [
+        TIER_NAMES[t.tier] for t in info.tiers if t.state == checkpoint_pb2.TIER_STATE_COMMITTED
+    ]
+
+
+def run(options: RunOptions, out: IO[str]) -> RunSummary:
+    if options.ranks < 1:
+        raise UserError(f"--ranks must be at least 1, got {options.ranks}")
+    workdir = options.workdir
+    run_id = options.run_id or (workdir.last_run_id() if options.resume else None) or new_run_id()
+    if options.resume and not workdir.last_run_id() and not options.run_id:
+        raise UserError(f"--resume: no earlier run in {workdir.root}; start one without --resume")
+    started = time.monotonic()
+    trainer_args = [
+        "--steps", str(options.steps), "--ckpt-every", str(options.ckpt_every),
+        *(["--resume"] if options.resume else []),
+        *options.trainer_args,
+    ]  # fmt: skip
+    with Stack(workdir) as stack:
+        workdir.remember_run(run_id)
+        print(
+            f"[scaletrain] run {run_id}: ckptd {stack.ckptd_address}, telemetry "
+            f"{stack.telemetry_address}, logs in {workdir.logs}",
+            file=out,
+            flush=True,
+        )
+        code = stack.train(run_id, options.ranks, trainer_args, out)
+        if code != 0:
+            raise UserError(
+                f"training failed (exit code {code}); see {workdir.logs / 'trainer.log'}"
+            )
+        checkpoints = _wait_for_tiers(stack.ckptd_address, run_id, options.upload_wait_s)
+    return _summary(workdir, run_id, checkpoints, time.monotonic() - started)
+
+
+def _wait_for_tiers(
+    address: str, run_id: str, timeout_s: float
+) -> list[checkpoint_pb2.CheckpointInfo]:
+    """The run's checkpoints, once the newest is committed on every tier (or the time is up)."""
+    deadline = time.monotonic() + timeout_s
+    with CkptdClient(address) as client:
+        while True:
+            checkpoints = client.list(run_id)
+            newest = max(checkpoints, key=lambda c: c.ref.step, default=None)
+            if newest is None or len(committed_tiers(newest)) == len(TIER_NAMES):
+                return checkpoints
+            if time.monotonic() > deadline:
+                return checkpoints
+            time.sleep(0.5)
+
+
+def _summary(
+    workdir: Workdir, run_id: str, checkpoints: list[checkpoint_pb2.CheckpointInfo], wall: float
+) -> RunSummary:
+    engine = connect(workdir.db_url)
+    try:
+        stats = queries.run_summary(engine, run_id)
+    finally:
+        engine.dispose()
+    return RunSummary(
+        run_id=run_id,
+        workdir=str(workdir.root),
+        exit_code=0,
+        steps=stats.last_step or 0,
+        first_loss=_finite(stats.first_loss),
+        last_loss=_finite(stats.last_loss),
+        tokens_per_s=_finite(stats.tokens_per_s),
+        params_sha256=stats.params_sha256 or None,
+        wall_s=round(wall, 2),
+        checkpoints=[
+            {"step": c.ref.step, "bytes": c.total_bytes, "tiers": committed_tiers(c)}
+            for c in sorted(checkpoints, key=lambda c: c.ref.step)
+        ],
+        ui_command=f"scaletrain ui --workdir {workdir.root}",
+    )
+
+
+def _finite(value: float) -> float | None:
+    """None for a figure that is unknown (NaN), so the JSON summary stays valid JSON."""
+    return None if math.isnan(value) else value

@@ -1,0 +1,258 @@
+"""The embedded stack: SeaweedFS, ckptd and telemetry as child processes, and a training job.
+
+`scaletrain run` uses it to do on one machine what the Helm chart does on a cluster. Every child
+runs in its own process group with its output in `<workdir>/logs/`, so that stopping the stack,
+on success, on failure or on Ctrl-C, stops each child and everything it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from scaletrain.errors import UserError
+from scaletrain.rpc import wait_until_healthy
+from scaletrain.seaweed import SeaweedS3
+
+S3_BUCKET = "scaletrain"
+
+
+@dataclass(frozen=True)
+class Workdir:
+    """Where the embedded stack keeps its state; everything `scaletrain` reads offline is here."""
+
+    root: Path
+
+    @property
+    def ckptd(self) -> Path:
+        return self.root / "ckptd"
+
+    @property
+    def s3(self) -> Path:
+        return self.root / "s3"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def telemetry_db(self) -> Path:
+        return self.root / "telemetry.db"
+
+    @property
+    def db_url(self) -> str:
+        return f"sqlite:///{self.telemetry_db.resolve()}"
+
+    @property
+    def last_run_file(self) -> Path:
+        return self.root / "last_run.json"
+
+    def create(self) -> None:
+        for path in (self.root, self.ckptd, self.s3, self.logs):
+            path.mkdir(parents=True, exist_ok=True)
+
+    def last_run_id(self) -> str | None:
+        try:
+            return json.loads(self.last_run_file.read_text())["run_id"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def remember_run(self, run_id: str) -> None:
+        self.last_run_file.write_text(json.dumps({"run_id": run_id}) + "\n")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(text[-lines:])
+
+
+class Child:
+    """One child process in its own process group, its output appended to a log file."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        self.name, self.log = name, log
+        self._log_file: IO[bytes] = log.open("ab")
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+    def failed_message(self) -> str:
+        return f"{self.name} exited with code {self.proc.returncode}: {_tail(self.log)}"
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the whole group, then SIGKILL what is still there after `timeout_s`."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
+        # The leader may be gone while its children linger: kill the group regardless.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log_file.close()
+
+
+def _scaletrain_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "scaletrain", *args]
+
+
+class Stack:
+    """S3, telemetry and ckptd on free loopback ports; `close` stops them in reverse order."""
+
+    def __init__(self, workdir: Workdir, memory_budget_mb: int = 512) -> None:
+        self.workdir = workdir
+        self.memory_budget_mb = memory_budget_mb
+        self.children: list[Child] = []
+        self.s3: SeaweedS3 | None = None
+        self.ckptd_address = ""
+        self.telemetry_address = ""
+
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self.workdir.create()
+        self.s3 = SeaweedS3(self.workdir.s3)
+        self.s3.start()
+        base_env = dict(os.environ)
+        self.telemetry_address = f"127.0.0.1:{free_port()}"
+        self._start_service(
+            "telemetry",
+            _scaletrain_argv(
+                "telemetry", "--listen", self.telemetry_address, "--db", self.workdir.db_url
+            ),
+            self.telemetry_address,
+            base_env,
+        )
+        self.ckptd_address = f"127.0.0.1:{free_port()}"
+        ckptd_env = base_env | {
+            "AWS_ACCESS_KEY_ID": self.s3.access_key_id,
+            "AWS_SECRET_ACCESS_KEY": self.s3.secret_access_key,
+        }
+        self._start_service(
+            "ckptd",
+            _scaletrain_argv(
+                "ckptd",
+                "--listen",
+                self.ckptd_address,
+                "--data-dir",
+                str(self.workdir.ckptd),
+                "--memory-budget-mb",
+                str(self.memory_budget_mb),
+                "--s3-endpoint",
+                self.s3.endpoint_url,
+                "--s3-bucket",
+                S3_BUCKET,
+                "--telemetry",
+                self.telemetry_address,
+            ),
+            self.ckptd_address,
+            ckptd_env,
+        )
+
+    def _start_service(self, name: str, argv: list[str], address: str, env: dict) -> None:
+        child = Child(name, argv, self.workdir.logs / f"{name}.log", env)
+        self.children.append(child)
+        deadline = time.monotonic() + 60
+        while True:
+            if child.proc.poll() is not None:
+                raise UserError(f"could not start {child.failed_message()}")
+            try:
+                wait_until_healthy(address, timeout_s=1.0)
+                return
+            except UserError:
+                if time.monotonic() > deadline:
+                    raise UserError(
+                        f"{name} did not become healthy at {address} within 60 s; see {child.log}"
+                    ) from None
+
+    def train(self, run_id: str, nproc: int, trainer_args: list[str], out: IO[str]) -> int:
+        """Run the training job under torchrun; its output goes to `out` and to the log."""
+        argv = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--standalone", "--nproc-per-node", str(nproc),
+            "-m", "trainer",
+            "--run-id", run_id,
+            "--ckptd", self.ckptd_address,
+            "--telemetry", self.telemetry_address,
+            *trainer_args,
+        ]  # fmt: skip
+        env = dict(os.environ) | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        log_path = self.workdir.logs / "trainer.log"
+        with log_path.open("a") as log:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                text=True,
+                start_new_session=True,
+            )
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    log.write(line)
+                    out.write(line)
+                    out.flush()
+                return proc.wait()
+            finally:
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGTERM)
+                    try:
+                        proc.wait(15)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+
+    def close(self) -> None:
+        while self.children:
+            self.children.pop().stop()
+        if self.s3 is not None:
+            self.s3.stop()
+            self.s3 = None
+
+
+@contextlib.contextmanager
+def s3_for_reading(workdir: Workdir) -> Iterator[SeaweedS3]:
+    """Start the work directory's S3 server alone, to read what it stores (export, verify)."""
+    server = SeaweedS3(workdir.s3)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

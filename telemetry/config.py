@@ -1,0 +1,18 @@
+"""Configuration of the telemetry service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Where the service keeps its data and where it listens.
+
+    `db_url` is an SQLAlchemy URL: `sqlite:///path/telemetry.db` for one machine, or
+    `postgresql+psycopg://user@host/db` when several services or a UI elsewhere share it.
+    Port 0 in `listen` picks a free port; `RunningTelemetry.address` tells which one.
+    """
+
+    db_url: str
+    listen: str = "127.0.0.1:0"

@@ -1,0 +1,1 @@
+"""Alembic migrations of the telemetry schema; `telemetry.db.migrate` applies them."""

@@ -1,0 +1,192 @@
+"""The telemetry schema: runs, their ranks, per-rank step records and events.
+
+Migrations in `telemetry/migrations` create exactly this schema (a test compares them), so a change
+here needs a new Alembic revision. Times are timezone-aware UTC on both SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+RUN_STATUSES = ("running", "finished", "failed")
+
+# Deterministic constraint names, so that later migrations can name what they alter.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always timezone-aware UTC in Python.
+
+    SQLite has no time zones: values are stored there as naive UTC and get UTC attached on the way
+    back, so code comparing times never mixes naive and aware datetimes.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value.isoformat()}: pass a timezone-aware time")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class NanDouble(TypeDecorator[float]):
+    """A double that keeps NaN: stored as NULL, read back as NaN.
+
+    SQLite turns NaN into NULL anyway; doing the same on PostgreSQL makes aggregates (AVG, MAX)
+    skip NaN losses on both databases instead of returning NaN on one of them.
+    """
+
+    impl = Double()
+    cache_ok = True
+
+    def process_bind_param(self, value: float | None, dialect: Dialect) -> float | None:
+        return None if value is None or math.isnan(value) else value
+
+    def process_result_value(self, value: float | None, dialect: Dialect) -> float:
+        return math.nan if value is None else value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Run(Base):
+    """One training run; a resumed run keeps its id and registers again."""
+
+    __tablename__ = "runs"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ({})".format(", ".join(f"'{s}'" for s in RUN_STATUSES)), name="status"
+        ),
+    )
+
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    name: Mapped[str] = mapped_column(String(256), default="")
+    config_json: Mapped[str] = mapped_column(Text, default="")
+    world_size: Mapped[int] = mapped_column(Integer)
+    dp_replicate: Mapped[int] = mapped_column(Integer, default=1)
+    dp_shard: Mapped[int] = mapped_column(Integer, default=1)
+    tp: Mapped[int] = mapped_column(Integer, default=1)
+    pp: Mapped[int] = mapped_column(Integer, default=1)
+    cp: Mapped[int] = mapped_column(Integer, default=1)
+    ep: Mapped[int] = mapped_column(Integer, default=1)
+    model_params: Mapped[int] = mapped_column(BigInteger, default=0)
+    hardware: Mapped[str] = mapped_column(String(128), default="")
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class Rank(Base):
+    """Where one rank of a run lives (host, device), as the run registered it."""
+
+    __tablename__ = "ranks"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host: Mapped[str] = mapped_column(String(256), default="")
+    device: Mapped[str] = mapped_column(String(128), default="")
+
+
+class RankStep(Base):
+    """What one rank reported about one optimizer step of one attempt (restart generation).
+
+    (run_id, step, rank, attempt) identifies a record, which is what makes reports idempotent. It is
+    the primary key rather than a unique index beside a surrogate id: its index is the only one the
+    table needs (per-step lookups use its (run_id, step) prefix), which keeps bulk inserts cheap.
+    """
+
+    __tablename__ = "rank_steps"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    loss: Mapped[float] = mapped_column(NanDouble, nullable=True)
+    grad_norm: Mapped[float] = mapped_column(NanDouble, nullable=True)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    step_s: Mapped[float] = mapped_column(Double, default=0.0)
+    data_s: Mapped[float] = mapped_column(Double, default=0.0)
+    forward_s: Mapped[float] = mapped_column(Double, default=0.0)
+    backward_s: Mapped[float] = mapped_column(Double, default=0.0)
+    optimizer_s: Mapped[float] = mapped_column(Double, default=0.0)
+    comm_wait_s: Mapped[float] = mapped_column(Double, default=0.0)
+    checkpoint_s: Mapped[float] = mapped_column(Double, default=0.0)
+    memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    peak_memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    lr: Mapped[float] = mapped_column(Double, default=0.0)
+    time: Mapped[datetime] = mapped_column(UTCDateTime)
+    param_checksum: Mapped[str] = mapped_column(String(128), default="")
+    global_sample: Mapped[int] = mapped_column(BigInteger, default=0)
+    rank_sample: Mapped[int] = mapped_column(BigInteger, default=0)
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Event(Base):
+    """Something that happened to a run at a step: a checkpoint commit on a tier, a failure, ...
+
+    `kind` is the lower-case name of the proto EventKind ("checkpoint_committed"), readable in SQL
+    and stable when enum values are added. A reporter stamps `time` when the event happens, so a
+    retried report of the same event is recognised by the unique index and stored once.
+    """
+
+    __tablename__ = "events"
+    __table_args__ = (
+        UniqueConstraint("run_id", "kind", "step", "rank", "time"),
+        Index("ix_events_run_id_time", "run_id", "time"),
+    )
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    run_id: Mapped[str] = mapped_column(String(128), ForeignKey("runs.run_id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    # -1 when the event concerns the whole run.
+    rank: Mapped[int] = mapped_column(Integer, default=-1)
+    kind: Mapped[str] = mapped_column(String(32))
+    message: Mapped[str] = mapped_column(Text, default="")
+    time: Mapped[datetime] = mapped_column(UTCDateTime)
+    attributes: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # Checkpoint events only: the tier ("memory", "ssd", "s3"), bytes and seconds on it.
+    tier: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    seconds: Mapped[float | None] = mapped_column(Double, nullable=True)

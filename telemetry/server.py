@@ -1,0 +1,122 @@
+"""The telemetry gRPC service: unpacks requests and delegates to `TelemetryStore`.
+
+No rule lives here: validation, idempotence and resume points are the store's, so they are the same
+whether a rank reports over the network or a test calls the store directly.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import FrameType
+
+import grpc
+from sqlalchemy import Engine
+
+from scaletrain.rpc import add_health, bind, make_server, maps_errors
+from scaletrain.v1 import telemetry_pb2, telemetry_pb2_grpc
+from telemetry.config import TelemetryConfig
+from telemetry.db import connect, migrate
+from telemetry.store import TelemetryStore
+
+SERVICE_NAME = "scaletrain.v1.TelemetryService"
+
+
+class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
+    """TelemetryService over a store; store errors become gRPC status codes via maps_errors."""
+
+    def __init__(self, store: TelemetryStore) -> None:
+        self._store = store
+
+    @maps_errors
+    def RegisterRun(
+        self, request: telemetry_pb2.RegisterRunRequest, context: grpc.ServicerContext
+    ) -> telemetry_pb2.RegisterRunResponse:
+        return telemetry_pb2.RegisterRunResponse(created=self._store.register_run(request))
+
+    @maps_errors
+    def ReportSteps(
+        self, request_iterator: Iterator[telemetry_pb2.StepBatch], context: grpc.ServicerContext
+    ) -> telemetry_pb2.ReportStepsResponse:
+        # Each batch is stored as it arrives, in its own transaction: a long stream holds no lock,
+        # and a batch stored before a later one fails is simply a duplicate when resent.
+        accepted = duplicates = 0
+        for batch in request_iterator:
+            stored, repeated = self._store.add_steps(batch.records)
+            accepted += stored
+            duplicates += repeated
+        return telemetry_pb2.ReportStepsResponse(accepted=accepted, duplicates=duplicates)
+
+    @maps_errors
+    def ReportEvents(
+        self, request: telemetry_pb2.EventBatch, context: grpc.ServicerContext
+    ) -> telemetry_pb2.ReportEventsResponse:
+        return telemetry_pb2.ReportEventsResponse(accepted=self._store.add_events(request.events))
+
+    @maps_errors
+    def GetResumePoint(
+        self, request: telemetry_pb2.GetResumePointRequest, context: grpc.ServicerContext
+    ) -> telemetry_pb2.ResumePoint:
+        step = request.step if request.HasField("step") else None
+        return self._store.resume_point(request.run_id, step)
+
+
+@dataclass
+class RunningTelemetry:
+    """A started telemetry service; `stop` ends it and releases the database."""
+
+    server: grpc.Server
+    engine: Engine
+    address: str
+    port: int
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop accepting calls, let running ones finish for `grace` seconds, then close."""
+        self.server.stop(grace).wait()
+        self.engine.dispose()
+
+
+def start(config: TelemetryConfig) -> RunningTelemetry:
+    """Migrate the database to the current schema and start serving on `config.listen`.
+
+    Raises UserError (one line) when the database URL is bad or the address cannot be bound.
+    """
+    engine = connect(config.db_url)
+    try:
+        migrate(engine)
+        server = make_server()
+        telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(
+            TelemetryServicer(TelemetryStore(engine)), server
+        )
+        add_health(server, SERVICE_NAME)
+        port = bind(server, config.listen)
+    except BaseException:
+        engine.dispose()
+        raise
+    server.start()
+    host = config.listen.rpartition(":")[0]
+    return RunningTelemetry(server=server, engine=engine, address=f"{host}:{port}", port=port)
+
+
+def serve(config: TelemetryConfig) -> None:
+    """Run the service in the foreground until SIGTERM or SIGINT, then stop cleanly.
+
+    Prints one line, `telemetry listening on HOST:PORT`, once it accepts calls, so a parent
+    process (or a person) can learn the port that `listen` with port 0 picked.
+    """
+    running = start(config)
+    stopping = threading.Event()
+
+    def request_stop(_signum: int, _frame: FrameType | None) -> None:
+        stopping.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        print(f"telemetry listening on {running.address}", flush=True)
+        stopping.wait()
+    finally:
+        running.stop(grace=5.0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,425 @@
+"""The telemetry store: validates what ranks report and writes it to SQL; answers resume points.
+
+A plain class with no gRPC in it: the servicer in `telemetry.server` only unpacks requests and
+delegates here, so every rule is tested against SQLite and PostgreSQL without a network. Errors are
+`scaletrain.errors` classes with one-line messages, which the gRPC layer maps to status codes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from google.protobuf.message import Message
+from sqlalchemy import Engine, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
+from sqlalchemy.orm import Session
+
+from scaletrain.errors import InvalidArgument, NotFound, Unavailable
+from scaletrain.v1 import common_pb2, telemetry_pb2
+from telemetry.db import sessions
+from telemetry.models import Event, Rank, RankStep, Run
+
+# "EVENT_KIND_CHECKPOINT_COMMITTED" is stored as "checkpoint_committed"; "TIER_SSD" as "ssd".
+EVENT_KIND_NAMES: dict[int, str] = {
+    value: name.removeprefix("EVENT_KIND_").lower()
+    for name, value in telemetry_pb2.EventKind.items()
+    if value != telemetry_pb2.EVENT_KIND_UNSPECIFIED
+}
+TIER_NAMES: dict[int, str] = {
+    value: name.removeprefix("TIER_").lower()
+    for name, value in common_pb2.Tier.items()
+    if value != common_pb2.TIER_UNSPECIFIED
+}
+CHECKPOINT_COMMITTED = EVENT_KIND_NAMES[telemetry_pb2.EVENT_KIND_CHECKPOINT_COMMITTED]
+# Events that end a run, and the status they give it.
+_FINAL_STATUS = {
+    EVENT_KIND_NAMES[telemetry_pb2.EVENT_KIND_RUN_FINISHED]: "finished",
+    EVENT_KIND_NAMES[telemetry_pb2.EVENT_KIND_RUN_FAILED]: "failed",
+}
+_MAX_ID_CHARS = 128
+# Rows per INSERT statement: far below SQLite's and PostgreSQL's limits on bound parameters.
+_ROWS_PER_INSERT = 500
+_LAYOUT_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+
+
+class TelemetryStore:
+    """Runs, per-rank step records and events in one SQL database (made by `telemetry.db`).
+
+    Safe to share between threads: every call opens its own short transaction.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._sessions = sessions(engine)
+
+    def register_run(self, request: telemetry_pb2.RegisterRunRequest) -> bool:
+        """Create the run, or describe an existing one anew (a resumed run registers again).
+
+        Returns True when the run is new. Registering again sets the run running, replaces its
+        description (a resumed run may have a new world size or layout), keeps its start time and
+        adds or updates the ranks it lists. Race-free when several ranks register at once.
+        """
+        run_id = _check_id(request.run_id, "run_id")
+        if request.world_size < 1:
+            raise InvalidArgument(f"world_size must be at least 1, got {request.world_size}")
+        layout = _layout(request)
+        if request.model_params < 0:
+            raise InvalidArgument(f"model_params must not be negative, got {request.model_params}")
+        _check_length(request.name, "name", 256)
+        _check_length(request.hardware, "hardware", 128)
+        ranks = _rank_rows(run_id, request)
+        description: dict[str, Any] = {
+            "name": request.name,
+            "config_json": request.config_json,
+            "world_size": request.world_size,
+            **layout,
+            "model_params": request.model_params,
+            "hardware": request.hardware,
+            "status": "running",
+            "finished_at": None,
+        }
+        started_at = _time(request, "started_at")
+        with self._transaction() as session:
+            created = (
+                session.execute(
+                    _insert(session, Run)
+                    .values(run_id=run_id, started_at=started_at, **description)
+                    .on_conflict_do_nothing(index_elements=["run_id"])
+                    .returning(Run.run_id)
+                ).first()
+                is not None
+            )
+            if not created:
+                session.execute(update(Run).where(Run.run_id == run_id).values(**description))
+            if ranks:
+                insert_ranks = _insert(session, Rank).values(ranks)
+                session.execute(
+                    insert_ranks.on_conflict_do_update(
+                        index_elements=["run_id", "rank"],
+                        set_={
+                            "host": insert_ranks.excluded.host,
+                            "device": insert_ranks.excluded.device,
+                        },
+                    )
+                )
+        return created
+
+    def add_steps(self, records: Sequence[telemetry_pb2.RankStep]) -> tuple[int, int]:
+        """Store step records; return (accepted, duplicates).
+
+        A record whose (run, step, rank, attempt) is stored already counts as a duplicate and
+        changes nothing, so a client may resend a batch it is unsure about. One bad record rejects
+        the whole batch (InvalidArgument naming it); an unregistered run gives NotFound.
+        """
+        if not records:
+            return 0, 0
+        rows = [_step_row(index, record) for index, record in enumerate(records)]
+        accepted = 0
+        with self._transaction() as session:
+            world_sizes = self._world_sizes(session, {row["run_id"] for row in rows})
+            for index, row in enumerate(rows):
+                if row["rank"] >= world_sizes[row["run_id"]]:
+                    raise InvalidArgument(
+                        f"record {index}: rank {row['rank']} is outside run {row['run_id']!r} "
+                        f"of world size {world_sizes[row['run_id']]}"
+                    )
+            for start in range(0, len(rows), _ROWS_PER_INSERT):
+                chunk = rows[start : start + _ROWS_PER_INSERT]
+                inserted = session.execute(
+                    _insert(session, RankStep)
+                    .values(chunk)
+                    .on_conflict_do_nothing()
+                    .returning(RankStep.rank)
+                )
+                accepted += len(inserted.all())
+        return accepted, len(rows) - accepted
+
+    def add_events(self, events: Sequence[telemetry_pb2.Event]) -> int:
+        """Store events; return how many were new.
+
+        An event with the same run, kind, step, rank and time as a stored one is a resent copy and
+        is skipped. A new run_finished or run_failed event sets the run's status.
+        """
+        if not events:
+            return 0
+        rows = [_event_row(index, event) for index, event in enumerate(events)]
+        inserted: list[Any] = []
+        with self._transaction() as session:
+            world_sizes = self._world_sizes(session, {row["run_id"] for row in rows})
+            for index, row in enumerate(rows):
+                if row["rank"] >= world_sizes[row["run_id"]]:
+                    raise InvalidArgument(
+                        f"event {index}: rank {row['rank']} is outside run {row['run_id']!r} "
+                        f"of world size {world_sizes[row['run_id']]}"
+                    )
+            for start in range(0, len(rows), _ROWS_PER_INSERT):
+                statement = (
+                    _insert(session, Event)
+                    .values(rows[start : start + _ROWS_PER_INSERT])
+                    .on_conflict_do_nothing()
+                    .returning(Event.run_id, Event.kind, Event.time)
+                )
+                inserted.extend(session.execute(statement))
+            for run_id, kind, time in sorted(inserted, key=lambda row: row.time):
+                if kind in _FINAL_STATUS:
+                    session.execute(
+                        update(Run)
+                        .where(Run.run_id == run_id)
+                        .values(status=_FINAL_STATUS[kind], finished_at=time)
+                    )
+        return len(inserted)
+
+    def resume_point(self, run_id: str, step: int | None = None) -> telemetry_pb2.ResumePoint:
+        """Where to resume `run_id`: `step`, or the latest step committed on some tier.
+
+        The offsets are the data-loader positions each rank reported with its record of that
+        step (its latest attempt), sorted by rank; a rank whose record never arrived is missing
+        from them, which the trainer must notice. found is False when the run has no committed step.
+        """
+        run_id = _check_id(run_id, "run_id")
+        if step is not None and step < 0:
+            raise InvalidArgument(f"step must not be negative, got {step}")
+        with self._transaction() as session:
+            self._world_sizes(session, {run_id})
+            if step is None:
+                step = session.scalar(
+                    select(func.max(Event.step)).where(
+                        Event.run_id == run_id, Event.kind == CHECKPOINT_COMMITTED
+                    )
+                )
+                if step is None:
+                    return telemetry_pb2.ResumePoint(found=False)
+            rows = session.execute(
+                select(RankStep.rank, RankStep.global_sample, RankStep.rank_sample, RankStep.epoch)
+                .where(RankStep.run_id == run_id, RankStep.step == step)
+                .order_by(RankStep.rank, RankStep.attempt)
+            ).all()
+        # Ordered by attempt, so the latest attempt of each rank is the one that stays.
+        latest = {row.rank: row for row in rows}
+        return telemetry_pb2.ResumePoint(
+            found=True,
+            step=step,
+            offsets=[
+                telemetry_pb2.RankOffset(
+                    rank=rank,
+                    offset=telemetry_pb2.DataLoaderOffset(
+                        global_sample=row.global_sample,
+                        rank_sample=row.rank_sample,
+                        epoch=row.epoch,
+                    ),
+                )
+                for rank, row in sorted(latest.items())
+            ],
+        )
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Session]:
+        """One transaction, with database errors turned into what a client should do about them.
+
+        A database that cannot be reached or is locked is Unavailable: retry later. Data the
+        database refuses (PostgreSQL rejects NUL characters in text, say) is InvalidArgument: a
+        client that retried it forever would block every record queued behind it.
+        """
+        try:
+            with self._sessions.begin() as session:
+                yield session
+        except OperationalError as exc:
+            raise Unavailable(f"telemetry database unavailable: {_reason(exc)}") from exc
+        except DataError as exc:
+            raise InvalidArgument(f"the database refused the data: {_reason(exc)}") from exc
+
+    @staticmethod
+    def _world_sizes(session: Session, run_ids: set[str]) -> dict[str, int]:
+        """World size of each run; NotFound names the first run that was never registered."""
+        found = dict(
+            session.execute(select(Run.run_id, Run.world_size).where(Run.run_id.in_(run_ids))).all()
+        )
+        missing = sorted(run_ids - found.keys())
+        if missing:
+            raise NotFound(f"run {missing[0]!r} is not registered: call RegisterRun first")
+        return found
+
+
+def _insert(session: Session, model: type[Any]) -> Any:
+    """The dialect's INSERT, which has ON CONFLICT on both SQLite and PostgreSQL.
+
+    Callers count inserted rows with RETURNING: psycopg reports no rowcount for these statements.
+    """
+    dialect = session.get_bind().dialect.name
+    return postgresql.insert(model) if dialect == "postgresql" else sqlite.insert(model)
+
+
+def _reason(exc: DBAPIError) -> str:
+    """The first line of the driver's message: the rest repeats the SQL and its parameters."""
+    lines = str(exc.orig or exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _check_id(value: str, what: str) -> str:
+    if not value:
+        raise InvalidArgument(f"{what} is empty")
+    _check_length(value, what, _MAX_ID_CHARS)
+    return value
+
+
+def _check_length(value: str, what: str, limit: int) -> None:
+    if len(value) > limit:
+        raise InvalidArgument(f"{what} has {len(value)} characters, at most {limit} are allowed")
+
+
+def _time(message: Message, field: str) -> datetime:
+    """The Timestamp `field` of `message` as aware UTC; unset means now (nobody stamped it)."""
+    if not message.HasField(field):
+        return datetime.now(UTC)
+    timestamp = getattr(message, field)
+    try:
+        return timestamp.ToDatetime(tzinfo=UTC)
+    except (ValueError, OverflowError):
+        raise InvalidArgument(
+            f"{field} is not a valid time ({timestamp.seconds} s, {timestamp.nanos} ns)"
+        ) from None
+
+
+def _layout(request: telemetry_pb2.RegisterRunRequest) -> dict[str, int]:
+    """The parallel layout with unset (0) sizes as 1, checked against the world size."""
+    layout = {field: getattr(request.layout, field) or 1 for field in _LAYOUT_FIELDS}
+    negative = [field for field, size in layout.items() if size < 0]
+    if negative:
+        raise InvalidArgument(f"layout {negative[0]} must not be negative")
+    if request.HasField("layout"):
+        ranks = math.prod(layout[f] for f in ("dp_replicate", "dp_shard", "tp", "pp", "cp"))
+        if ranks != request.world_size:
+            raise InvalidArgument(
+                f"layout dp_replicate*dp_shard*tp*pp*cp = {ranks} "
+                f"but world_size is {request.world_size}"
+            )
+        if (layout["dp_shard"] * layout["cp"]) % layout["ep"]:
+            raise InvalidArgument(
+                f"layout ep={layout['ep']} does not divide dp_shard*cp = "
+                f"{layout['dp_shard'] * layout['cp']}"
+            )
+    return layout
+
+
+def _rank_rows(run_id: str, request: telemetry_pb2.RegisterRunRequest) -> list[dict[str, Any]]:
+    rows: dict[int, dict[str, Any]] = {}
+    for info in request.ranks:
+        if not 0 <= info.rank < request.world_size:
+            raise InvalidArgument(f"rank {info.rank} is outside world size {request.world_size}")
+        if info.rank in rows:
+            raise InvalidArgument(f"rank {info.rank} is listed twice")
+        _check_length(info.host, "host", 256)
+        _check_length(info.device, "device", 128)
+        rows[info.rank] = {
+            "run_id": run_id,
+            "rank": info.rank,
+            "host": info.host,
+            "device": info.device,
+        }
+    return list(rows.values())
+
+
+def _step_row(index: int, record: telemetry_pb2.RankStep) -> dict[str, Any]:
+    """The row of one step record, or InvalidArgument naming the record and the field."""
+
+    def bad(problem: str) -> InvalidArgument:
+        return InvalidArgument(
+            f"record {index} (step {record.step}, rank {record.rank}): {problem}"
+        )
+
+    if not record.run_id:
+        raise bad("run_id is empty")
+    for field in ("step", "rank", "attempt", "tokens", "memory_bytes", "peak_memory_bytes"):
+        if getattr(record, field) < 0:
+            raise bad(f"{field} must not be negative, got {getattr(record, field)}")
+    offset = record.data_offset
+    for field in ("global_sample", "rank_sample", "epoch"):
+        if getattr(offset, field) < 0:
+            raise bad(f"data_offset.{field} must not be negative, got {getattr(offset, field)}")
+    times = {
+        f"{phase}_s": getattr(record.times, phase)
+        for phase in ("step", "data", "forward", "backward", "optimizer", "comm_wait", "checkpoint")
+    }
+    for column, seconds in times.items():
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise bad(f"times.{column.removesuffix('_s')} must be finite and >= 0, got {seconds}")
+    if not (math.isfinite(record.lr) and record.lr >= 0):
+        raise bad(f"lr must be finite and >= 0, got {record.lr}")
+    # A NaN or infinite loss or gradient norm is a real observation (divergence, overflow, SDC).
+    if record.grad_norm < 0:
+        raise bad(f"grad_norm must not be negative, got {record.grad_norm}")
+    if len(record.param_checksum) > 128:
+        raise bad("param_checksum is longer than 128 characters")
+    try:
+        time = _time(record, "time")
+    except InvalidArgument as exc:
+        raise bad(str(exc)) from None
+    return {
+        "run_id": record.run_id,
+        "step": record.step,
+        "rank": record.rank,
+        "attempt": record.attempt,
+        "loss": record.loss,
+        "grad_norm": record.grad_norm,
+        "tokens": record.tokens,
+        **times,
+        "memory_bytes": record.memory_bytes,
+        "peak_memory_bytes": record.peak_memory_bytes,
+        "lr": record.lr,
+        "time": time,
+        "param_checksum": record.param_checksum,
+        "global_sample": offset.global_sample,
+        "rank_sample": offset.rank_sample,
+        "epoch": offset.epoch,
+    }
+
+
+def _event_row(index: int, event: telemetry_pb2.Event) -> dict[str, Any]:
+    """The row of one event, or InvalidArgument naming the event and the field."""
+
+    def bad(problem: str) -> InvalidArgument:
+        return InvalidArgument(f"event {index} (step {event.step}): {problem}")
+
+    if not event.run_id:
+        raise bad("run_id is empty")
+    if event.step < 0:
+        raise bad(f"step must not be negative, got {event.step}")
+    if event.rank < -1:
+        raise bad(f"rank must be -1 (the whole run) or a rank, got {event.rank}")
+    kind = EVENT_KIND_NAMES.get(event.kind)
+    if kind is None:
+        raise bad(f"kind {event.kind} is not a known EventKind")
+    tier: str | None = None
+    size: int | None = None
+    seconds: float | None = None
+    if event.HasField("checkpoint"):
+        checkpoint = event.checkpoint
+        if checkpoint.tier != common_pb2.TIER_UNSPECIFIED:
+            tier = TIER_NAMES.get(checkpoint.tier)
+            if tier is None:
+                raise bad(f"checkpoint.tier {checkpoint.tier} is not a known Tier")
+        if checkpoint.bytes < 0:
+            raise bad(f"checkpoint.bytes must not be negative, got {checkpoint.bytes}")
+        if not (math.isfinite(checkpoint.seconds) and checkpoint.seconds >= 0):
+            raise bad(f"checkpoint.seconds must be finite and >= 0, got {checkpoint.seconds}")
+        size, seconds = checkpoint.bytes, checkpoint.seconds
+    try:
+        time = _time(event, "time")
+    except InvalidArgument as exc:
+        raise bad(str(exc)) from None
+    return {
+        "run_id": event.run_id,
+        "step": event.step,
+        "rank": event.rank,
+        "kind": kind,
+        "message": event.message,
+        "time": time,
+        "attributes": dict(event.attributes),
+        "tier": tier,
+        "bytes": size,
+        "seconds": seconds,
+    }

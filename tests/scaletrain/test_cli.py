@@ -1,0 +1,80 @@
+"""Bad input on the command line gets one line naming the problem and a non-zero exit."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def scaletrain(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "scaletrain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_an_unknown_command_is_one_line():
+    assert_one_line_error(scaletrain("fly"), "invalid choice", "fly")
+
+
+def test_a_non_numeric_option_is_one_line():
+    assert_one_line_error(scaletrain("run", "--steps", "many"), "--steps", "many")
+
+
+def test_zero_ranks_is_refused_before_anything_starts(tmp_path: Path):
+    result = scaletrain("run", "--ranks", "0", "--workdir", str(tmp_path / "w"))
+    assert_one_line_error(result, "--ranks must be at least 1")
+    assert not (tmp_path / "w" / "logs").exists()
+
+
+def test_resume_without_an_earlier_run_says_so(tmp_path: Path):
+    result = scaletrain("run", "--resume", "--workdir", str(tmp_path))
+    assert_one_line_error(result, "no earlier run")
+
+
+def test_a_taken_port_is_reported_as_such(tmp_path: Path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = scaletrain(
+            "telemetry", "--listen", f"127.0.0.1:{port}", "--db", f"sqlite:///{tmp_path}/t.db"
+        )
+    assert_one_line_error(result, f"127.0.0.1:{port}", "in use")
+
+
+def test_the_ui_without_a_database_says_to_run_first(tmp_path: Path):
+    assert_one_line_error(scaletrain("ui", "--workdir", str(tmp_path)), "scaletrain run")
+
+
+def test_listing_an_empty_workdir_lists_nothing(tmp_path: Path):
+    result = scaletrain("ckpt", "ls", "--workdir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "no checkpoints"
+
+
+def test_exporting_an_unknown_checkpoint_is_one_line(tmp_path: Path):
+    result = scaletrain(
+        "ckpt", "export", "--workdir", str(tmp_path), "nope", "3", str(tmp_path / "x")
+    )
+    assert_one_line_error(result, "nope")
+
+
+@pytest.mark.parametrize("argv", [["ckptd", "--data-dir"], ["ckpt", "export", "run"]])
+def test_missing_arguments_are_one_line(argv: list[str]):
+    assert_one_line_error(scaletrain(*argv), "error")

@@ -1,0 +1,70 @@
+"""The model and the parallel degrees validate their shapes before any work starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.checkpoint.digest import state_sha256
+from trainer.config import TrainConfig
+from trainer.model.llama import ModelArgs, Transformer
+from trainer.parallel.dims import ParallelDims
+
+
+def test_the_model_predicts_one_distribution_per_position():
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2))
+    model.init_weights(0)
+    logits = model(torch.randint(0, 256, (2, 10)))
+    assert logits.shape == (2, 10, 256)
+
+
+def test_the_same_seed_gives_the_same_weights_and_another_seed_does_not():
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
+    a, b, c = Transformer(args), Transformer(args), Transformer(args)
+    a.init_weights(1), b.init_weights(1), c.init_weights(2)
+    assert state_sha256(a.state_dict()) == state_sha256(b.state_dict())
+    assert state_sha256(a.state_dict()) != state_sha256(c.state_dict())
+
+
+def test_the_model_is_causal():
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2))
+    model.init_weights(0)
+    tokens = torch.randint(0, 256, (1, 12))
+    changed = tokens.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % 256
+    assert torch.equal(model(tokens)[0, :-1], model(changed)[0, :-1])
+
+
+def test_rope_buffers_are_not_part_of_the_checkpoint():
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2))
+    assert not any("rope" in name for name in model.state_dict())
+
+
+def test_heads_that_do_not_divide_the_hidden_size_are_refused():
+    with pytest.raises(ValueError, match="dim 100 is not divisible by n_heads 3"):
+        ModelArgs(dim=100, n_heads=3, n_kv_heads=1)
+
+
+def test_data_parallel_degrees_fill_the_world():
+    assert ParallelDims(4).dp_shard == 4
+    hsdp = ParallelDims(8, dp_replicate=2)
+    assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.dp_size) == (2, 4, 8)
+
+
+def test_degrees_that_do_not_multiply_to_the_world_name_the_valid_ones():
+    with pytest.raises(ValueError, match=r"dp_replicate 2 x dp_shard 3 must equal .* 4.*\(2, 2\)"):
+        ParallelDims(4, dp_replicate=2, dp_shard=3)
+    with pytest.raises(
+        ValueError, match=r"dp_replicate 3 does not divide world size 4.*\[1, 2, 4\]"
+    ):
+        ParallelDims(4, dp_replicate=3)
+
+
+def test_a_sequence_longer_than_the_model_allows_is_refused():
+    with pytest.raises(ValueError, match="--seq-len must be between 1 and 1024"):
+        TrainConfig(run_id="r", seq_len=4096)
+
+
+def test_a_run_id_that_could_escape_the_store_is_refused():
+    with pytest.raises(ValueError, match="--run-id"):
+        TrainConfig(run_id="../etc")

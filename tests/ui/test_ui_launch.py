@@ -1,0 +1,107 @@
+"""Launching the dashboard as a real Streamlit server process."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ui import launch
+from ui.launch import APP_PATH, run_ui, ui_command
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_command_runs_streamlit_headless_with_the_database_after_a_dash() -> None:
+    command = ui_command("sqlite:///runs/t.db", host="0.0.0.0", port=9000)
+    assert command[:5] == [sys.executable, "-m", "streamlit", "run", str(APP_PATH)]
+    options = command[5 : command.index("--")]
+    assert dict(zip(options[::2], options[1::2], strict=True)) == {
+        "--server.headless": "true",
+        "--server.address": "0.0.0.0",
+        "--server.port": "9000",
+        "--browser.gatherUsageStats": "false",
+    }
+    assert command[command.index("--") :] == ["--", "--db", "sqlite:///runs/t.db"]
+
+
+def test_run_ui_serves_the_dashboard_until_streamlit_exits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    started: list[subprocess.Popen[Any]] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", recording_popen)
+    port = free_port()
+    result: list[int] = []
+    runner = threading.Thread(
+        target=lambda: result.append(run_ui(f"sqlite:///{tmp_path / 't.db'}", port=port))
+    )
+    runner.start()
+    try:
+        deadline = time.monotonic() + 45
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health") as reply:
+                    assert reply.read() == b"ok"
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "streamlit did not come up"
+                assert runner.is_alive(), "streamlit exited early"
+                time.sleep(0.2)
+    finally:
+        while not started:
+            time.sleep(0.05)
+        started[0].terminate()
+        runner.join(timeout=20)
+    assert not runner.is_alive()
+    assert len(result) == 1
+
+
+class _InterruptedProcess:
+    """A child whose first wait is interrupted by Ctrl-C, as a terminal would do."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.command = command
+        self.terminated = False
+        self._waits = 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._waits += 1
+        if self._waits == 1:
+            raise KeyboardInterrupt
+        return -15
+
+    def terminate(self) -> None:
+        self.terminated = True
+
+    def kill(self) -> None:
+        raise AssertionError("a child that stops in time is not killed")
+
+
+def test_ctrl_c_stops_streamlit_and_reaches_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    children: list[_InterruptedProcess] = []
+
+    def start_child(command: list[str]) -> _InterruptedProcess:
+        children.append(_InterruptedProcess(command))
+        return children[-1]
+
+    monkeypatch.setattr(launch.subprocess, "Popen", start_child)
+    with pytest.raises(KeyboardInterrupt):
+        run_ui("sqlite:///t.db")
+    assert children[0].terminated

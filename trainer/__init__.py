@@ -1,0 +1,1 @@
+"""The embedded trainer: `torchrun --nproc-per-node N -m trainer --run-id ID ...`."""

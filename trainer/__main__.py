@@ -1,0 +1,38 @@
+"""torchrun entry point: parse the command line, train, and turn errors into one line."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from scaletrain.errors import ScaletrainError, UserError
+from trainer.config import from_args, parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    try:
+        cfg = from_args(args)
+    except ValueError as exc:
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return 2
+    if "RANK" not in os.environ:
+        print(
+            "trainer: error: run me under torchrun, e.g. "
+            "`torchrun --standalone --nproc-per-node 4 -m trainer --run-id r1`",
+            file=sys.stderr,
+        )
+        return 2
+    from trainer.train import train
+
+    try:
+        train(cfg)
+    except (UserError, ScaletrainError, ValueError) as exc:
+        print(f"trainer: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Saving and restoring the whole training state through DCP and ckptd."""

@@ -1,0 +1,1 @@
+"""Training data that needs no download, read through a deterministic, resumable loader."""

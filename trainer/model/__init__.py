@@ -1,0 +1,1 @@
+"""The Llama-style decoder scaletrain trains."""

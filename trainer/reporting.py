@@ -1,0 +1,160 @@
+"""What the trainer tells telemetry: the run, one record per rank and step, and its events.
+
+Every call returns at once: the telemetry client queues records and sends them in the background,
+so a slow or restarting telemetry service never stalls a training step. Without a telemetry
+address the reporter does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from google.protobuf.timestamp_pb2 import Timestamp
+from telemetry.client import TelemetryClient
+
+from scaletrain.v1 import checkpoint_pb2, common_pb2, telemetry_pb2
+from trainer.data.loader import LoaderOffset
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
+    from trainer.train import Phases
+
+
+def _now() -> Timestamp:
+    stamp = Timestamp()
+    stamp.GetCurrentTime()
+    return stamp
+
+
+class Reporter:
+    def __init__(self, address: str | None, run_id: str, rank: int) -> None:
+        self.run_id, self.rank = run_id, rank
+        self.client = TelemetryClient(address) if address else None
+
+    def register_run(
+        self,
+        cfg: TrainConfig,
+        world: int,
+        layout: dict[str, int],
+        n_params: int,
+        hardware: str,
+        corpus_sha256: str,
+    ) -> None:
+        if self.client is None:
+            return
+        config = cfg.to_json_dict() | {"corpus_sha256": corpus_sha256}
+        self.client.register_run(
+            telemetry_pb2.RegisterRunRequest(
+                run_id=self.run_id,
+                name=self.run_id,
+                config_json=json.dumps(config, sort_keys=True),
+                world_size=world,
+                layout=common_pb2.ParallelLayout(**layout),
+                model_params=n_params,
+                hardware=hardware,
+                started_at=_now(),
+            )
+        )
+        self._event(
+            telemetry_pb2.EVENT_KIND_RUN_STARTED,
+            0,
+            "run started" if not cfg.resume else "run resumed",
+        )
+
+    def step(
+        self,
+        *,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        tokens: int,
+        phases: Phases,
+        step_seconds: float,
+        lr: float,
+        offset: LoaderOffset,
+        device: torch.device,
+    ) -> None:
+        if self.client is None:
+            return
+        memory = peak = 0
+        if device.type == "cuda":
+            memory = torch.cuda.memory_allocated(device)
+            peak = torch.cuda.max_memory_allocated(device)
+        self.client.report_step(
+            telemetry_pb2.RankStep(
+                run_id=self.run_id,
+                step=step,
+                rank=self.rank,
+                loss=loss,
+                grad_norm=grad_norm,
+                tokens=tokens,
+                times=telemetry_pb2.PhaseTimes(step=step_seconds, **vars(phases)),
+                memory_bytes=memory,
+                peak_memory_bytes=peak,
+                data_offset=telemetry_pb2.DataLoaderOffset(
+                    global_sample=offset.global_sample,
+                    rank_sample=offset.rank_sample,
+                    epoch=offset.epoch,
+                ),
+                lr=lr,
+                time=_now(),
+            )
+        )
+
+    def checkpoint_saved(
+        self, step: int, seconds: float, info: checkpoint_pb2.CheckpointInfo | None
+    ) -> None:
+        """The save blocked training for `seconds`; ckptd reports each tier's commit itself."""
+        total = info.total_bytes if info is not None else 0
+        self._event(
+            telemetry_pb2.EVENT_KIND_CHECKPOINT_STAGED,
+            step,
+            f"checkpoint of step {step} saved in {seconds:.2f}s",
+            checkpoint=telemetry_pb2.CheckpointEvent(bytes=total, seconds=seconds),
+        )
+
+    def run_finished(self, step: int, loss: float, params_sha256: str, seconds: float) -> None:
+        self._event(
+            telemetry_pb2.EVENT_KIND_RUN_FINISHED,
+            step,
+            f"finished at step {step} with loss {loss:.4f}",
+            attributes={
+                "final_loss": "nan" if math.isnan(loss) else repr(loss),
+                "params_sha256": params_sha256,
+                "train_seconds": f"{seconds:.3f}",
+            },
+        )
+
+    def resume_offsets(self, step: int) -> dict[int, LoaderOffset] | None:
+        """Per-rank loader offsets telemetry recorded at `step`; None without telemetry."""
+        if self.client is None:
+            return None
+        point = self.client.resume_point(self.run_id, step)
+        return {
+            item.rank: LoaderOffset(
+                item.offset.global_sample, item.offset.rank_sample, item.offset.epoch
+            )
+            for item in point.offsets
+        }
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+    def _event(self, kind: int, step: int, message: str, **fields: object) -> None:
+        if self.client is None:
+            return
+        self.client.report_event(
+            telemetry_pb2.Event(
+                run_id=self.run_id,
+                step=step,
+                rank=-1,
+                kind=kind,
+                message=message,
+                time=_now(),
+                **fields,
+            )
+        )

@@ -1,0 +1,231 @@
+"""The training loop, readable top to bottom.
+
+One process per rank (torchrun). Gloo on CPU, NCCL on CUDA, the same code otherwise. Each step:
+read this rank's slice of the global batch, forward, backward, clip, optimizer step, report the
+step's record to telemetry; every `ckpt_every` steps save the whole state to ckptd through DCP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from scaletrain.errors import UserError
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.digest import state_sha256
+from trainer.config import TrainConfig
+from trainer.data.corpus import stdlib_corpus
+from trainer.data.loader import DeterministicLoader
+from trainer.model.llama import Transformer
+from trainer.parallel.dims import ParallelDims
+from trainer.parallel.fsdp import apply_fsdp
+from trainer.reporting import Reporter
+
+
+@dataclass
+class Phases:
+    """Seconds spent in each phase of the current step."""
+
+    data: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+    optimizer: float = 0.0
+    comm_wait: float = 0.0
+    checkpoint: float = 0.0
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the process group torchrun set up; NCCL with one GPU per rank, else gloo on CPU."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def train(cfg: TrainConfig) -> None:
+    rank, world, device = init_distributed()
+    torch.use_deterministic_algorithms(True)
+    dims = ParallelDims(world, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard)
+    mesh = dims.build_mesh(device.type)
+
+    # The model starts identical on every rank (same seed), then FSDP2 shards it.
+    model = Transformer(cfg.model)
+    model.init_weights(cfg.seed)
+    model.to(device)
+    n_params = model.num_params()
+    apply_fsdp(model, mesh)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
+
+    corpus = stdlib_corpus(cfg.corpus_bytes)
+    loader = DeterministicLoader(
+        corpus, cfg.seq_len, cfg.global_batch, dp_rank=rank, dp_size=dims.dp_size, seed=cfg.seed
+    )
+    reporter = Reporter(cfg.telemetry, cfg.run_id, rank)
+    if rank == 0:
+        reporter.register_run(cfg, world, dims.layout(), n_params, _hardware(device), corpus.sha256)
+    checkpointer = (
+        Checkpointer(cfg.ckptd, cfg.run_id, model, optimizer, scheduler, loader)
+        if cfg.ckptd
+        else None
+    )
+
+    start_step = 0
+    if cfg.resume:
+        start_step = resume(cfg, checkpointer, reporter, loader, rank)
+
+    if rank == 0:
+        print(
+            f"[trainer] run {cfg.run_id}: {world} ranks, {n_params:,} parameters, "
+            f"steps {start_step + 1}..{cfg.steps}",
+            flush=True,
+        )
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    local_tokens = tokens_per_step // dims.dp_size
+    loss_sum = torch.zeros((), device=device)
+    global_loss = float("nan")
+    run_start = time.perf_counter()
+    for step in range(start_step + 1, cfg.steps + 1):
+        phases = Phases()
+        t = time.perf_counter()
+        inputs, targets = (x.to(device) for x in loader.next_batch())
+        phases.data, t = _lap(t)
+
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        phases.forward, t = _lap(t)
+        loss.backward()
+        phases.backward, t = _lap(t)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        phases.optimizer, t = _lap(t)
+
+        # The mean loss over ranks is what the run reports; its all-reduce is our comm wait.
+        loss_sum.copy_(loss.detach())
+        dist.all_reduce(loss_sum)
+        global_loss = loss_sum.item() / world
+        phases.comm_wait, t = _lap(t)
+
+        saved = None
+        if checkpointer and cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+            saved = checkpointer.save(step, labels={"layout": json.dumps(dims.layout())})
+            phases.checkpoint, t = _lap(t)
+
+        step_seconds = sum(vars(phases).values())
+        reporter.step(
+            step=step,
+            loss=loss.item(),
+            grad_norm=float(_full(grad_norm)),
+            tokens=local_tokens,
+            phases=phases,
+            step_seconds=step_seconds,
+            lr=lr,
+            offset=loader.offset(),
+            device=device,
+        )
+        if saved is not None and rank == 0:
+            reporter.checkpoint_saved(step, saved.seconds, saved.info)
+        if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps or saved):
+            elapsed = time.perf_counter() - run_start
+            done = step - start_step
+            note = f" | checkpoint {saved.seconds:.2f}s" if saved else ""
+            print(
+                f"[trainer] step {step} loss {global_loss:.4f} "
+                f"tok/s {done * tokens_per_step / elapsed:,.0f}{note}",
+                flush=True,
+            )
+
+    digest = state_sha256(full_model_state(model))
+    if rank == 0:
+        elapsed = time.perf_counter() - run_start
+        reporter.run_finished(cfg.steps, global_loss, digest, elapsed)
+        print(
+            f"[trainer] done: final loss {global_loss:.4f}, params sha256 {digest[:16]}", flush=True
+        )
+    reporter.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def resume(
+    cfg: TrainConfig,
+    checkpointer: Checkpointer | None,
+    reporter: Reporter,
+    loader: DeterministicLoader,
+    rank: int,
+) -> int:
+    """Restore the latest committed checkpoint; refuse if telemetry disagrees with it."""
+    if checkpointer is None:
+        raise UserError("--resume needs --ckptd: there is no checkpoint store to resume from")
+    from ckptd.client import CkptdClient
+
+    with CkptdClient(cfg.ckptd) as client:
+        latest = client.get(cfg.run_id)
+    step = int(latest.ref.step)
+    train_state = checkpointer.load(step)
+    expected = loader.offset()
+    recorded = reporter.resume_offsets(step)
+    if recorded is not None and recorded.get(rank) != expected:
+        raise UserError(
+            f"refusing to resume run {cfg.run_id} at step {step}: rank {rank}'s data-loader "
+            f"offset in the checkpoint is {expected}, telemetry recorded {recorded.get(rank)}"
+        )
+    if rank == 0:
+        print(
+            f"[trainer] resumed run {cfg.run_id} from step {train_state['step']} "
+            f"(global sample {expected.global_sample})",
+            flush=True,
+        )
+    return int(train_state["step"])
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered in full on every rank (for the final digest)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def _lap(start: float) -> tuple[float, float]:
+    now = time.perf_counter()
+    return now - start, now
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (clip_grad_norm_ returns one under FSDP2), or the tensor itself."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({socket.gethostname()})"
