@@ -24,8 +24,8 @@ test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check --no-cache .
+	$(VENV)/bin/ruff format --no-cache --check .
 
 proto: install
 	$(PY) -m scaletrain.protogen

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from google.protobuf.timestamp_pb2 import Timestamp
-from telemetry.client import TelemetryClient
 
 from scaletrain.v1 import checkpoint_pb2, common_pb2, telemetry_pb2
+from telemetry.client import TelemetryClient
 from trainer.data.loader import LoaderOffset
 
 if TYPE_CHECKING:
