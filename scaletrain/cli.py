@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-id", help="name of the run (default: a new one)")
     run.add_argument("--resume", action="store_true", help="continue the last run of --workdir")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
+    run.add_argument("--ckpt-policy", choices=("wait", "skip"), help="save while one streams")
+    run.add_argument("--log-every", type=int, help="print progress every N steps")
     run.add_argument("--seq-len", type=int)
     run.add_argument("--global-batch", type=int)
     run.add_argument("--dp-replicate", type=int)
@@ -133,6 +135,8 @@ def _run(args: argparse.Namespace) -> int:
         "--dp-replicate": args.dp_replicate,
         "--dim": args.dim,
         "--n-layers": args.n_layers,
+        "--ckpt-policy": args.ckpt_policy,
+        "--log-every": args.log_every,
     }
     trainer_args = [x for k, v in passthrough.items() if v is not None for x in (k, str(v))]
     options = RunOptions(

@@ -11,6 +11,7 @@ import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import IO
 
 from ckptd.client import CkptdClient
@@ -91,11 +92,19 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
         )
         code = stack.train(run_id, options.ranks, trainer_args, out)
         if code != 0:
-            raise UserError(
-                f"training failed (exit code {code}); see {workdir.logs / 'trainer.log'}"
-            )
+            log = workdir.logs / "trainer.log"
+            raise UserError(f"training failed (exit code {code}): {_first_error(log)}; see {log}")
         checkpoints = _wait_for_tiers(stack.ckptd_address, run_id, options.upload_wait_s)
     return _summary(workdir, run_id, checkpoints, time.monotonic() - started)
+
+
+def _first_error(log: Path) -> str:
+    """The trainer's own one-line error, if a rank printed one, else what torchrun saw."""
+    lines = log.read_text(errors="replace").splitlines()
+    for line in lines:
+        if line.startswith("trainer: ") and ": error: " in line:
+            return line.removeprefix("trainer: ")
+    return "a rank crashed or was killed"
 
 
 def _wait_for_tiers(

@@ -16,6 +16,8 @@ class TrainConfig:
     telemetry: str | None = None
     steps: int = 300
     ckpt_every: int = 100
+    # What a save requested while the previous one still streams does: "wait" or "skip".
+    ckpt_policy: str = "wait"
     resume: bool = False
     seed: int = 1234
     seq_len: int = 128
@@ -33,6 +35,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.ckpt_policy not in ("wait", "skip"):
+            raise ValueError(f"--ckpt-policy must be wait or skip, got {self.ckpt_policy!r}")
         if self.ckpt_every < 0:
             raise ValueError(f"--ckpt-every must be 0 (never) or more, got {self.ckpt_every}")
         if not 1 <= self.seq_len <= self.model.max_seq_len:
@@ -56,6 +60,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--telemetry", help="HOST:PORT of the telemetry service")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--ckpt-every", type=int, default=TrainConfig.ckpt_every)
+    p.add_argument(
+        "--ckpt-policy",
+        default=TrainConfig.ckpt_policy,
+        choices=("wait", "skip"),
+        help="a save requested while the previous one streams: wait for it, or skip this one",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
@@ -82,6 +92,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         telemetry=args.telemetry,
         steps=args.steps,
         ckpt_every=args.ckpt_every,
+        ckpt_policy=args.ckpt_policy,
         resume=args.resume,
         seed=args.seed,
         seq_len=args.seq_len,

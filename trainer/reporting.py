@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from scaletrain.v1 import checkpoint_pb2, common_pb2, telemetry_pb2
+from scaletrain.v1 import common_pb2, telemetry_pb2
 from telemetry.client import TelemetryClient
 from trainer.data.loader import LoaderOffset
 
 if TYPE_CHECKING:
+    from trainer.checkpoint.checkpointer import SaveDone, SaveStarted
     from trainer.config import TrainConfig
     from trainer.train import Phases
 
@@ -30,8 +31,8 @@ def _now() -> Timestamp:
 
 
 class Reporter:
-    def __init__(self, address: str | None, run_id: str, rank: int) -> None:
-        self.run_id, self.rank = run_id, rank
+    def __init__(self, address: str | None, run_id: str, rank: int, attempt: int) -> None:
+        self.run_id, self.rank, self.attempt = run_id, rank, attempt
         self.client = TelemetryClient(address) if address else None
 
     def register_run(
@@ -101,22 +102,50 @@ class Reporter:
                 ),
                 lr=lr,
                 time=_now(),
+                attempt=self.attempt,
             )
         )
 
-    def checkpoint_saved(
-        self, step: int, seconds: float, info: checkpoint_pb2.CheckpointInfo | None
-    ) -> None:
-        """The save blocked training for `seconds`; ckptd reports each tier's commit itself."""
-        total = info.total_bytes if info is not None else 0
+    def save_started(self, started: SaveStarted) -> None:
+        """The save blocked training for `blocking_s` while its state was staged."""
         self._event(
             telemetry_pb2.EVENT_KIND_CHECKPOINT_STAGED,
-            step,
-            f"checkpoint of step {step} saved in {seconds:.2f}s",
-            checkpoint=telemetry_pb2.CheckpointEvent(bytes=total, seconds=seconds),
+            started.step,
+            f"checkpoint of step {started.step}: {started.staged_bytes / 1e6:.1f} MB staged "
+            f"in {started.blocking_s:.3f}s",
+            checkpoint=telemetry_pb2.CheckpointEvent(
+                bytes=started.staged_bytes, seconds=started.blocking_s
+            ),
         )
 
-    def run_finished(self, step: int, loss: float, params_sha256: str, seconds: float) -> None:
+    def save_skipped(self, step: int) -> None:
+        self._event(
+            telemetry_pb2.EVENT_KIND_CHECKPOINT_SKIPPED,
+            step,
+            f"checkpoint of step {step} skipped: the previous save is still streaming",
+        )
+
+    def save_done(self, done: SaveDone) -> None:
+        """A background save ended; ckptd reports each tier's commit itself."""
+        if done.error is not None:
+            self._event(
+                telemetry_pb2.EVENT_KIND_CHECKPOINT_FAILED,
+                done.step,
+                f"checkpoint of step {done.step} failed: {done.error}",
+                checkpoint=telemetry_pb2.CheckpointEvent(seconds=done.background_s),
+            )
+            return
+        total = done.info.total_bytes if done.info is not None else done.staged_bytes
+        self._event(
+            telemetry_pb2.EVENT_KIND_CHECKPOINT_SAVED,
+            done.step,
+            f"checkpoint of step {done.step} saved in the background in {done.background_s:.2f}s",
+            checkpoint=telemetry_pb2.CheckpointEvent(bytes=total, seconds=done.background_s),
+        )
+
+    def run_finished(
+        self, step: int, loss: float, params_sha256: str, logits_sha256: str, seconds: float
+    ) -> None:
         self._event(
             telemetry_pb2.EVENT_KIND_RUN_FINISHED,
             step,
@@ -124,6 +153,7 @@ class Reporter:
             attributes={
                 "final_loss": "nan" if math.isnan(loss) else repr(loss),
                 "params_sha256": params_sha256,
+                "probe_logits_sha256": logits_sha256,
                 "train_seconds": f"{seconds:.3f}",
             },
         )

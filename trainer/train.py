@@ -19,12 +19,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from scaletrain.errors import UserError
-from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.digest import state_sha256
+from scaletrain.errors import ScaletrainError, UserError
+from trainer.checkpoint.checkpointer import Checkpointer, SaveDone, SavePolicy, SaveStarted
+from trainer.checkpoint.digest import probe_logits_sha256, state_sha256
 from trainer.config import TrainConfig
 from trainer.data.corpus import stdlib_corpus
-from trainer.data.loader import DeterministicLoader
+from trainer.data.loader import DeterministicLoader, LoaderOffset
 from trainer.model.llama import Transformer
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.fsdp import apply_fsdp
@@ -89,11 +89,13 @@ def train(cfg: TrainConfig) -> None:
     loader = DeterministicLoader(
         corpus, cfg.seq_len, cfg.global_batch, dp_rank=rank, dp_size=dims.dp_size, seed=cfg.seed
     )
-    reporter = Reporter(cfg.telemetry, cfg.run_id, rank)
+    reporter = Reporter(cfg.telemetry, cfg.run_id, rank, attempt=_attempt(device))
     if rank == 0:
         reporter.register_run(cfg, world, dims.layout(), n_params, _hardware(device), corpus.sha256)
     checkpointer = (
-        Checkpointer(cfg.ckptd, cfg.run_id, model, optimizer, scheduler, loader)
+        Checkpointer(
+            cfg.ckptd, cfg.run_id, model, optimizer, scheduler, loader, SavePolicy(cfg.ckpt_policy)
+        )
         if cfg.ckptd
         else None
     )
@@ -138,9 +140,13 @@ def train(cfg: TrainConfig) -> None:
         phases.comm_wait, t = _lap(t)
 
         saved = None
-        if checkpointer and cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps):
-            saved = checkpointer.save(step, labels={"layout": json.dumps(dims.layout())})
-            phases.checkpoint, t = _lap(t)
+        if checkpointer:
+            # Background saves that ended are reported (and their failures surfaced) here.
+            _report_saves(checkpointer.poll(), reporter, rank)
+            if cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+                saved = checkpointer.save(step, labels={"layout": json.dumps(dims.layout())})
+                _report_save_start(saved, step, reporter, rank)
+                phases.checkpoint, t = _lap(t)
 
         step_seconds = sum(vars(phases).values())
         reporter.step(
@@ -154,28 +160,73 @@ def train(cfg: TrainConfig) -> None:
             offset=loader.offset(),
             device=device,
         )
-        if saved is not None and rank == 0:
-            reporter.checkpoint_saved(step, saved.seconds, saved.info)
         if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps or saved):
             elapsed = time.perf_counter() - run_start
             done = step - start_step
-            note = f" | checkpoint {saved.seconds:.2f}s" if saved else ""
+            note = f" | checkpoint staged in {saved.blocking_s:.3f}s" if saved else ""
             print(
                 f"[trainer] step {step} loss {global_loss:.4f} "
                 f"tok/s {done * tokens_per_step / elapsed:,.0f}{note}",
                 flush=True,
             )
 
+    if checkpointer:
+        final = checkpointer.finish()
+        _report_saves(final, reporter, rank)
+        checkpointer.close()
+        if any(done.error for done in final):
+            raise ScaletrainError(f"the final checkpoint failed: {final[-1].error}")
+
     digest = state_sha256(full_model_state(model))
+    logits_digest = probe_logits_sha256(model, cfg.model.vocab_size)
     if rank == 0:
         elapsed = time.perf_counter() - run_start
-        reporter.run_finished(cfg.steps, global_loss, digest, elapsed)
+        reporter.run_finished(cfg.steps, global_loss, digest, logits_digest, elapsed)
         print(
             f"[trainer] done: final loss {global_loss:.4f}, params sha256 {digest[:16]}", flush=True
         )
     reporter.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _report_save_start(
+    started: SaveStarted | None, step: int, reporter: Reporter, rank: int
+) -> None:
+    if rank != 0:
+        return
+    if started is None:
+        print(
+            f"[trainer] checkpoint of step {step} skipped: the previous save is still "
+            "streaming (--ckpt-policy skip)",
+            flush=True,
+        )
+        reporter.save_skipped(step)
+    else:
+        reporter.save_started(started)
+
+
+def _report_saves(done: list[SaveDone], reporter: Reporter, rank: int) -> None:
+    """Report ended background saves; a failure is printed on every rank that saw it."""
+    for save in done:
+        if save.error is not None:
+            print(
+                f"[trainer] rank {rank}: checkpoint of step {save.step} failed: {save.error}",
+                flush=True,
+            )
+        if rank == 0:
+            reporter.save_done(save)
+
+
+def _attempt(device: torch.device) -> int:
+    """This job's generation: rank 0's clock in seconds since 2023-11-14, shared by every rank.
+
+    Telemetry keeps the records of each (step, rank) per attempt, and reads the latest: a step
+    replayed after a restart or a resume supersedes the lost attempt's record of it.
+    """
+    stamp = torch.tensor([int(time.time()) - 1_700_000_000], device=device)
+    dist.broadcast(stamp, src=0)
+    return int(stamp.item())
 
 
 def resume(
@@ -196,11 +247,8 @@ def resume(
     train_state = checkpointer.load(step)
     expected = loader.offset()
     recorded = reporter.resume_offsets(step)
-    if recorded is not None and recorded.get(rank) != expected:
-        raise UserError(
-            f"refusing to resume run {cfg.run_id} at step {step}: rank {rank}'s data-loader "
-            f"offset in the checkpoint is {expected}, telemetry recorded {recorded.get(rank)}"
-        )
+    if recorded is not None:
+        check_offsets(cfg.run_id, step, rank, expected, recorded, loader.dp_size)
     if rank == 0:
         print(
             f"[trainer] resumed run {cfg.run_id} from step {train_state['step']} "
@@ -208,6 +256,36 @@ def resume(
             flush=True,
         )
     return int(train_state["step"])
+
+
+def check_offsets(
+    run_id: str,
+    step: int,
+    rank: int,
+    expected: LoaderOffset,
+    recorded: dict[int, LoaderOffset],
+    dp_size: int,
+) -> None:
+    """Refuse to resume unless telemetry's record of `step` agrees with the checkpoint.
+
+    Every recorded rank must have been at the checkpoint's global sample. A rank's own slice is
+    compared too when the data-parallel degree is unchanged; at another degree the slices differ
+    by design while the global order stays the same.
+    """
+    refuse = f"refusing to resume run {run_id} at step {step}"
+    if not recorded:
+        raise UserError(f"{refuse}: telemetry has no data-loader offsets for that step")
+    for other, offset in sorted(recorded.items()):
+        if offset.global_sample != expected.global_sample:
+            raise UserError(
+                f"{refuse}: the checkpoint resumes at global sample {expected.global_sample}, "
+                f"telemetry recorded {offset.global_sample} for rank {other}"
+            )
+    if len(recorded) == dp_size and recorded.get(rank) != expected:
+        raise UserError(
+            f"{refuse}: rank {rank}'s data-loader offset in the checkpoint is {expected}, "
+            f"telemetry recorded {recorded.get(rank)}"
+        )
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -27,6 +27,8 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_LOSS_SPIKE: _ClassVar[EventKind]
     EVENT_KIND_SDC: _ClassVar[EventKind]
     EVENT_KIND_REPLAY: _ClassVar[EventKind]
+    EVENT_KIND_CHECKPOINT_SAVED: _ClassVar[EventKind]
+    EVENT_KIND_CHECKPOINT_SKIPPED: _ClassVar[EventKind]
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_RUN_STARTED: EventKind
 EVENT_KIND_RUN_FINISHED: EventKind
@@ -41,6 +43,8 @@ EVENT_KIND_STRAGGLER: EventKind
 EVENT_KIND_LOSS_SPIKE: EventKind
 EVENT_KIND_SDC: EventKind
 EVENT_KIND_REPLAY: EventKind
+EVENT_KIND_CHECKPOINT_SAVED: EventKind
+EVENT_KIND_CHECKPOINT_SKIPPED: EventKind
 
 class RegisterRunRequest(_message.Message):
     __slots__ = ("run_id", "name", "config_json", "world_size", "layout", "model_params", "hardware", "started_at", "ranks")

@@ -1,29 +1,43 @@
-"""The whole platform end to end: `scaletrain run` on 4 CPU ranks, then everything it promised.
+"""The whole platform end to end: `scaletrain run` on CPU ranks, then everything it promised.
 
-One run (two checkpoints) and one resumed run share a work directory; every check reads what a
-user would read: the JSON summary, the telemetry database, `ckpt ls`, `ckpt export` loaded with
-stock torch.distributed.checkpoint.
+Each check reads what a user would read: the JSON summary, the telemetry database, `ckpt ls`,
+`ckpt export` loaded with stock torch.distributed.checkpoint. Runs share work directories per
+scenario so that one uninterrupted run serves as the reference of several checks:
+
+- the reference: 4 ranks (FSDP over 4), 6 steps, a checkpoint every 3;
+- the same run SIGKILLed on a random rank after a random step, then `--resume`d to step 8: every
+  step after the resume point has the reference's loss, bit for bit;
+- the same with HSDP (2 replicas x 2 shards), a 2-D layout;
+- the reference resumed from its dp4 checkpoint at dp2 (resharded): the global sample order is
+  unchanged and the losses match the dp4 continuation to fp32 rounding.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
+import signal
+import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
-from sqlalchemy import create_engine, text
+from e2e_procs import processes_mentioning, trainer_pids
 
-from trainer.checkpoint.digest import state_sha256
+from ckptd.client import CkptdClient
+from trainer.checkpoint.digest import probe_logits_sha256, state_sha256
 from trainer.model.llama import ModelArgs, Transformer
 
 pytestmark = pytest.mark.e2e
 
-RANKS, STEPS, EVERY = 4, 6, 3
+RANKS, STEPS, EVERY, MORE = 4, 6, 3, 8
+GLOBAL_BATCH = 16
 ALL_TIERS = ["memory", "ssd", "s3"]
+SEED = int(os.environ.get("SCALETRAIN_TEST_SEED", random.randrange(1 << 16)))
 
 
 def scaletrain(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
@@ -35,83 +49,229 @@ def scaletrain(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[
     )
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("stack")
-
-
-@pytest.fixture(scope="module")
-def first_run(workdir: Path) -> dict:
-    result = scaletrain(
-        "run", "--workdir", str(workdir), "--ranks", str(RANKS), "--steps", str(STEPS),
-        "--ckpt-every", str(EVERY), "--json",
-    )  # fmt: skip
+def run_json(workdir: Path, *args: str) -> dict:
+    result = scaletrain("run", "--workdir", str(workdir), "--json", *args)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+    return json.loads(result.stdout) | {"_log": result.stderr}
 
 
-def test_the_run_trains_every_step_and_reports_its_loss(first_run: dict):
-    assert first_run["steps"] == STEPS
-    assert first_run["first_loss"] > first_run["last_loss"] > 0
-    assert first_run["tokens_per_s"] > 0
-    assert first_run["ui_command"].startswith("scaletrain ui --workdir")
+def rank_losses(workdir: Path, run_id: str) -> dict[tuple[int, int], str]:
+    """(step, rank) -> loss as float hex, from the latest attempt of each step."""
+    with sqlite3.connect(workdir / "telemetry.db") as db:
+        rows = db.execute(
+            "SELECT step, rank, loss, attempt FROM rank_steps WHERE run_id = ? ORDER BY attempt",
+            (run_id,),
+        ).fetchall()
+    return {(step, rank): float(loss).hex() for step, rank, loss, _ in rows}
 
 
-def test_every_checkpoint_is_committed_on_memory_ssd_and_s3(first_run: dict):
-    steps = [c["step"] for c in first_run["checkpoints"]]
+def offsets(workdir: Path, run_id: str) -> dict[tuple[int, int], tuple[int, int]]:
+    with sqlite3.connect(workdir / "telemetry.db") as db:
+        rows = db.execute(
+            "SELECT step, rank, global_sample, rank_sample FROM rank_steps WHERE run_id = ? "
+            "ORDER BY attempt",
+            (run_id,),
+        ).fetchall()
+    return {(s, r): (g, rs) for s, r, g, rs in rows}
+
+
+def _wait_committed(address: str, run_id: str, step: int) -> None:
+    with CkptdClient(address) as client:
+        for _ in range(600):
+            if any(c.ref.step == step and c.committed for c in client.list(run_id)):
+                return
+            time.sleep(0.1)
+    pytest.fail(f"checkpoint {run_id}@{step} was not committed within 60 s")
+
+
+def run_and_kill(workdir: Path, kill_after: int, victim: int, *args: str) -> str:
+    """Start a run; once step `kill_after` is done and the checkpoint of step EVERY committed,
+    SIGKILL rank `victim` in the middle of the next step. Returns the run's log."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--json",
+         "--log-every", "1", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    log = []
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        log.append(line)
+        if line.startswith("[scaletrain] run "):
+            run_id = line.split()[2].rstrip(":")
+            ckptd = line.split("ckptd ")[1].split(",")[0]
+        if line.startswith(f"[trainer] step {kill_after} "):
+            _wait_committed(ckptd, run_id, EVERY)
+            os.kill(trainer_pids(run_id)[victim], signal.SIGKILL)
+    proc.wait(timeout=120)
+    text = "".join(log)
+    assert proc.returncode != 0, f"the run survived the kill of rank {victim}:\n{text[-2000:]}"
+    assert "training failed" in text
+    # A failed run leaves no child process behind: services and ranks are all gone.
+    assert not processes_mentioning(str(workdir)) + processes_mentioning(run_id)
+    return text
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    workdir = tmp_path_factory.mktemp("reference")
+    summary = run_json(
+        workdir, "--ranks", str(RANKS), "--steps", str(STEPS), "--ckpt-every", str(EVERY)
+    )
+    return summary | {"workdir": workdir}
+
+
+def test_the_run_trains_every_step_and_reports_its_loss(reference: dict):
+    assert reference["steps"] == STEPS
+    assert reference["first_loss"] > reference["last_loss"] > 0
+    assert reference["tokens_per_s"] > 0
+    assert reference["ui_command"].startswith("scaletrain ui --workdir")
+
+
+def test_every_checkpoint_is_committed_on_memory_ssd_and_s3(reference: dict):
+    steps = [c["step"] for c in reference["checkpoints"]]
     assert steps == [EVERY, STEPS]
-    for checkpoint in first_run["checkpoints"]:
+    for checkpoint in reference["checkpoints"]:
         assert checkpoint["tiers"] == ALL_TIERS
         assert checkpoint["bytes"] > 0
 
 
-def test_telemetry_holds_a_record_for_every_rank_and_step(first_run: dict, workdir: Path):
-    engine = create_engine(f"sqlite:///{workdir / 'telemetry.db'}")
-    with engine.connect() as conn:
-        rows = conn.execute(
-            text("SELECT step, rank FROM rank_steps WHERE run_id = :run"),
-            {"run": first_run["run_id"]},
-        ).all()
-    engine.dispose()
-    assert sorted(rows) == [(s, r) for s in range(1, STEPS + 1) for r in range(RANKS)]
+def test_each_save_reports_its_blocking_and_background_time_to_telemetry(reference: dict):
+    with sqlite3.connect(reference["workdir"] / "telemetry.db") as db:
+        rows = db.execute(
+            "SELECT kind, step, seconds, bytes FROM events WHERE run_id = ? AND kind IN "
+            "('checkpoint_staged', 'checkpoint_saved') ORDER BY kind, step",
+            (reference["run_id"],),
+        ).fetchall()
+    assert [(kind, step) for kind, step, _, _ in rows] == [
+        ("checkpoint_saved", EVERY), ("checkpoint_saved", STEPS),
+        ("checkpoint_staged", EVERY), ("checkpoint_staged", STEPS),
+    ]  # fmt: skip
+    assert all(seconds > 0 and nbytes > 0 for _, _, seconds, nbytes in rows)
+    assert "checkpoint staged in" in reference["_log"]
 
 
-def test_the_offline_listing_shows_the_tiers_that_outlive_the_services(
-    first_run: dict, workdir: Path
-):
-    result = scaletrain("ckpt", "ls", "--workdir", str(workdir), "--json")
+def _finished_attributes(workdir: Path, run_id: str) -> dict[str, str]:
+    with sqlite3.connect(workdir / "telemetry.db") as db:
+        (attributes,) = db.execute(
+            "SELECT attributes FROM events WHERE run_id = ? AND kind = 'run_finished' "
+            "ORDER BY time DESC LIMIT 1",
+            (run_id,),
+        ).fetchone()
+    return json.loads(attributes)
+
+
+def test_telemetry_holds_a_record_for_every_rank_and_step(reference: dict):
+    losses = rank_losses(reference["workdir"], reference["run_id"])
+    assert sorted(losses) == [(s, r) for s in range(1, STEPS + 1) for r in range(RANKS)]
+
+
+def test_the_offline_listing_shows_the_tiers_that_outlive_the_services(reference: dict):
+    result = scaletrain("ckpt", "ls", "--workdir", str(reference["workdir"]), "--json")
     assert result.returncode == 0, result.stderr
     listed = {(c["run"], c["step"]): c["tiers"] for c in json.loads(result.stdout)}
     # The memory tier died with ckptd; SSD and S3 copies remain.
-    assert listed[(first_run["run_id"], STEPS)] == ["ssd", "s3"]
+    assert listed[(reference["run_id"], STEPS)] == ["ssd", "s3"]
 
 
 def test_an_exported_checkpoint_restores_bit_exactly_into_a_fresh_model_with_stock_dcp(
-    first_run: dict, workdir: Path, tmp_path: Path
+    reference: dict, tmp_path: Path
 ):
     dest = tmp_path / "export"
     result = scaletrain(
-        "ckpt", "export", "--workdir", str(workdir), first_run["run_id"], str(STEPS), str(dest)
-    )
+        "ckpt", "export", "--workdir", str(reference["workdir"]), reference["run_id"],
+        str(STEPS), str(dest),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert (dest / ".metadata").exists()
     fresh = Transformer(ModelArgs())
     state = {"model": fresh.state_dict()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(dest)))
     fresh.load_state_dict(state["model"])
-    assert state_sha256(fresh.state_dict()) == first_run["params_sha256"]
-    logits = fresh(torch.arange(16).view(1, 16))
-    assert torch.isfinite(logits).all()
+    assert state_sha256(fresh.state_dict()) == reference["params_sha256"]
+    trained = _finished_attributes(reference["workdir"], reference["run_id"])
+    assert probe_logits_sha256(fresh, ModelArgs().vocab_size) == trained["probe_logits_sha256"]
 
 
-def test_a_resumed_run_continues_from_the_latest_checkpoint(first_run: dict, workdir: Path):
-    result = scaletrain(
-        "run", "--workdir", str(workdir), "--ranks", str(RANKS), "--steps", str(STEPS + 2),
-        "--ckpt-every", str(EVERY), "--resume", "--json",
+def _kill_and_resume(reference: dict, workdir: Path, *layout: str) -> tuple[dict, int]:
+    rng = random.Random(SEED)
+    kill_after, victim = rng.choice([EVERY + 1, EVERY + 2]), rng.randrange(RANKS)
+    common = ["--ranks", str(RANKS), "--ckpt-every", str(EVERY), *layout]
+    log = run_and_kill(workdir, kill_after, victim, "--steps", str(STEPS), *common)
+    run_id = next(line.split()[2].rstrip(":") for line in log.splitlines()
+                  if line.startswith("[scaletrain] run "))  # fmt: skip
+    resumed = run_json(workdir, "--resume", "--steps", str(MORE), *common)
+    assert resumed["run_id"] == run_id
+    return resumed, kill_after
+
+
+@pytest.fixture(scope="module")
+def killed_fsdp(reference: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    workdir = tmp_path_factory.mktemp("killed-fsdp")
+    resumed, kill_after = _kill_and_resume(reference, workdir)
+    return resumed | {"workdir": workdir, "kill_after": kill_after}
+
+
+def test_a_run_killed_mid_step_resumes_with_bit_identical_losses(reference: dict, killed_fsdp):
+    """SIGKILL of a random rank (seed in SCALETRAIN_TEST_SEED to replay), then --resume."""
+    assert f"resumed run {killed_fsdp['run_id']} from step {EVERY}" in killed_fsdp["_log"], SEED
+    expected = rank_losses(reference["workdir"], reference["run_id"])
+    got = rank_losses(killed_fsdp["workdir"], killed_fsdp["run_id"])
+    after_resume = {k: v for k, v in expected.items() if k[0] > EVERY}
+    assert {k: got[k] for k in after_resume} == after_resume, f"seed {SEED}"
+    assert [c["step"] for c in killed_fsdp["checkpoints"]] == [EVERY, STEPS, MORE]
+
+
+def test_a_2d_hsdp_run_killed_mid_step_resumes_with_bit_identical_losses(
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    layout = ("--dp-replicate", "2")
+    ref_dir = tmp_path_factory.mktemp("hsdp-reference")
+    hsdp_reference = run_json(
+        ref_dir, "--ranks", str(RANKS), "--steps", str(STEPS), "--ckpt-every", str(EVERY), *layout
+    ) | {"workdir": ref_dir}
+    workdir = tmp_path_factory.mktemp("killed-hsdp")
+    resumed, _ = _kill_and_resume(hsdp_reference, workdir, *layout)
+    expected = rank_losses(ref_dir, hsdp_reference["run_id"])
+    got = rank_losses(workdir, resumed["run_id"])
+    after_resume = {k: v for k, v in expected.items() if k[0] > EVERY}
+    assert {k: got[k] for k in after_resume} == after_resume, f"seed {SEED}"
+
+
+def test_a_resume_whose_telemetry_disagrees_with_the_checkpoint_is_refused(
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    workdir = tmp_path_factory.mktemp("disagree")
+    first = run_json(workdir, "--ranks", "2", "--steps", "2", "--ckpt-every", "2")
+    with sqlite3.connect(workdir / "telemetry.db") as db:
+        db.execute(
+            "UPDATE rank_steps SET global_sample = 999 WHERE run_id = ? AND step = 2 AND rank = 1",
+            (first["run_id"],),
+        )
+    result = scaletrain("run", "--workdir", str(workdir), "--resume", "--ranks", "2",
+                        "--steps", "3")  # fmt: skip
+    assert result.returncode == 1
+    assert "refusing to resume run" in result.stderr
+    assert "global sample 32, telemetry recorded 999 for rank 1" in result.stderr
+
+
+def test_a_dp4_checkpoint_resumes_at_dp2_with_the_same_global_data_order(
+    reference: dict, killed_fsdp: dict
+):
+    resharded = run_json(
+        reference["workdir"], "--resume", "--ranks", "2", "--steps", str(MORE),
+        "--ckpt-every", str(EVERY),
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    resumed = json.loads(result.stdout)
-    assert resumed["run_id"] == first_run["run_id"]
-    assert f"resumed run {first_run['run_id']} from step {STEPS}" in result.stderr
-    assert resumed["steps"] == STEPS + 2
-    assert [c["step"] for c in resumed["checkpoints"]] == [EVERY, STEPS, STEPS + 2]
+    assert f"from step {STEPS}" in resharded["_log"]
+    at_dp2 = offsets(reference["workdir"], reference["run_id"])
+    for step in range(STEPS + 1, MORE + 1):
+        for rank in range(2):
+            assert at_dp2[(step, rank)] == (step * GLOBAL_BATCH, step * GLOBAL_BATCH + rank * 8)
+    # The same samples as the dp4 continuation, so the same mean loss up to reduction order.
+    dp4 = rank_losses(killed_fsdp["workdir"], killed_fsdp["run_id"])
+    dp2 = rank_losses(reference["workdir"], reference["run_id"])
+    for step in range(STEPS + 1, MORE + 1):
+        mean4 = sum(float.fromhex(dp4[(step, r)]) for r in range(4)) / 4
+        mean2 = sum(float.fromhex(dp2[(step, r)]) for r in range(2)) / 2
+        assert mean2 == pytest.approx(mean4, rel=1e-5)

@@ -1,17 +1,26 @@
-"""The training state as one DCP state dict, saved to and restored from ckptd.
+"""Asynchronous checkpoints of the whole training state, saved to and restored from ckptd.
+
+A save blocks training only while the state is copied into reused host buffers (`HostStager`);
+a background thread then runs DCP with scaletrain's storage writer, on a process group of its own
+so its collectives never interleave with the training loop's. At most one save is in flight: a new
+request waits for it (policy "wait") or is skipped on every rank alike (policy "skip"). A
+background failure is never swallowed: `poll` hands it to the loop at the next step.
 
 The state holds the model and optimizer (sharded DTensors, so DCP reshards them on load), the LR
-schedule, the step and the data loader's global sample index. Loading goes through the same
-`CkptdStorageReader` any PyTorch program can use.
+schedule, the step, the data loader's global sample index, and each rank's RNG states.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -19,14 +28,35 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter, first_cause
 from scaletrain.errors import ScaletrainError
 from scaletrain.v1 import checkpoint_pb2
+from trainer.checkpoint import rng
+from trainer.checkpoint.stager import HostStager
 from trainer.data.loader import DeterministicLoader
 
 
+class SavePolicy(enum.StrEnum):
+    """What a save request does while the previous save is still streaming."""
+
+    WAIT = "wait"
+    SKIP = "skip"
+
+
 @dataclass(frozen=True)
-class SaveResult:
+class SaveStarted:
     step: int
-    seconds: float
+    blocking_s: float
+    staged_bytes: int
+
+
+@dataclass(frozen=True)
+class SaveDone:
+    """A background save that ended; `error` is set when it failed."""
+
+    step: int
+    blocking_s: float
+    background_s: float
+    staged_bytes: int
     info: checkpoint_pb2.CheckpointInfo | None  # set on the coordinator
+    error: BaseException | None = None
 
 
 class Checkpointer:
@@ -38,10 +68,19 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         loader: DeterministicLoader,
+        policy: SavePolicy = SavePolicy.WAIT,
     ) -> None:
         self.address, self.run_id = address, run_id
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.loader = scheduler, loader
+        self.policy = policy
+        self.rank = dist.get_rank()
+        # Background saves run their collectives here, never on the training loop's group.
+        self._group = dist.new_group(backend="gloo")
+        self._stager = HostStager()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._inflight: Future[SaveDone] | None = None
+        self._done: list[SaveDone] = []
 
     def _state(self, step: int) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -53,27 +92,78 @@ class Checkpointer:
                 "loader": self.loader.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
             },
+            "rng": {rng.key(self.rank): rng.capture()},
         }
 
-    def save(self, step: int, labels: dict[str, str]) -> SaveResult:
-        """Save synchronously; every rank streams its own shard to ckptd."""
+    def save(self, step: int, labels: dict[str, str]) -> SaveStarted | None:
+        """Stage the state and start streaming it; None when skipped by policy (on every rank)."""
+        if self.policy is SavePolicy.SKIP and self._any_rank_busy():
+            return None
+        self._collect(block=True)
+        start = time.perf_counter()
+        staged = self._stager.stage(self._state(step))
+        blocking = time.perf_counter() - start
+        nbytes = self._stager.staged_bytes
+        self._inflight = self._executor.submit(self._write, staged, step, labels, blocking, nbytes)
+        return SaveStarted(step, blocking, nbytes)
+
+    def _any_rank_busy(self) -> bool:
+        busy = torch.tensor([int(self._inflight is not None and not self._inflight.done())])
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        return bool(busy.item())
+
+    def _write(
+        self,
+        staged: dict[str, Any],
+        step: int,
+        labels: dict[str, str],
+        blocking: float,
+        nbytes: int,
+    ) -> SaveDone:
         start = time.perf_counter()
         writer = CkptdStorageWriter(self.address, self.run_id, step, labels=labels)
+        error: BaseException | None = None
         try:
-            dcp.save(self._state(step), storage_writer=writer)
-        except CheckpointException as exc:
-            writer.abort(f"save of step {step} failed")
-            cause = first_cause(exc)
-            raise ScaletrainError(f"checkpoint of step {step} failed: {cause}") from cause
+            dcp.save(staged, storage_writer=writer, process_group=self._group)
+        except Exception as exc:  # the loop must hear of any failure: never lose it here
+            error = first_cause(exc) if isinstance(exc, CheckpointException) else exc
+            with contextlib.suppress(ScaletrainError):  # ckptd collects abandoned saves anyway
+                writer.abort(f"save of step {step} failed: {error}")
         finally:
             writer.close()
-        return SaveResult(step, time.perf_counter() - start, writer.committed)
+        info = writer.committed if error is None else None
+        return SaveDone(step, blocking, time.perf_counter() - start, nbytes, info, error)
+
+    def _collect(self, block: bool) -> None:
+        if self._inflight is not None and (block or self._inflight.done()):
+            self._done.append(self._inflight.result())
+            self._inflight = None
+
+    def poll(self) -> list[SaveDone]:
+        """Saves that ended since the last call (successes and failures), without waiting."""
+        self._collect(block=False)
+        done, self._done = self._done, []
+        return done
+
+    def finish(self) -> list[SaveDone]:
+        """Wait for the save in flight; returns every save that ended since the last poll."""
+        self._collect(block=True)
+        return self.poll()
+
+    def close(self) -> None:
+        self._collect(block=True)
+        self._executor.shutdown(wait=True)
+        dist.destroy_process_group(self._group)
 
     def load(self, step: int) -> dict[str, Any]:
         """Restore every part of the state saved at `step`; returns the `train` entry."""
         state = self._state(step)
         reader = CkptdStorageReader(self.address, self.run_id, step)
         try:
+            saved_keys = reader.read_metadata().state_dict_metadata
+            if f"rng.{rng.key(self.rank)}" not in saved_keys:
+                # A rank the saving job did not have (a larger world): its generators start fresh.
+                del state["rng"]
             dcp.load(state, storage_reader=reader)
         except CheckpointException as exc:
             cause = first_cause(exc)
@@ -89,4 +179,6 @@ class Checkpointer:
         train = state["train"]
         self.scheduler.load_state_dict(train["scheduler"])
         self.loader.load_state_dict(train["loader"])
+        if "rng" in state:
+            rng.restore(state["rng"][rng.key(self.rank)])
         return train

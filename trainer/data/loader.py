@@ -46,7 +46,7 @@ class DeterministicLoader:
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.local_batch = global_batch // dp_size
-        self.dp_rank = dp_rank
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.windows = len(corpus) - seq_len - 1
         if self.windows < global_batch:
             raise ValueError(f"corpus of {len(corpus)} bytes is too small for seq_len {seq_len}")

@@ -1,0 +1,49 @@
+"""Ctrl-C on `scaletrain run` stops every child process it started and leaves nothing running."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from e2e_procs import processes_mentioning
+
+pytestmark = pytest.mark.e2e
+
+
+def test_ctrl_c_stops_the_services_and_the_training_job(tmp_path: Path):
+    workdir = tmp_path / "interrupted"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--ranks", "2",
+         "--steps", "1000", "--log-every", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert run.stdout is not None
+    run_id = ""
+    for line in run.stdout:
+        if line.startswith("[scaletrain] run "):
+            run_id = line.split()[2].rstrip(":")
+        if line.startswith("[trainer] step 2 "):
+            break
+    else:
+        pytest.fail(f"training never reached step 2: {run.stderr.read() if run.stderr else ''}")
+    assert processes_mentioning(str(workdir)), "the services should be running now"
+    assert processes_mentioning(run_id), "the training job should be running now"
+    run.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends to the foreground process
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130
+    assert stderr.strip().splitlines()[-1] == (
+        "scaletrain: interrupted; every child process was stopped"
+    )
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        left = processes_mentioning(str(workdir)) + processes_mentioning(run_id)
+        if not left:
+            break
+        time.sleep(0.2)
+    assert not left, left

@@ -1,0 +1,35 @@
+"""A resume is refused unless telemetry's record of the step agrees with the checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from scaletrain.errors import UserError
+from trainer.data.loader import LoaderOffset
+from trainer.train import check_offsets
+
+AT_96 = {r: LoaderOffset(96, 96 + 4 * r, 0) for r in range(4)}
+
+
+def test_offsets_that_agree_let_the_run_resume():
+    check_offsets("r", 6, 1, LoaderOffset(96, 100, 0), AT_96, dp_size=4)
+
+
+def test_a_different_global_position_is_refused_naming_the_rank():
+    recorded = AT_96 | {2: LoaderOffset(80, 88, 0)}
+    with pytest.raises(UserError, match="global sample 96, telemetry recorded 80 for rank 2"):
+        check_offsets("r", 6, 0, LoaderOffset(96, 96, 0), recorded, dp_size=4)
+
+
+def test_a_different_slice_at_the_same_degree_is_refused():
+    with pytest.raises(UserError, match="rank 1's data-loader offset"):
+        check_offsets("r", 6, 1, LoaderOffset(96, 101, 0), AT_96, dp_size=4)
+
+
+def test_another_data_parallel_degree_keeps_the_global_order_and_may_resume():
+    check_offsets("r", 6, 1, LoaderOffset(96, 104, 0), AT_96, dp_size=2)
+
+
+def test_a_step_telemetry_never_recorded_is_refused():
+    with pytest.raises(UserError, match="no data-loader offsets for that step"):
+        check_offsets("r", 6, 0, LoaderOffset(96, 96, 0), {}, dp_size=4)
