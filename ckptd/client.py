@@ -72,13 +72,22 @@ class CkptdClient:
     # -- save ------------------------------------------------------------------------------------
 
     def open_save(
-        self, run: str, step: int, world_size: int, labels: Mapping[str, str] | None = None
+        self,
+        run: str,
+        step: int,
+        world_size: int,
+        labels: Mapping[str, str] | None = None,
+        retention: checkpoint_pb2.RetentionPolicy | None = None,
     ) -> str:
-        """Start a save of (run, step) written by `world_size` ranks; returns its save id."""
+        """Start a save of (run, step) written by `world_size` ranks; returns its save id.
+
+        `retention`, if given, becomes the run's policy from now on.
+        """
         request = checkpoint_pb2.OpenSaveRequest(
             ref=checkpoint_pb2.CheckpointRef(run=run, step=step),
             world_size=world_size,
             labels=dict(labels or {}),
+            retention=retention,
         )
         try:
             return self._stub.OpenSave(request, timeout=DEFAULT_TIMEOUT_S).save_id
@@ -160,17 +169,19 @@ class CkptdClient:
     # -- read ------------------------------------------------------------------------------------
 
     def read_stream(
-        self, run: str, step: int, path: str, offset: int = 0, length: int = 0
+        self, run: str, step: int, path: str, offset: int = 0, length: int = 0, tier: int = 0
     ) -> Iterator[bytes]:
         """Yield the bytes of [offset, offset+length) of a file (length 0: to the end), verified.
 
-        Raises DataLoss if a chunk fails its CRC-32C or arrives out of place.
+        `tier` (common_pb2.Tier) reads only that tier's copy. Raises DataLoss if a chunk fails
+        its CRC-32C or arrives out of place.
         """
         request = checkpoint_pb2.ReadFileRequest(
             ref=checkpoint_pb2.CheckpointRef(run=run, step=step),
             path=path,
             offset=offset,
             length=length,
+            tier=tier,
         )
         what = f"read {run}/{step}/{path}"
         expected = offset
@@ -187,13 +198,18 @@ class CkptdClient:
     def read(self, run: str, step: int, path: str, offset: int = 0, length: int = 0) -> bytes:
         return b"".join(self.read_stream(run, step, path, offset, length))
 
-    def delete(self, run: str, step: int) -> list[int]:
-        """Remove a checkpoint from every tier; returns the tiers (common_pb2.Tier) it left."""
+    def delete(self, run: str, step: int) -> tuple[list[int], list[int]]:
+        """Remove a checkpoint from every tier.
+
+        Returns the tiers (common_pb2.Tier) it left, and those it is still leaving in the
+        background (S3); it is invisible from now on either way.
+        """
         request = checkpoint_pb2.DeleteCheckpointRequest(
             ref=checkpoint_pb2.CheckpointRef(run=run, step=step)
         )
         try:
-            return list(self._stub.DeleteCheckpoint(request, timeout=DEFAULT_TIMEOUT_S).tiers)
+            reply = self._stub.DeleteCheckpoint(request, timeout=DEFAULT_TIMEOUT_S)
+            return list(reply.tiers), list(reply.pending)
         except grpc.RpcError as exc:
             raise self._error(exc, f"delete {run}/{step}") from None
 

@@ -212,7 +212,7 @@ def test_a_restarted_ckptd_lists_its_checkpoints_and_uploads_what_s3_missed(
     assert info.ref.step == 7 and tier_states(info)["memory"] == "ABSENT"
     wait_for(lambda: tier_states(client.get("run", 7))["s3"] == "COMMITTED", what="re-upload")
     assert client.read("run", 7, "__1_0.distcp") == files["__1_0.distcp"]
-    assert client.delete("run", 7) == [2, 3]
+    assert client.delete("run", 7) == ([2], [3])
     assert client.list() == []
 
 

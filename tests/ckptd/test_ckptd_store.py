@@ -22,6 +22,7 @@ from ckptd_testing import (
 
 from ckptd.store import CheckpointStore, list_offline
 from ckptd.tiers import CheckpointKey
+from ckptd.tiers.memory import MemoryFile
 from scaletrain.errors import (
     AlreadyExists,
     DataLoss,
@@ -265,7 +266,9 @@ def test_a_read_falls_through_to_ssd_when_the_memory_copy_is_corrupt(
     key = CheckpointKey("run", 1)
     damaged = bytearray(files["__0_0.distcp"][2])
     damaged[12345] ^= 0xFF
-    store.memory._checkpoints[key]["__0_0.distcp"] = bytes(damaged)
+    rotten = MemoryFile()
+    rotten.append(bytes(damaged))
+    store.memory._checkpoints[key]["__0_0.distcp"] = rotten
     pieces = list(store.iter_range(ref("run", 1), "__0_0.distcp"))
     assert b"".join(data for _, _, data in pieces) == files["__0_0.distcp"][2]
     assert pieces[0][0] == 2  # TIER_SSD
@@ -290,7 +293,7 @@ def test_a_corrupt_ssd_copy_with_no_other_tier_is_data_loss(open_store: OpenStor
 def test_delete_removes_the_checkpoint_from_every_tier(open_store: OpenStore) -> None:
     store = open_store()
     store_save(store, "run", 1, checkpoint_files(world_size=1, shard_bytes=100))
-    assert store.delete(ref("run", 1)) == [1, 2]  # memory, SSD
+    assert store.delete(ref("run", 1)) == ([1, 2], [])  # memory, SSD; nothing pending
     assert not store.ssd.dir_of(CheckpointKey("run", 1)).exists()
     assert store.list() == []
     with pytest.raises(NotFound):
