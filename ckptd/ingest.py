@@ -1,12 +1,16 @@
 """Receiving one file of a save: a three-stage pipeline so the gRPC thread only receives.
 
-The gRPC thread checks each chunk's place in the file, reserves its bytes in the memory budget
-(waiting when the budget is full: backpressure) and queues it. A verifier thread checks the
-chunk's CRC-32C and feeds the file's SHA-256 and per-block CRCs; a writer thread appends it to an
-SSD file, and either keeps it for the memory tier or releases its memory. SHA-256, CRC and file
-writes release the GIL, so the three stages overlap. The WriteFile reply waits only for the
+The gRPC thread checks each chunk's size and place in the file, reserves its bytes in the memory
+budget (waiting when the budget is full: backpressure) and queues it. A verifier thread checks
+the chunk's CRC-32C and feeds the file's SHA-256 and per-block CRCs; a writer thread appends it to
+an SSD file, and either keeps it for the memory tier or releases its memory. SHA-256, CRC and
+file writes release the GIL, so the three stages overlap. The WriteFile reply waits only for the
 verifier (it reports the SHA-256 check); the disk catches up behind it, and a commit waits for
 the disk, because a checkpoint is committed only once it is durable.
+
+A chunk whose bytes do not match its CRC, or a file whose bytes do not match its trailer, is bad
+input (INVALID_ARGUMENT): the client sent something other than what it described and must send
+it again; DATA_LOSS is kept for stored data that no tier can serve intact.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from ckptd.metrics import Metrics
 from ckptd.tiers import BlockCrcs
 from ckptd.tiers.memory import MemoryBudget, MemoryFile
 from ckptd.tiers.ssd import IncomingFile
-from scaletrain.errors import DataLoss, InvalidArgument, ScaletrainError, Unavailable
+from scaletrain.errors import InvalidArgument, ScaletrainError, Unavailable
+from scaletrain.rpc import MAX_CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
 
@@ -71,6 +76,11 @@ class FileUpload:
 
     def write(self, chunk: checkpoint_pb2.FileChunk) -> None:
         self._raise_if_failed()
+        if len(chunk.data) > MAX_CHUNK_BYTES:
+            raise InvalidArgument(
+                f"{self.path}: chunk of {len(chunk.data)} bytes at offset {chunk.offset} is over "
+                f"the limit of {MAX_CHUNK_BYTES} bytes"
+            )
         if chunk.offset != self._size:
             raise InvalidArgument(
                 f"{self.path}: chunk at offset {chunk.offset}, expected {self._size} "
@@ -95,14 +105,14 @@ class FileUpload:
         self.verified()
         if trailer.size != self._size:
             self._fail(
-                DataLoss(
+                InvalidArgument(
                     f"{self.path}: trailer says {trailer.size} bytes, {self._size} were received"
                 )
             )
         digest = self._sha.hexdigest()
         if trailer.sha256.lower() != digest:
             self._fail(
-                DataLoss(
+                InvalidArgument(
                     f"{self.path}: SHA-256 mismatch (trailer {trailer.sha256[:16]}..., "
                     f"received bytes give {digest[:16]}...)"
                 )
@@ -171,7 +181,7 @@ class FileUpload:
             actual = google_crc32c.value(data)
             if actual != crc:
                 self._fail(
-                    DataLoss(
+                    InvalidArgument(
                         f"{self.path}: CRC-32C mismatch in chunk at offset {offset} "
                         f"(sent {crc:08x}, received bytes give {actual:08x})"
                     )

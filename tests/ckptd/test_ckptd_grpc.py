@@ -25,7 +25,7 @@ from scaletrain.errors import (
     InvalidArgument,
     NotFound,
 )
-from scaletrain.rpc import add_health, bind, make_channel, make_server
+from scaletrain.rpc import MAX_CHUNK_BYTES, add_health, bind, make_channel, make_server
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 RunCkptd = Callable[..., RunningCkptd]
@@ -144,7 +144,16 @@ def test_bad_input_gets_the_right_status_code_and_stores_nothing(
         bad_crc = [header, checkpoint_pb2.WriteFileRequest(chunk=chunk(0, data, crc=7))]
         with pytest.raises(grpc.RpcError) as err:
             stub.WriteFile(iter(bad_crc))
-        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "CRC-32C mismatch" in err.value.details()
+        too_big = [
+            header,
+            checkpoint_pb2.WriteFileRequest(chunk=chunk(0, bytes(MAX_CHUNK_BYTES + 1))),
+        ]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.WriteFile(iter(too_big))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "over the limit" in err.value.details()
         out_of_order = [header, checkpoint_pb2.WriteFileRequest(chunk=chunk(50, data))]
         with pytest.raises(grpc.RpcError) as err:
             stub.WriteFile(iter(out_of_order))

@@ -99,11 +99,13 @@ def test_commit_names_the_ranks_that_wrote_nothing_and_the_missing_metadata(
     assert store.list("run") == []
 
 
-def test_a_chunk_with_a_bad_crc_is_data_loss_and_stores_nothing(open_store: OpenStore) -> None:
+def test_a_chunk_with_a_bad_crc_is_an_invalid_argument_and_stores_nothing(
+    open_store: OpenStore,
+) -> None:
     store = open_store()
     save_id = store.open_save(ref("run", 1), world_size=1)
     data = payload(1000, 1)
-    with pytest.raises(DataLoss, match="CRC-32C mismatch"):
+    with pytest.raises(InvalidArgument, match="CRC-32C mismatch"):
         store.write_file(header(save_id, "__0_0.distcp"), [chunk(0, data, crc=1234)], trailer(data))
     assert_nothing_stored(store, "run", 1)
 
@@ -120,13 +122,15 @@ def test_an_out_of_order_chunk_is_an_invalid_argument_and_stores_nothing(
     assert_nothing_stored(store, "run", 1)
 
 
-def test_a_trailer_that_disagrees_with_the_bytes_is_data_loss(open_store: OpenStore) -> None:
+def test_a_trailer_that_disagrees_with_the_bytes_is_an_invalid_argument(
+    open_store: OpenStore,
+) -> None:
     store = open_store()
     save_id = store.open_save(ref("run", 1), world_size=1)
     data = payload(2000, 1)
-    with pytest.raises(DataLoss, match="SHA-256 mismatch"):
+    with pytest.raises(InvalidArgument, match="SHA-256 mismatch"):
         store.write_file(header(save_id, "x"), [chunk(0, data)], trailer(data[::-1]))
-    with pytest.raises(DataLoss, match="trailer says 1999 bytes"):
+    with pytest.raises(InvalidArgument, match="trailer says 1999 bytes"):
         store.write_file(header(save_id, "x"), [chunk(0, data)], trailer(data[1:]))
     assert_nothing_stored(store, "run", 1)
 
