@@ -117,11 +117,12 @@ class CkptdClient:
             try:
                 for chunk in _chunks(data):
                     sha.update(chunk)
-                    yield checkpoint_pb2.WriteFileRequest(
-                        chunk=checkpoint_pb2.FileChunk(
-                            offset=offset, data=chunk, crc32c=google_crc32c.value(chunk)
-                        )
-                    )
+                    # Filled in place: a nested constructor would copy the chunk twice more.
+                    request = checkpoint_pb2.WriteFileRequest()
+                    request.chunk.offset = offset
+                    request.chunk.data = chunk
+                    request.chunk.crc32c = google_crc32c.value(chunk)
+                    yield request
                     offset += len(chunk)
             except Exception as exc:  # re-raised below, after the stream ends
                 failures.append(exc)

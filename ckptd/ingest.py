@@ -76,9 +76,10 @@ class FileUpload:
 
     def write(self, chunk: checkpoint_pb2.FileChunk) -> None:
         self._raise_if_failed()
-        if len(chunk.data) > MAX_CHUNK_BYTES:
+        data = chunk.data  # protobuf copies the bytes at every access: take them once
+        if len(data) > MAX_CHUNK_BYTES:
             raise InvalidArgument(
-                f"{self.path}: chunk of {len(chunk.data)} bytes at offset {chunk.offset} is over "
+                f"{self.path}: chunk of {len(data)} bytes at offset {chunk.offset} is over "
                 f"the limit of {MAX_CHUNK_BYTES} bytes"
             )
         if chunk.offset != self._size:
@@ -86,8 +87,7 @@ class FileUpload:
                 f"{self.path}: chunk at offset {chunk.offset}, expected {self._size} "
                 "(chunks must arrive in order without gaps)"
             )
-        data = chunk.data
-        self._budget.reserve(len(data), holding=lambda: self._inflight)
+        self._budget.reserve(len(data), holding=self._held)
         with self._lock:
             self._inflight += len(data)
         self._size += len(data)
@@ -99,6 +99,11 @@ class FileUpload:
         self._to_verify.put(None)
         self._verifier.join()
         self._raise_if_failed()
+
+    def _held(self) -> int:
+        """Bytes this file holds in the budget: in flight to the disk, or kept for memory."""
+        with self._lock:
+            return self._inflight + (self._memory.size if self._memory is not None else 0)
 
     def finish(self, trailer: checkpoint_pb2.FileTrailer) -> FileRecord:
         """Wait for the verifier, check the trailer; the writer goes on in the background."""

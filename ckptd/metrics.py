@@ -33,7 +33,7 @@ class Metrics:
             ["tier", "op"], buckets=_SECONDS_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.failures = Counter(
-            "ckptd_failures", "Failed tier operations, damaged copies found and refused requests",
+            "ckptd_failures", "Failed tier operations and damaged copies found",
             ["tier", "op"], registry=self.registry,
         )  # fmt: skip
         self.commits = Counter(

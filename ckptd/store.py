@@ -196,8 +196,8 @@ class _OpenSave:
     record: SaveRecord
     # Whether its files' chunks are kept for the memory tier (until memory runs short).
     retain: bool
-    # Streams in progress, and the accepted file of each path (its disk write may still run).
-    streams: int = 0
+    # Files being streamed, and the accepted file of each path (its disk write may still run).
+    streaming: set[FileUpload] = field(default_factory=set)
     files: dict[str, FileUpload] = field(default_factory=dict)
     committing: bool = False
     touched: float = field(default_factory=time.monotonic)
@@ -227,7 +227,7 @@ class _Stream:
     def __exit__(self, *exc_info: object) -> None:
         if not self._done:
             self.upload.cancel()
-        self._store._stream_ended(self._save)
+        self._store._stream_ended(self._save, self.upload)
 
     def write(self, chunk: checkpoint_pb2.FileChunk) -> None:
         self._save.touched = time.monotonic()
@@ -455,7 +455,7 @@ class CheckpointStore:
         """Forget an open save: cancel its streams' files, release memory, remove its staging."""
         save = self._saves.pop(save_id, None)
         if save is not None:
-            for upload in save.files.values():
+            for upload in (*save.streaming, *save.files.values()):
                 upload.spill()
         self.ssd.discard_staging(save_id)
 
@@ -499,16 +499,16 @@ class CheckpointStore:
                 incoming = self.ssd.incoming_file()
             except OSError as exc:
                 raise Unavailable(f"{header.path}: ckptd cannot write to its SSD: {exc}") from None
-            save.streams += 1
+            upload = FileUpload(
+                header,
+                incoming,
+                self.budget,
+                save.retain,
+                lambda up: self._written(save, up),
+                self.metrics,
+            )
+            save.streaming.add(upload)
             save.touched = time.monotonic()
-        upload = FileUpload(
-            header,
-            incoming,
-            self.budget,
-            save.retain,
-            lambda up: self._written(save, up),
-            self.metrics,
-        )
         return _Stream(self, save, upload)
 
     def write_file(
@@ -523,9 +523,9 @@ class CheckpointStore:
                 stream.write(chunk)
             return stream.finish(trailer)
 
-    def _stream_ended(self, save: _OpenSave) -> None:
+    def _stream_ended(self, save: _OpenSave, upload: FileUpload) -> None:
         with self._lock:
-            save.streams -= 1
+            save.streaming.discard(upload)
             save.touched = time.monotonic()
 
     def _current(self, save: _OpenSave) -> bool:
@@ -561,9 +561,9 @@ class CheckpointStore:
         with self._lock:
             save = self._writable(save_id)
             key = save.record.key
-            if save.streams:
+            if save.streaming:
                 raise FailedPrecondition(
-                    f"cannot commit {key}: {save.streams} file(s) are still being written"
+                    f"cannot commit {key}: {len(save.streaming)} file(s) are still being written"
                 )
             save.committing = True
         try:
@@ -671,7 +671,11 @@ class CheckpointStore:
                     self.catalog.set_tier(key, MEMORY, ABSENT)
                     log.info("evicted %s from memory: the budget is full", key)
                     return
-            uploads = [up for save in self._saves.values() for up in save.files.values()]
+            uploads = [
+                upload
+                for save in self._saves.values()
+                for upload in (*save.streaming, *save.files.values())
+            ]
         for upload in uploads:
             upload.spill()
 

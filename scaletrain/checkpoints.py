@@ -19,10 +19,14 @@ from typing import IO
 from ckptd.client import CkptdClient
 from ckptd.config import CkptdConfig
 from ckptd.store import CheckpointStore, ckptd_running, list_offline
-from scaletrain.embedded import TIER_NAMES, committed_tiers
+from ckptd.tiers import TIER_NAMES as _TIER_NAMES
 from scaletrain.errors import NotFound, ScaletrainError, UserError
 from scaletrain.stack import S3_BUCKET, Workdir, s3_for_reading
 from scaletrain.v1 import checkpoint_pb2, common_pb2
+
+# Tier names as the command line prints them (it does not import the embedded stack: that would
+# cost every `ckpt` command a second of importing telemetry's query stack).
+TIER_NAMES = {tier: name.lower() for tier, name in _TIER_NAMES.items()}
 
 
 class Progress:
@@ -63,7 +67,7 @@ def _row(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
         "step": info.ref.step,
         "world_size": info.world_size,
         "bytes": info.total_bytes,
-        "tiers": committed_tiers(info),
+        "tiers": [TIER_NAMES[t] for t in _tiers_of(info)],
     }
 
 
