@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import google_crc32c
 import grpc
 
+from ckptd.wire import Chunk, crc32c, encode_write_request
 from scaletrain.errors import DataLoss, ScaletrainError
 from scaletrain.rpc import CHUNK_BYTES, DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
@@ -27,8 +28,9 @@ def _stream_timeout(nbytes: int) -> float:
     return DEFAULT_TIMEOUT_S + nbytes / _MIN_BYTES_PER_S
 
 
-def _chunks(data: Bytes | Iterable[Bytes]) -> Iterator[bytes]:
-    """Re-cut `data` into CHUNK_BYTES pieces: big buffers are sliced, small writes coalesced."""
+def _chunks(data: Bytes | Iterable[Bytes]) -> Iterator[memoryview]:
+    """Re-cut `data` into CHUNK_BYTES pieces: big buffers are viewed in place, small writes are
+    coalesced (the only copy the client makes before the wire; see `ckptd.wire`)."""
     pieces: Iterable[Bytes] = [data] if isinstance(data, bytes | bytearray | memoryview) else data
     pending = bytearray()
     for piece in pieces:
@@ -39,14 +41,14 @@ def _chunks(data: Bytes | Iterable[Bytes]) -> Iterator[bytes]:
             view = view[take:]
             if len(pending) < CHUNK_BYTES:
                 continue
-            yield bytes(pending)
+            yield memoryview(bytes(pending))
             pending.clear()
         while len(view) >= CHUNK_BYTES:
-            yield bytes(view[:CHUNK_BYTES])
+            yield view[:CHUNK_BYTES]
             view = view[CHUNK_BYTES:]
         pending += view
     if pending:
-        yield bytes(pending)
+        yield memoryview(bytes(pending))
 
 
 class CkptdClient:
@@ -56,6 +58,12 @@ class CkptdClient:
         self.address = address
         self._channel = make_channel(address)
         self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
+        # WriteFile with a serializer that puts chunk bytes on the wire in one copy (ckptd.wire).
+        self._write_file = self._channel.stream_unary(
+            "/scaletrain.v1.CheckpointService/WriteFile",
+            request_serializer=encode_write_request,
+            response_deserializer=checkpoint_pb2.WriteFileResponse.FromString,
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -108,7 +116,7 @@ class CkptdClient:
         """
         failures: list[BaseException] = []
 
-        def requests() -> Iterator[checkpoint_pb2.WriteFileRequest]:
+        def requests() -> Iterator[checkpoint_pb2.WriteFileRequest | Chunk]:
             yield checkpoint_pb2.WriteFileRequest(
                 header=checkpoint_pb2.FileHeader(save_id=save_id, path=path, rank=rank, kind=kind)
             )
@@ -117,12 +125,7 @@ class CkptdClient:
             try:
                 for chunk in _chunks(data):
                     sha.update(chunk)
-                    # Filled in place: a nested constructor would copy the chunk twice more.
-                    request = checkpoint_pb2.WriteFileRequest()
-                    request.chunk.offset = offset
-                    request.chunk.data = chunk
-                    request.chunk.crc32c = google_crc32c.value(chunk)
-                    yield request
+                    yield Chunk(offset, chunk, crc32c(chunk))
                     offset += len(chunk)
             except Exception as exc:  # re-raised below, after the stream ends
                 failures.append(exc)
@@ -133,7 +136,7 @@ class CkptdClient:
 
         timeout = _stream_timeout(len(data)) if isinstance(data, bytes | bytearray) else None
         try:
-            return self._stub.WriteFile(requests(), timeout=timeout)
+            return self._write_file(requests(), timeout=timeout)
         except grpc.RpcError as exc:
             if failures:
                 raise failures[0] from None

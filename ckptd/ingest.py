@@ -21,16 +21,18 @@ import threading
 import time
 from collections.abc import Callable
 
-import google_crc32c
-
 from ckptd.manifest import FileRecord
 from ckptd.metrics import Metrics
 from ckptd.tiers import BlockCrcs
 from ckptd.tiers.memory import MemoryBudget, MemoryFile
 from ckptd.tiers.ssd import IncomingFile
+from ckptd.wire import Chunk, crc32c
 from scaletrain.errors import InvalidArgument, ScaletrainError, Unavailable
 from scaletrain.rpc import MAX_CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
+
+# A chunk's bytes: a view into the received message (ckptd.wire), or bytes from protobuf.
+Data = bytes | memoryview
 
 
 class FileUpload:
@@ -64,8 +66,10 @@ class FileUpload:
         self._cancelled = False
         self._sha = hashlib.sha256()
         self._crcs = BlockCrcs()
-        self._to_verify: queue.SimpleQueue[tuple[int, bytes, int] | None] = queue.SimpleQueue()
-        self._to_disk: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._to_verify: queue.SimpleQueue[tuple[int, bytes | memoryview, int] | None] = (
+            queue.SimpleQueue()
+        )
+        self._to_disk: queue.SimpleQueue[Data | None] = queue.SimpleQueue()
         self._written = threading.Event()
         self._verifier = threading.Thread(target=self._verify_loop, daemon=True)
         self._writer = threading.Thread(target=self._write_loop, daemon=True)
@@ -74,7 +78,7 @@ class FileUpload:
 
     # -- the gRPC thread -------------------------------------------------------------------------
 
-    def write(self, chunk: checkpoint_pb2.FileChunk) -> None:
+    def write(self, chunk: checkpoint_pb2.FileChunk | Chunk) -> None:
         self._raise_if_failed()
         data = chunk.data  # protobuf copies the bytes at every access: take them once
         if len(data) > MAX_CHUNK_BYTES:
@@ -183,7 +187,7 @@ class FileUpload:
             if self._cancelled or self._error is not None:
                 self._drop(len(data))
                 continue
-            actual = google_crc32c.value(data)
+            actual = crc32c(data)
             if actual != crc:
                 self._fail(
                     InvalidArgument(

@@ -25,11 +25,15 @@ DURABLE = (SSD, S3)
 
 @dataclass(frozen=True)
 class RetentionPolicy:
-    """How many checkpoints of a run each tier keeps (see the module docstring)."""
+    """How many checkpoints of a run each tier keeps (see the module docstring).
+
+    The default sends every checkpoint to S3 (s3_every=1); a run that saves often asks for, say,
+    every 10th step plus the latest with its OpenSave, or ckptd is started with --s3-every.
+    """
 
     memory_last: int = 2
     ssd_last: int = 5
-    s3_every: int = 10
+    s3_every: int = 1
 
     def __post_init__(self) -> None:
         if self.memory_last < 0:

@@ -25,6 +25,7 @@ from ckptd.metrics import serve_metrics
 from ckptd.retention import RetentionPolicy
 from ckptd.store import CheckpointStore, TierCommit
 from ckptd.tiers import TIER_NAMES
+from ckptd.wire import decode_write_request
 from scaletrain.errors import InvalidArgument, UserError
 from scaletrain.rpc import CHUNK_BYTES, add_health, bind, make_channel, make_server, maps_errors
 from scaletrain.v1 import (
@@ -258,7 +259,19 @@ def start(config: CkptdConfig) -> RunningCkptd:
             reporter.close(0)
         raise
     server = make_server()
-    checkpoint_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(store), server)
+    servicer = CheckpointServicer(store)
+    checkpoint_pb2_grpc.add_CheckpointServiceServicer_to_server(servicer, server)
+    # WriteFile again, with a deserializer that hands chunk bytes over as views (ckptd.wire).
+    server.add_registered_method_handlers(
+        SERVICE_NAME,
+        {
+            "WriteFile": grpc.stream_unary_rpc_method_handler(
+                servicer.WriteFile,
+                request_deserializer=decode_write_request,
+                response_serializer=checkpoint_pb2.WriteFileResponse.SerializeToString,
+            )
+        },
+    )
     add_health(server, SERVICE_NAME)
     metrics = None
     try:

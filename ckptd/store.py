@@ -44,6 +44,7 @@ from ckptd.tiers import TIER_NAMES, CheckpointKey, Tier, block_span, first_bad_b
 from ckptd.tiers.memory import MemoryBudget, MemoryTier
 from ckptd.tiers.s3 import S3Tier, describe
 from ckptd.tiers.ssd import SsdTier
+from ckptd.wire import Chunk
 from scaletrain.errors import (
     AlreadyExists,
     DataLoss,
@@ -229,7 +230,7 @@ class _Stream:
             self.upload.cancel()
         self._store._stream_ended(self._save, self.upload)
 
-    def write(self, chunk: checkpoint_pb2.FileChunk) -> None:
+    def write(self, chunk: checkpoint_pb2.FileChunk | Chunk) -> None:
         self._save.touched = time.monotonic()
         self.upload.write(chunk)
 

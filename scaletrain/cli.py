@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     ckptd.add_argument("--metrics-host", default="127.0.0.1")
     ckptd.add_argument("--keep-memory", type=int, default=2, help="newest N in memory, per run")
     ckptd.add_argument("--keep-ssd", type=int, default=5, help="newest N on SSD, per run")
-    ckptd.add_argument("--s3-every", type=int, default=10, help="S3 keeps every Nth step + latest")
+    ckptd.add_argument(
+        "--s3-every", type=int, default=1, help="S3 keeps every Nth step + the latest (1: all)"
+    )
     ckptd.add_argument(
         "--abandon-after-s", type=float, default=600.0, help="abort a save idle this long"
     )

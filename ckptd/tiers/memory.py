@@ -72,14 +72,15 @@ class MemoryBudget:
 
 
 class MemoryFile:
-    """One file as the list of chunks it arrived in; reads gather the pieces of a range."""
+    """One file as the list of chunks it arrived in (views into the received messages, often);
+    reads gather the pieces of a range."""
 
     def __init__(self) -> None:
         self._starts: list[int] = []
-        self._chunks: list[bytes] = []
+        self._chunks: list[bytes | memoryview] = []
         self.size = 0
 
-    def append(self, data: bytes) -> None:
+    def append(self, data: bytes | memoryview) -> None:
         self._starts.append(self.size)
         self._chunks.append(data)
         self.size += len(data)
@@ -96,7 +97,7 @@ class MemoryFile:
             pieces.append(take)
             offset += len(take)
             i += 1
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
 
 
 class MemoryTier:

@@ -50,7 +50,7 @@ class IncomingFile:
         self.path = path
         self._file: BinaryIO = open(path, "wb", buffering=0)  # noqa: SIM115 (closed by close/discard)
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         while view:
             view = view[self._file.write(view) :]
