@@ -1,8 +1,12 @@
 """The catalog: every checkpoint ckptd knows, its files, and its state on each tier, in SQLite.
 
 It lives in the data dir beside the SSD tier (`data_dir/catalog.db`) so that the command line can
-list and export checkpoints with no service running, and so that a restarted ckptd knows which
-uploads to S3 it still owes. WAL mode lets such an offline reader look while ckptd writes.
+list and export checkpoints with no service running. It is an index, not the truth: the truth is
+the commit markers on the tiers (`ckptd.manifest`), and a restart reconciles the catalog with
+them, or rebuilds it whole when it is lost. Two of its tables are the persistent work queues of
+the S3 tier: a committed checkpoint whose S3 state is PENDING or FAILED still has to be uploaded,
+and a row of `deletions` still has to be removed from S3. WAL mode lets an offline reader look
+while ckptd writes.
 """
 
 from __future__ import annotations
@@ -18,14 +22,18 @@ from pathlib import Path
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from ckptd.manifest import FileRecord, Manifest
+from ckptd.retention import RetentionPolicy
 from ckptd.tiers import TIER_NAMES, CheckpointKey
 from scaletrain.errors import UserError
 from scaletrain.v1 import checkpoint_pb2
 
 CATALOG_FILE = "catalog.db"
-SCHEMA_VERSION = 1
+# 2 added `runs` (retention per run) and `deletions`; a version-1 catalog gains them on open.
+SCHEMA_VERSION = 2
 
 OPEN, COMMITTED, ABORTED = "open", "committed", "aborted"
+TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (
@@ -63,24 +71,19 @@ CREATE TABLE IF NOT EXISTS tiers (
     PRIMARY KEY (run, step, tier),
     FOREIGN KEY (run, step) REFERENCES checkpoints (run, step) ON DELETE CASCADE
 );
+CREATE TABLE IF NOT EXISTS runs (
+    run TEXT PRIMARY KEY,
+    memory_last INTEGER NOT NULL,
+    ssd_last INTEGER NOT NULL,
+    s3_every INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS deletions (
+    run TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    queued_at REAL NOT NULL,
+    PRIMARY KEY (run, step)
+);
 """
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    """A received, verified file of a checkpoint; block_crcs are the per-block CRC-32Cs."""
-
-    path: str
-    rank: int
-    kind: int
-    size: int
-    sha256: str
-    block_crcs: bytes
-
-    def to_proto(self) -> checkpoint_pb2.FileInfo:
-        return checkpoint_pb2.FileInfo(
-            path=self.path, rank=self.rank, kind=self.kind, size=self.size, sha256=self.sha256
-        )
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class SaveRecord:
     world_size: int
     state: str
     created_at: float
+    labels: dict[str, str]
 
 
 def _timestamp(seconds: float | None) -> Timestamp | None:
@@ -114,6 +118,7 @@ class Catalog:
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             uri = f"file:{path}"
+        self.created = not readonly and not path.exists()
         self._db = sqlite3.connect(
             uri, uri=True, isolation_level=None, check_same_thread=False, timeout=30
         )
@@ -123,8 +128,8 @@ class Catalog:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = FULL")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
-                raise UserError(f"{path} has catalog schema {version}; this ckptd knows 1")
+            if version not in (0, 1, SCHEMA_VERSION):
+                raise UserError(f"{path} has catalog schema {version}; this ckptd knows 1 and 2")
             self._db.executescript(_SCHEMA)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
@@ -161,34 +166,32 @@ class Catalog:
                 (key.run, key.step, save_id, world_size, OPEN, json.dumps(labels), time.time()),
             )
 
+    _SAVE_COLUMNS = "save_id, run, step, world_size, state, created_at, labels"
+
     def save(self, save_id: str) -> SaveRecord | None:
         rows = self._query(
-            "SELECT save_id, run, step, world_size, state, created_at FROM checkpoints "
-            "WHERE save_id = ?",
-            (save_id,),
+            f"SELECT {self._SAVE_COLUMNS} FROM checkpoints WHERE save_id = ?", (save_id,)
         )
         return self._save_record(rows[0]) if rows else None
 
     def save_of(self, key: CheckpointKey) -> SaveRecord | None:
         rows = self._query(
-            "SELECT save_id, run, step, world_size, state, created_at FROM checkpoints "
-            "WHERE run = ? AND step = ?",
+            f"SELECT {self._SAVE_COLUMNS} FROM checkpoints WHERE run = ? AND step = ?",
             (key.run, key.step),
         )
         return self._save_record(rows[0]) if rows else None
 
-    def open_saves(self) -> list[SaveRecord]:
+    def saves_in(self, state: str) -> list[SaveRecord]:
         rows = self._query(
-            "SELECT save_id, run, step, world_size, state, created_at FROM checkpoints "
-            "WHERE state = ?",
-            (OPEN,),
+            f"SELECT {self._SAVE_COLUMNS} FROM checkpoints WHERE state = ?", (state,)
         )
         return [self._save_record(row) for row in rows]
 
     @staticmethod
     def _save_record(row: tuple) -> SaveRecord:
-        save_id, run, step, world_size, state, created_at = row
-        return SaveRecord(save_id, CheckpointKey(run, step), world_size, state, created_at)
+        save_id, run, step, world_size, state, created_at, labels = row
+        key = CheckpointKey(run, step)
+        return SaveRecord(save_id, key, world_size, state, created_at, json.loads(labels))
 
     def add_file(self, key: CheckpointKey, record: FileRecord) -> None:
         with self._tx() as db:
@@ -219,31 +222,137 @@ class Catalog:
         with self._tx() as db:
             db.execute("DELETE FROM files WHERE run = ? AND step = ?", (key.run, key.step))
 
-    def finish_save(self, key: CheckpointKey, state: str, reason: str = "") -> None:
-        """Mark a save committed (visible from now on) or aborted (kept only for listing)."""
+    def abort_save(self, key: CheckpointKey, reason: str) -> None:
+        """Mark a save aborted (kept only for listing, until purged) and forget its files."""
         with self._tx() as db:
+            db.execute("DELETE FROM files WHERE run = ? AND step = ?", (key.run, key.step))
             db.execute(
-                "UPDATE checkpoints SET state = ?, committed_at = ?, reason = ? "
+                "UPDATE checkpoints SET state = ?, reason = ?, created_at = ? "
                 "WHERE run = ? AND step = ?",
-                (state, time.time() if state == COMMITTED else None, reason, key.run, key.step),
+                (ABORTED, reason, time.time(), key.run, key.step),
             )
 
-    def delete(self, key: CheckpointKey) -> None:
+    def purge_aborted(self, before: float) -> int:
+        """Forget aborted saves older than `before` (their files are long gone)."""
+        with self._tx() as db:
+            return db.execute(
+                "DELETE FROM checkpoints WHERE state = ? AND created_at < ?", (ABORTED, before)
+            ).rowcount
+
+    def record_commit(self, manifest: Manifest, tier: int) -> None:
+        """Make `manifest` a committed checkpoint held by `tier`, whatever the catalog said.
+
+        Used by commit and by recovery from a tier's marker (after a crash between the marker and
+        the catalog, or with a lost catalog): the marker is the truth.
+        """
+        key = manifest.key
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT state FROM checkpoints WHERE run = ? AND step = ?", (key.run, key.step)
+            ).fetchone()
+            if row is None:
+                db.execute(
+                    "INSERT INTO checkpoints (run, step, save_id, world_size, state, labels, "
+                    "created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (key.run, key.step, f"recovered-{key.run}-{key.step}", manifest.world_size,
+                     OPEN, json.dumps(manifest.labels), manifest.created_at),
+                )  # fmt: skip
+            if row is None or row[0] != COMMITTED:
+                db.execute("DELETE FROM files WHERE run = ? AND step = ?", (key.run, key.step))
+                db.executemany(
+                    "INSERT INTO files (run, step, path, rank, kind, size, sha256, block_crcs) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(key.run, key.step, f.path, f.rank, f.kind, f.size, f.sha256, f.block_crcs)
+                     for f in manifest.files],
+                )  # fmt: skip
+                db.execute(
+                    "UPDATE checkpoints SET state = ?, committed_at = ?, world_size = ?, "
+                    "labels = ? WHERE run = ? AND step = ?",
+                    (COMMITTED, manifest.committed_at or time.time(), manifest.world_size,
+                     json.dumps(manifest.labels), key.run, key.step),
+                )  # fmt: skip
+            self._set_tier(db, key, tier, TIER_COMMITTED, manifest.total_bytes, "")
+
+    def manifest(self, key: CheckpointKey) -> Manifest | None:
+        """The manifest of a committed checkpoint, as its markers carry it."""
+        save = self.save_of(key)
+        if save is None or save.state != COMMITTED:
+            return None
+        committed_at = self._query(
+            "SELECT committed_at FROM checkpoints WHERE run = ? AND step = ?", (key.run, key.step)
+        )[0][0]
+        return Manifest(
+            key=key,
+            world_size=save.world_size,
+            files=tuple(self.files(key)),
+            labels=save.labels,
+            created_at=save.created_at,
+            committed_at=committed_at or 0.0,
+        )
+
+    def delete(self, key: CheckpointKey, s3_too: bool = False) -> None:
+        """Forget a checkpoint; with `s3_too`, queue the removal of its S3 objects."""
         with self._tx() as db:
             db.execute("DELETE FROM checkpoints WHERE run = ? AND step = ?", (key.run, key.step))
+            if s3_too:
+                self._queue_deletion(db, key)
+
+    def queue_deletion(self, key: CheckpointKey) -> None:
+        """Remember that `key`'s S3 objects must go, until `deletion_done`."""
+        with self._tx() as db:
+            self._queue_deletion(db, key)
+
+    @staticmethod
+    def _queue_deletion(db: sqlite3.Connection, key: CheckpointKey) -> None:
+        db.execute(
+            "INSERT OR REPLACE INTO deletions (run, step, queued_at) VALUES (?, ?, ?)",
+            (key.run, key.step, time.time()),
+        )
+
+    def deletions(self) -> list[CheckpointKey]:
+        rows = self._query("SELECT run, step FROM deletions ORDER BY queued_at")
+        return [CheckpointKey(run, step) for run, step in rows]
+
+    def deletion_done(self, key: CheckpointKey) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM deletions WHERE run = ? AND step = ?", (key.run, key.step))
+
+    # -- runs ------------------------------------------------------------------------------------
+
+    def set_policy(self, run: str, policy: RetentionPolicy) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO runs (run, memory_last, ssd_last, s3_every) "
+                "VALUES (?, ?, ?, ?)",
+                (run, policy.memory_last, policy.ssd_last, policy.s3_every),
+            )
+
+    def policy(self, run: str) -> RetentionPolicy | None:
+        rows = self._query("SELECT memory_last, ssd_last, s3_every FROM runs WHERE run = ?", (run,))
+        return RetentionPolicy(*rows[0]) if rows else None
+
+    def runs(self) -> list[str]:
+        rows = self._query("SELECT DISTINCT run FROM checkpoints WHERE state = ?", (COMMITTED,))
+        return [run for (run,) in rows]
 
     # -- tiers -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _set_tier(
+        db: sqlite3.Connection, key: CheckpointKey, tier: int, state: int, nbytes: int, error: str
+    ) -> None:
+        db.execute(
+            "INSERT OR REPLACE INTO tiers (run, step, tier, state, bytes, updated_at, error) "
+            "SELECT run, step, ?, ?, ?, ?, ? FROM checkpoints WHERE run = ? AND step = ?",
+            (tier, state, nbytes, time.time(), error, key.run, key.step),
+        )
 
     def set_tier(
         self, key: CheckpointKey, tier: int, state: int, nbytes: int = 0, error: str = ""
     ) -> None:
         """Record a tier's state; a no-op when the checkpoint was deleted meanwhile."""
         with self._tx() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO tiers (run, step, tier, state, bytes, updated_at, error) "
-                "SELECT run, step, ?, ?, ?, ?, ? FROM checkpoints WHERE run = ? AND step = ?",
-                (tier, state, nbytes, time.time(), error, key.run, key.step),
-            )
+            self._set_tier(db, key, tier, state, nbytes, error)
 
     def tier_state(self, key: CheckpointKey, tier: int) -> int:
         rows = self._query(
@@ -255,19 +364,24 @@ class Catalog:
     def committed_on(self, tier: int) -> list[CheckpointKey]:
         rows = self._query(
             "SELECT run, step FROM tiers WHERE tier = ? AND state = ? ORDER BY run, step",
-            (tier, checkpoint_pb2.TIER_STATE_COMMITTED),
+            (tier, TIER_COMMITTED),
         )
         return [CheckpointKey(run, step) for run, step in rows]
 
-    def missing_on(self, tier: int) -> list[CheckpointKey]:
-        """Committed checkpoints that `tier` does not hold a committed copy of."""
-        rows = self._query(
-            "SELECT c.run, c.step FROM checkpoints c LEFT JOIN tiers t "
-            "ON t.run = c.run AND t.step = c.step AND t.tier = ? "
-            "WHERE c.state = ? AND (t.state IS NULL OR t.state != ?) ORDER BY c.run, c.step",
-            (tier, COMMITTED, checkpoint_pb2.TIER_STATE_COMMITTED),
-        )
-        return [CheckpointKey(run, step) for run, step in rows]
+    def run_states(self, run: str) -> dict[int, dict[int, int]]:
+        """step -> {tier: state} for every committed checkpoint of `run`."""
+        states: dict[int, dict[int, int]] = {}
+        with self._lock:
+            for (step,) in self._db.execute(
+                "SELECT step FROM checkpoints WHERE run = ? AND state = ?", (run, COMMITTED)
+            ):
+                states[step] = {}
+            for step, tier, state in self._db.execute(
+                "SELECT step, tier, state FROM tiers WHERE run = ?", (run,)
+            ):
+                if step in states:
+                    states[step][tier] = state
+        return states
 
     # -- listing ---------------------------------------------------------------------------------
 
@@ -298,12 +412,14 @@ class Catalog:
     def _infos(self, where: str, args: tuple) -> list[checkpoint_pb2.CheckpointInfo]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT run, step, world_size, state, labels, created_at, committed_at "
-                f"FROM checkpoints c WHERE {where} ORDER BY run, step",
+                "SELECT c.run, c.step, c.world_size, c.state, c.labels, c.created_at, "
+                "c.committed_at, r.memory_last, r.ssd_last, r.s3_every "
+                f"FROM checkpoints c LEFT JOIN runs r ON r.run = c.run WHERE {where} "
+                "ORDER BY c.run, c.step",
                 args,
             ).fetchall()
             infos = []
-            for run, step, world_size, state, labels, created_at, committed_at in rows:
+            for run, step, world_size, state, labels, created, committed, *policy in rows:
                 files = self._db.execute(
                     "SELECT path, rank, kind, size, sha256, block_crcs FROM files "
                     "WHERE run = ? AND step = ? ORDER BY path",
@@ -323,10 +439,12 @@ class Catalog:
                     committed=state == COMMITTED,
                     files=[FileRecord(*f).to_proto() for f in files],
                     total_bytes=sum(f[3] for f in files),
-                    created_at=_timestamp(created_at),
-                    committed_at=_timestamp(committed_at),
+                    created_at=_timestamp(created),
+                    committed_at=_timestamp(committed),
                     labels=json.loads(labels),
                 )
+                if policy[0] is not None:
+                    info.retention.CopyFrom(RetentionPolicy(*policy).to_proto())
                 for tier in TIER_NAMES:
                     tier_state, nbytes, updated_at, error = tiers.get(
                         tier, (checkpoint_pb2.TIER_STATE_ABSENT, 0, None, "")

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import google_crc32c
 import grpc
 
+from ckptd.wire import Chunk, crc32c, encode_write_request
 from scaletrain.errors import DataLoss, ScaletrainError
 from scaletrain.rpc import CHUNK_BYTES, DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
@@ -27,8 +28,9 @@ def _stream_timeout(nbytes: int) -> float:
     return DEFAULT_TIMEOUT_S + nbytes / _MIN_BYTES_PER_S
 
 
-def _chunks(data: Bytes | Iterable[Bytes]) -> Iterator[bytes]:
-    """Re-cut `data` into CHUNK_BYTES pieces: big buffers are sliced, small writes coalesced."""
+def _chunks(data: Bytes | Iterable[Bytes]) -> Iterator[memoryview]:
+    """Re-cut `data` into CHUNK_BYTES pieces: big buffers are viewed in place, small writes are
+    coalesced (the only copy the client makes before the wire; see `ckptd.wire`)."""
     pieces: Iterable[Bytes] = [data] if isinstance(data, bytes | bytearray | memoryview) else data
     pending = bytearray()
     for piece in pieces:
@@ -39,14 +41,14 @@ def _chunks(data: Bytes | Iterable[Bytes]) -> Iterator[bytes]:
             view = view[take:]
             if len(pending) < CHUNK_BYTES:
                 continue
-            yield bytes(pending)
+            yield memoryview(bytes(pending))
             pending.clear()
         while len(view) >= CHUNK_BYTES:
-            yield bytes(view[:CHUNK_BYTES])
+            yield view[:CHUNK_BYTES]
             view = view[CHUNK_BYTES:]
         pending += view
     if pending:
-        yield bytes(pending)
+        yield memoryview(bytes(pending))
 
 
 class CkptdClient:
@@ -56,6 +58,12 @@ class CkptdClient:
         self.address = address
         self._channel = make_channel(address)
         self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
+        # WriteFile with a serializer that puts chunk bytes on the wire in one copy (ckptd.wire).
+        self._write_file = self._channel.stream_unary(
+            "/scaletrain.v1.CheckpointService/WriteFile",
+            request_serializer=encode_write_request,
+            response_deserializer=checkpoint_pb2.WriteFileResponse.FromString,
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -72,13 +80,22 @@ class CkptdClient:
     # -- save ------------------------------------------------------------------------------------
 
     def open_save(
-        self, run: str, step: int, world_size: int, labels: Mapping[str, str] | None = None
+        self,
+        run: str,
+        step: int,
+        world_size: int,
+        labels: Mapping[str, str] | None = None,
+        retention: checkpoint_pb2.RetentionPolicy | None = None,
     ) -> str:
-        """Start a save of (run, step) written by `world_size` ranks; returns its save id."""
+        """Start a save of (run, step) written by `world_size` ranks; returns its save id.
+
+        `retention`, if given, becomes the run's policy from now on.
+        """
         request = checkpoint_pb2.OpenSaveRequest(
             ref=checkpoint_pb2.CheckpointRef(run=run, step=step),
             world_size=world_size,
             labels=dict(labels or {}),
+            retention=retention,
         )
         try:
             return self._stub.OpenSave(request, timeout=DEFAULT_TIMEOUT_S).save_id
@@ -99,7 +116,7 @@ class CkptdClient:
         """
         failures: list[BaseException] = []
 
-        def requests() -> Iterator[checkpoint_pb2.WriteFileRequest]:
+        def requests() -> Iterator[checkpoint_pb2.WriteFileRequest | Chunk]:
             yield checkpoint_pb2.WriteFileRequest(
                 header=checkpoint_pb2.FileHeader(save_id=save_id, path=path, rank=rank, kind=kind)
             )
@@ -108,11 +125,7 @@ class CkptdClient:
             try:
                 for chunk in _chunks(data):
                     sha.update(chunk)
-                    yield checkpoint_pb2.WriteFileRequest(
-                        chunk=checkpoint_pb2.FileChunk(
-                            offset=offset, data=chunk, crc32c=google_crc32c.value(chunk)
-                        )
-                    )
+                    yield Chunk(offset, chunk, crc32c(chunk))
                     offset += len(chunk)
             except Exception as exc:  # re-raised below, after the stream ends
                 failures.append(exc)
@@ -123,7 +136,7 @@ class CkptdClient:
 
         timeout = _stream_timeout(len(data)) if isinstance(data, bytes | bytearray) else None
         try:
-            return self._stub.WriteFile(requests(), timeout=timeout)
+            return self._write_file(requests(), timeout=timeout)
         except grpc.RpcError as exc:
             if failures:
                 raise failures[0] from None
@@ -160,17 +173,19 @@ class CkptdClient:
     # -- read ------------------------------------------------------------------------------------
 
     def read_stream(
-        self, run: str, step: int, path: str, offset: int = 0, length: int = 0
+        self, run: str, step: int, path: str, offset: int = 0, length: int = 0, tier: int = 0
     ) -> Iterator[bytes]:
         """Yield the bytes of [offset, offset+length) of a file (length 0: to the end), verified.
 
-        Raises DataLoss if a chunk fails its CRC-32C or arrives out of place.
+        `tier` (common_pb2.Tier) reads only that tier's copy. Raises DataLoss if a chunk fails
+        its CRC-32C or arrives out of place.
         """
         request = checkpoint_pb2.ReadFileRequest(
             ref=checkpoint_pb2.CheckpointRef(run=run, step=step),
             path=path,
             offset=offset,
             length=length,
+            tier=tier,
         )
         what = f"read {run}/{step}/{path}"
         expected = offset
@@ -187,13 +202,18 @@ class CkptdClient:
     def read(self, run: str, step: int, path: str, offset: int = 0, length: int = 0) -> bytes:
         return b"".join(self.read_stream(run, step, path, offset, length))
 
-    def delete(self, run: str, step: int) -> list[int]:
-        """Remove a checkpoint from every tier; returns the tiers (common_pb2.Tier) it left."""
+    def delete(self, run: str, step: int) -> tuple[list[int], list[int]]:
+        """Remove a checkpoint from every tier.
+
+        Returns the tiers (common_pb2.Tier) it left, and those it is still leaving in the
+        background (S3); it is invisible from now on either way.
+        """
         request = checkpoint_pb2.DeleteCheckpointRequest(
             ref=checkpoint_pb2.CheckpointRef(run=run, step=step)
         )
         try:
-            return list(self._stub.DeleteCheckpoint(request, timeout=DEFAULT_TIMEOUT_S).tiers)
+            reply = self._stub.DeleteCheckpoint(request, timeout=DEFAULT_TIMEOUT_S)
+            return list(reply.tiers), list(reply.pending)
         except grpc.RpcError as exc:
             raise self._error(exc, f"delete {run}/{step}") from None
 

@@ -8,8 +8,12 @@ and are hidden from `repr`, so a logged config never leaks them.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from ckptd.retention import RetentionPolicy
+
+MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -21,9 +25,17 @@ class S3Config:
     region: str = "us-east-1"
     access_key_id: str = ""
     secret_access_key: str = ""
-    # A failed upload is retried this many times in all, waiting backoff_s, 2*backoff_s, ...
-    upload_attempts: int = 5
-    backoff_s: float = 1.0
+    # Each request is tried this many times, waiting a random 0..min(backoff_max_s,
+    # backoff_s * 2**n) between tries; a failed upload is retried as a whole after the same kind
+    # of wait, for as long as the checkpoint is wanted on S3.
+    attempts: int = 5
+    backoff_s: float = 0.5
+    backoff_max_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    # Multipart uploads: part size (S3 wants >= 5 MiB) and parts in flight at once.
+    part_bytes: int = 16 * MiB
+    parallel_parts: int = 4
 
     @classmethod
     def from_env(cls, endpoint_url: str, bucket: str = "scaletrain") -> S3Config:
@@ -50,12 +62,21 @@ class CkptdConfig:
 
     data_dir: Path
     listen: str = "127.0.0.1:0"
+    # Memory for the memory tier and for the chunks in flight, together.
     memory_budget_bytes: int = 1 << 30
     s3: S3Config | None = None
     # HOST:PORT of the telemetry service that receives one event per tier commit; None: no events.
     telemetry: str | None = None
+    # Retention of a run that never sent a policy with OpenSave.
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    # An open save with no write for this long is aborted and its files removed.
+    abandon_after_s: float = 600.0
+    # HOST:PORT for the Prometheus metrics endpoint; None: no endpoint.
+    metrics_listen: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.memory_budget_bytes < 0:
             raise ValueError(f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")
+        if self.abandon_after_s <= 0:
+            raise ValueError(f"abandon_after_s must be > 0, got {self.abandon_after_s}")

@@ -13,15 +13,20 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
 
 import google_crc32c
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from ckptd import logs
 from ckptd.config import CkptdConfig
+from ckptd.metrics import serve_metrics
+from ckptd.retention import RetentionPolicy
 from ckptd.store import CheckpointStore, TierCommit
 from ckptd.tiers import TIER_NAMES
-from scaletrain.errors import InvalidArgument
+from ckptd.wire import decode_write_request
+from scaletrain.errors import InvalidArgument, UserError
 from scaletrain.rpc import CHUNK_BYTES, add_health, bind, make_channel, make_server, maps_errors
 from scaletrain.v1 import (
     checkpoint_pb2,
@@ -45,7 +50,12 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     def OpenSave(
         self, request: checkpoint_pb2.OpenSaveRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.OpenSaveResponse:
-        save_id = self._store.open_save(request.ref, request.world_size, dict(request.labels))
+        retention = (
+            RetentionPolicy.from_proto(request.retention) if request.HasField("retention") else None
+        )
+        save_id = self._store.open_save(
+            request.ref, request.world_size, dict(request.labels), retention
+        )
         return checkpoint_pb2.OpenSaveResponse(save_id=save_id)
 
     @maps_errors
@@ -58,20 +68,21 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidArgument("WriteFile stream must start with a header")
         path = first.header.path
-        with self._store.begin_file(first.header) as upload:
+        with self._store.begin_file(first.header) as stream:
             for message in request_iterator:
                 part = message.WhichOneof("part")
                 if part == "chunk":
-                    upload.write(message.chunk)
+                    stream.write(message.chunk)
                 elif part == "trailer":
                     if next(request_iterator, None) is not None:
                         raise InvalidArgument(f"{path}: messages after the trailer")
-                    record = upload.finish(message.trailer)
+                    record = stream.finish(message.trailer)
                     return checkpoint_pb2.WriteFileResponse(
                         path=record.path, size=record.size, sha256=record.sha256
                     )
                 else:
                     raise InvalidArgument(f"{path}: a second header or an empty message")
+            stream.upload.verified()  # a bad chunk is the better reason to report
         raise InvalidArgument(f"{path}: stream ended without a trailer")
 
     @maps_errors
@@ -105,7 +116,12 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
         self, request: checkpoint_pb2.ReadFileRequest, context: grpc.ServicerContext
     ) -> Iterator[checkpoint_pb2.ReadFileResponse]:
         pieces = self._store.iter_range(
-            request.ref, request.path, request.offset, request.length, piece_bytes=CHUNK_BYTES
+            request.ref,
+            request.path,
+            request.offset,
+            request.length,
+            piece_bytes=CHUNK_BYTES,
+            tier=request.tier,
         )
         for tier, offset, data in pieces:
             yield checkpoint_pb2.ReadFileResponse(
@@ -116,7 +132,8 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     def DeleteCheckpoint(
         self, request: checkpoint_pb2.DeleteCheckpointRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.DeleteCheckpointResponse:
-        return checkpoint_pb2.DeleteCheckpointResponse(tiers=self._store.delete(request.ref))
+        removed, pending = self._store.delete(request.ref)
+        return checkpoint_pb2.DeleteCheckpointResponse(tiers=removed, pending=pending)
 
 
 class TelemetryReporter:
@@ -211,16 +228,22 @@ class RunningCkptd:
         reporter: TelemetryReporter | None,
         host: str,
         port: int,
+        metrics: WSGIServer | None = None,
     ) -> None:
         self.address = f"{host}:{port}"
         self.port = port
         self.store = store
         self._server = server
         self._reporter = reporter
+        self._metrics = metrics
+        self.metrics_port = metrics.server_port if metrics is not None else None
 
     def stop(self, grace: float = 5.0) -> None:
         """Refuse new calls, let calls in flight (and an S3 upload) finish within `grace`."""
         self._server.stop(grace).wait()
+        if self._metrics is not None:
+            self._metrics.shutdown()
+            self._metrics.server_close()
         self.store.close(timeout_s=grace)
         if self._reporter is not None:
             self._reporter.close(timeout_s=grace)
@@ -236,26 +259,49 @@ def start(config: CkptdConfig) -> RunningCkptd:
             reporter.close(0)
         raise
     server = make_server()
-    checkpoint_pb2_grpc.add_CheckpointServiceServicer_to_server(CheckpointServicer(store), server)
+    servicer = CheckpointServicer(store)
+    checkpoint_pb2_grpc.add_CheckpointServiceServicer_to_server(servicer, server)
+    # WriteFile again, with a deserializer that hands chunk bytes over as views (ckptd.wire).
+    server.add_registered_method_handlers(
+        SERVICE_NAME,
+        {
+            "WriteFile": grpc.stream_unary_rpc_method_handler(
+                servicer.WriteFile,
+                request_deserializer=decode_write_request,
+                response_serializer=checkpoint_pb2.WriteFileResponse.SerializeToString,
+            )
+        },
+    )
     add_health(server, SERVICE_NAME)
+    metrics = None
     try:
         port = bind(server, config.listen)
+        if config.metrics_listen is not None:
+            try:
+                metrics, _ = serve_metrics(store.metrics, config.metrics_listen)
+            except OSError as exc:
+                raise UserError(f"cannot serve metrics on {config.metrics_listen}: {exc}") from None
     except BaseException:
         store.close(0)
         if reporter is not None:
             reporter.close(0)
         raise
     server.start()
-    return RunningCkptd(server, store, reporter, config.listen.rsplit(":", 1)[0], port)
+    return RunningCkptd(server, store, reporter, config.listen.rsplit(":", 1)[0], port, metrics)
 
 
-def serve(config: CkptdConfig, grace: float = 5.0) -> None:
+def serve(config: CkptdConfig, grace: float = 5.0, log_format: str = "json") -> None:
     """Run ckptd in the foreground until SIGTERM or SIGINT, then stop cleanly."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(log_format)
     running = start(config)
-    print(f"ckptd listening on {running.address}", flush=True)
+    line = f"ckptd listening on {running.address}"
+    if running.metrics_port is not None:
+        line += f", metrics on port {running.metrics_port}"
+    print(line, flush=True)
+    log.info(
+        "ckptd started on %s", running.address,
+        extra={"data_dir": str(config.data_dir), "s3": config.s3 is not None},
+    )  # fmt: skip
     stopping = threading.Event()
     previous = {
         sig: signal.signal(sig, lambda *_: stopping.set())

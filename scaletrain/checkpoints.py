@@ -1,22 +1,64 @@
-"""`scaletrain ckpt`: list and export checkpoints, from a running ckptd or from a work directory.
+"""`scaletrain ckpt`: list, show, verify, export and remove checkpoints.
 
-Offline, the listing reads ckptd's catalog in the work directory; an export reads the SSD copy, or
-starts the work directory's own S3 server for as long as it takes when only S3 holds the
-checkpoint.
+Each command works against a running ckptd (`--ckptd HOST:PORT`) or, with no service running, on a
+work directory: listing and showing read ckptd's catalog there; verifying, exporting and removing
+open the data dir as a store, starting the work directory's own S3 server for as long as it takes
+when S3 holds a copy. Long transfers report their progress on stderr (`Progress`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 from ckptd.client import CkptdClient
 from ckptd.config import CkptdConfig
 from ckptd.store import CheckpointStore, ckptd_running, list_offline
-from scaletrain.embedded import TIER_NAMES, committed_tiers
-from scaletrain.errors import NotFound, UserError
+from ckptd.tiers import TIER_NAMES as _TIER_NAMES
+from scaletrain.errors import NotFound, ScaletrainError, UserError
 from scaletrain.stack import S3_BUCKET, Workdir, s3_for_reading
 from scaletrain.v1 import checkpoint_pb2, common_pb2
+
+# Tier names as the command line prints them (it does not import the embedded stack: that would
+# cost every `ckpt` command a second of importing telemetry's query stack).
+TIER_NAMES = {tier: name.lower() for tier, name in _TIER_NAMES.items()}
+
+
+class Progress:
+    """A byte counter on stderr: redrawn in place on a terminal, a line a second otherwise."""
+
+    def __init__(self, label: str, total: int, out: IO[str] | None = None) -> None:
+        self.label, self.total = label, total
+        self._out = out or sys.stderr
+        self._tty = self._out.isatty()
+        self._done = 0
+        self._started = time.monotonic()
+        self._shown = 0.0
+
+    def __call__(self, nbytes: int) -> None:
+        self._done += nbytes
+        now = time.monotonic()
+        if now - self._shown >= (0.1 if self._tty else 1.0):
+            self._shown = now
+            self._draw(end="\r" if self._tty else "\n")
+
+    def finish(self) -> None:
+        self._draw(end="\n")
+
+    def _draw(self, end: str) -> None:
+        elapsed = max(time.monotonic() - self._started, 1e-6)
+        share = self._done / self.total if self.total else 1.0
+        bar = "#" * int(share * 20)
+        self._out.write(
+            f"{self.label} [{bar:<20}] {self._done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB "
+            f"{share:4.0%} {self._done / elapsed / 1e6:,.0f} MB/s{end}"
+        )
+        self._out.flush()
 
 
 def _row(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
@@ -25,7 +67,7 @@ def _row(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
         "step": info.ref.step,
         "world_size": info.world_size,
         "bytes": info.total_bytes,
-        "tiers": committed_tiers(info),
+        "tiers": [TIER_NAMES[t] for t in _tiers_of(info)],
     }
 
 
@@ -40,20 +82,57 @@ def list_checkpoints(workdir: Path, ckptd: str | None, run: str | None) -> list[
     return [_row(i) for i in sorted(infos, key=lambda i: (i.ref.run, i.ref.step))]
 
 
-def export(workdir: Path, ckptd: str | None, run: str, step: int, dest: Path) -> list[Path]:
-    """Write checkpoint (run, step) as a plain DCP directory at `dest`, checksums verified."""
-    ref = checkpoint_pb2.CheckpointRef(run=run, step=step)
+def show(workdir: Path, ckptd: str | None, run: str, step: int | None) -> dict[str, object]:
+    """Everything known of one checkpoint (`step` None: the run's latest): files, tiers, policy."""
+    info = _info(workdir, ckptd, run, step)
+    return {
+        **_row(info),
+        "labels": dict(info.labels),
+        "retention": {
+            "memory_last": info.retention.memory_last,
+            "ssd_last": info.retention.ssd_last,
+            "s3_every": info.retention.s3_every,
+        }
+        if info.HasField("retention")
+        else None,
+        "tier_states": {
+            TIER_NAMES[t.tier]: {
+                "state": checkpoint_pb2.TierState.Name(t.state).removeprefix("TIER_STATE_"),
+                "bytes": t.bytes,
+                "error": t.error,
+            }
+            for t in info.tiers
+        },
+        "files": [
+            {"path": f.path, "rank": f.rank, "bytes": f.size, "sha256": f.sha256}
+            for f in info.files
+        ],
+    }
+
+
+def _info(
+    workdir: Path, ckptd: str | None, run: str, step: int | None
+) -> checkpoint_pb2.CheckpointInfo:
     if ckptd:
         with CkptdClient(ckptd) as client:
-            return _export_from_client(client, ref, dest)
+            return client.get(run, step)
+    data_dir = Workdir(workdir).ckptd
+    infos = list_offline(data_dir, run) if (data_dir / "catalog.db").exists() else []
+    if step is None and infos:
+        return max(infos, key=lambda i: i.ref.step)
+    for info in infos:
+        if info.ref.step == step:
+            return info
+    what = f"{run}@{step}" if step is not None else f"of run {run}"
+    raise NotFound(f"no committed checkpoint {what} in {Workdir(workdir).root}")
+
+
+@contextlib.contextmanager
+def _offline_store(workdir: Path, needs_s3: bool) -> Iterator[CheckpointStore]:
+    """The work directory's data dir as a store, with its S3 server if `needs_s3`."""
     wd = Workdir(workdir)
     if ckptd_running(wd.ckptd):
-        raise UserError(f"ckptd is running on {wd.ckptd}: pass --ckptd HOST:PORT to export from it")
-    rows = {(r["run"], r["step"]): r for r in list_checkpoints(workdir, None, run)}
-    row = rows.get((run, step))
-    if row is None:
-        raise NotFound(f"no committed checkpoint {run}@{step} in {wd.root}")
-    needs_s3 = TIER_NAMES[common_pb2.TIER_SSD] not in row["tiers"]
+        raise UserError(f"ckptd is running on {wd.ckptd}: pass --ckptd HOST:PORT to ask it")
     with s3_for_reading(wd) if needs_s3 else contextlib.nullcontext() as s3:
         config = CkptdConfig(
             data_dir=wd.ckptd,
@@ -61,19 +140,116 @@ def export(workdir: Path, ckptd: str | None, run: str, step: int, dest: Path) ->
             s3=s3.s3_config(S3_BUCKET) if s3 is not None else None,
         )
         with CheckpointStore(config) as store:
-            return store.export(ref, dest)
+            yield store
+
+
+def _tiers_of(info: checkpoint_pb2.CheckpointInfo) -> list[int]:
+    return [t.tier for t in info.tiers if t.state == checkpoint_pb2.TIER_STATE_COMMITTED]
+
+
+def verify(
+    workdir: Path, ckptd: str | None, run: str, step: int, out: IO[str] | None = None
+) -> dict[str, str]:
+    """Read every file of the checkpoint from each tier that holds it and check its SHA-256.
+
+    Returns {tier: "ok" | what is wrong}. ckptd checks every block's CRC-32C as it reads and
+    marks a damaged copy FAILED, so a later read falls through to a good tier.
+    """
+    info = _info(workdir, ckptd, run, step)
+    tiers = _tiers_of(info)
+    if not tiers:
+        raise NotFound(f"{run}@{step} has no committed copy on any tier")
+    results: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        if ckptd:
+            client = stack.enter_context(CkptdClient(ckptd))
+
+            def read(path: str, tier: int) -> Iterator[bytes]:
+                return client.read_stream(run, step, path, tier=tier)
+
+        else:
+            store = stack.enter_context(_offline_store(workdir, common_pb2.TIER_S3 in tiers))
+            ref = checkpoint_pb2.CheckpointRef(run=run, step=step)
+
+            def read(path: str, tier: int) -> Iterator[bytes]:
+                return (data for _t, _o, data in store.iter_range(ref, path, tier=tier))
+
+        for tier in tiers:
+            name = TIER_NAMES[tier]
+            progress = Progress(f"verify {run}@{step} on {name}", info.total_bytes, out)
+            results[name] = _verify_tier(info, lambda path, t=tier: read(path, t), progress)
+            progress.finish()
+    return results
+
+
+def _verify_tier(
+    info: checkpoint_pb2.CheckpointInfo,
+    read: Callable[[str], Iterator[bytes]],
+    progress: Progress,
+) -> str:
+    for file in info.files:
+        sha = hashlib.sha256()
+        try:
+            for piece in read(file.path):
+                sha.update(piece)
+                progress(len(piece))
+        except ScaletrainError as exc:
+            return " ".join(str(exc).split())
+        if sha.hexdigest() != file.sha256:
+            return f"{file.path}: SHA-256 mismatch"
+    return "ok"
+
+
+def export(
+    workdir: Path, ckptd: str | None, run: str, step: int, dest: Path, out: IO[str] | None = None
+) -> list[Path]:
+    """Write checkpoint (run, step) as a plain DCP directory at `dest`, checksums verified."""
+    info = _info(workdir, ckptd, run, step)
+    progress = Progress(f"export {run}@{step}", info.total_bytes, out)
+    if ckptd:
+        with CkptdClient(ckptd) as client:
+            written = _export_from_client(client, info, dest, progress)
+    else:
+        needs_s3 = common_pb2.TIER_SSD not in _tiers_of(info)
+        with _offline_store(workdir, needs_s3) as store:
+            written = store.export(info.ref, dest, progress)
+    progress.finish()
+    return written
 
 
 def _export_from_client(
-    client: CkptdClient, ref: checkpoint_pb2.CheckpointRef, dest: Path
+    client: CkptdClient, info: checkpoint_pb2.CheckpointInfo, dest: Path, progress: Progress
 ) -> list[Path]:
-    info = client.get(ref.run, ref.step)
+    if dest.exists() and any(dest.iterdir()):
+        raise UserError(f"export target {dest} is not empty")
     dest.mkdir(parents=True, exist_ok=True)
     written = []
     for file in info.files:
         path = dest / file.path
-        with path.open("wb") as out:
-            for piece in client.read_stream(ref.run, ref.step, file.path):
+        partial = path.with_name(f"{path.name}.partial")
+        sha = hashlib.sha256()
+        with partial.open("wb") as out:
+            for piece in client.read_stream(info.ref.run, info.ref.step, file.path):
                 out.write(piece)
+                sha.update(piece)
+                progress(len(piece))
+        if sha.hexdigest() != file.sha256:
+            partial.unlink()
+            raise UserError(f"export of {file.path}: SHA-256 mismatch")
+        partial.replace(path)
         written.append(path)
     return written
+
+
+def remove(workdir: Path, ckptd: str | None, run: str, step: int) -> tuple[list[str], list[str]]:
+    """Delete a checkpoint from every tier: (tiers it left, tiers it is still leaving)."""
+    if ckptd:
+        with CkptdClient(ckptd) as client:
+            removed, pending = client.delete(run, step)
+    else:
+        info = _info(workdir, ckptd, run, step)
+        with _offline_store(workdir, common_pb2.TIER_S3 in _tiers_of(info)) as store:
+            removed, pending = store.delete(info.ref)
+            if pending and store.wait_background(timeout_s=120):
+                removed, pending = removed + pending, []
+    return [TIER_NAMES[t] for t in removed], [TIER_NAMES[t] for t in pending]

@@ -4,7 +4,7 @@
     scaletrain ckptd      the checkpoint daemon
     scaletrain telemetry  the telemetry service
     scaletrain ui         the run-health UI
-    scaletrain ckpt       list and export checkpoints
+    scaletrain ckpt       list, show, verify, export and remove checkpoints
 
 Every error is one line on stderr and a non-zero exit, never a traceback.
 """
@@ -57,11 +57,27 @@ def build_parser() -> argparse.ArgumentParser:
     ckptd = sub.add_parser("ckptd", help="serve the checkpoint daemon")
     ckptd.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT")
     ckptd.add_argument("--data-dir", type=Path, required=True, help="SSD tier and catalog")
-    ckptd.add_argument("--memory-budget-mb", type=int, default=1024)
+    ckptd.add_argument(
+        "--memory-budget-mb", type=int, default=1024, help="memory tier plus data in flight"
+    )
     ckptd.add_argument("--s3-endpoint", help="S3 endpoint URL; without it the S3 tier is off")
     ckptd.add_argument("--s3-bucket", default="scaletrain")
     ckptd.add_argument("--s3-region", default="us-east-1")
+    ckptd.add_argument("--s3-part-mb", type=int, default=16, help="multipart part size")
+    ckptd.add_argument("--s3-parallel-parts", type=int, default=4)
+    ckptd.add_argument("--s3-backoff-max-s", type=float, default=30.0, help="longest retry wait")
     ckptd.add_argument("--telemetry", help="HOST:PORT of telemetry, to record tier commits")
+    ckptd.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    ckptd.add_argument("--metrics-host", default="127.0.0.1")
+    ckptd.add_argument("--keep-memory", type=int, default=2, help="newest N in memory, per run")
+    ckptd.add_argument("--keep-ssd", type=int, default=5, help="newest N on SSD, per run")
+    ckptd.add_argument(
+        "--s3-every", type=int, default=1, help="S3 keeps every Nth step + the latest (1: all)"
+    )
+    ckptd.add_argument(
+        "--abandon-after-s", type=float, default=600.0, help="abort a save idle this long"
+    )
+    ckptd.add_argument("--log-format", choices=("json", "text"), default="json")
 
     tel = sub.add_parser("telemetry", help="serve the telemetry service")
     tel.add_argument("--listen", default="127.0.0.1:50052", help="HOST:PORT")
@@ -73,20 +89,36 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=8501)
 
-    ckpt = sub.add_parser("ckpt", help="list and export checkpoints")
+    ckpt = sub.add_parser("ckpt", help="list, show, verify, export and remove checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
-    ls = ckpt_sub.add_parser("ls", help="list checkpoints and the tiers that hold them")
-    _workdir_arg(ls)
-    ls.add_argument("--ckptd", help="HOST:PORT of a running ckptd (instead of --workdir)")
+    ls = _ckpt_parser(ckpt_sub, "ls", "list checkpoints and the tiers that hold them")
     ls.add_argument("--run", help="only this run")
     ls.add_argument("--json", action="store_true")
-    export = ckpt_sub.add_parser("export", help="write a standard DCP checkpoint directory")
-    _workdir_arg(export)
-    export.add_argument("--ckptd", help="HOST:PORT of a running ckptd (instead of --workdir)")
+    show = _ckpt_parser(ckpt_sub, "show", "one checkpoint: files, tiers, retention")
+    show.add_argument("run")
+    show.add_argument("step", type=int, nargs="?", help="default: the run's latest")
+    show.add_argument("--json", action="store_true")
+    verify = _ckpt_parser(ckpt_sub, "verify", "read every copy and check its SHA-256")
+    verify.add_argument("run")
+    verify.add_argument("step", type=int)
+    verify.add_argument("--json", action="store_true")
+    export = _ckpt_parser(ckpt_sub, "export", "write a standard DCP checkpoint directory")
     export.add_argument("run")
     export.add_argument("step", type=int)
     export.add_argument("dest", type=Path)
+    rm = _ckpt_parser(ckpt_sub, "rm", "delete a checkpoint from every tier")
+    rm.add_argument("run")
+    rm.add_argument("step", type=int)
     return root
+
+
+def _ckpt_parser(
+    sub: argparse._SubParsersAction, name: str, summary: str
+) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=summary)
+    _workdir_arg(parser)
+    parser.add_argument("--ckptd", help="HOST:PORT of a running ckptd (instead of --workdir)")
+    return parser
 
 
 def _workdir_arg(parser: argparse.ArgumentParser) -> None:
@@ -175,20 +207,37 @@ def _print_summary(s) -> None:
 
 def _ckptd(args: argparse.Namespace) -> int:
     from ckptd.config import CkptdConfig, S3Config
+    from ckptd.retention import RetentionPolicy
     from ckptd.server import serve
 
-    s3 = S3Config.from_env(args.s3_endpoint, args.s3_bucket) if args.s3_endpoint else None
-    if s3 is not None and args.s3_region:
-        s3 = S3Config(**{**vars(s3), "region": args.s3_region})
-    serve(
-        CkptdConfig(
+    if args.s3_part_mb < 5 or args.s3_parallel_parts < 1:
+        raise UserError("--s3-part-mb must be >= 5 (S3's minimum) and --s3-parallel-parts >= 1")
+    s3 = None
+    if args.s3_endpoint:
+        s3 = S3Config(
+            **{
+                **vars(S3Config.from_env(args.s3_endpoint, args.s3_bucket)),
+                "region": args.s3_region,
+                "part_bytes": args.s3_part_mb << 20,
+                "parallel_parts": args.s3_parallel_parts,
+                "backoff_max_s": args.s3_backoff_max_s,
+            }
+        )
+    metrics = f"{args.metrics_host}:{args.metrics_port}"
+    try:
+        config = CkptdConfig(
             data_dir=args.data_dir,
             listen=args.listen,
             memory_budget_bytes=args.memory_budget_mb << 20,
             s3=s3,
             telemetry=args.telemetry,
+            retention=RetentionPolicy(args.keep_memory, args.keep_ssd, args.s3_every),
+            abandon_after_s=args.abandon_after_s,
+            metrics_listen=None if args.metrics_port is None else metrics,
         )
-    )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    serve(config, log_format=args.log_format)
     return 0
 
 
@@ -217,7 +266,8 @@ def _ui(args: argparse.Namespace) -> int:
 def _ckpt(args: argparse.Namespace) -> int:
     from scaletrain import checkpoints
 
-    if args.ckpt_command == "ls":
+    command = args.ckpt_command
+    if command == "ls":
         rows = checkpoints.list_checkpoints(args.workdir, args.ckptd, args.run)
         if args.json:
             print(json.dumps(rows, indent=2))
@@ -231,6 +281,49 @@ def _ckpt(args: argparse.Namespace) -> int:
                     f"{', '.join(r['tiers']) or '-'}"
                 )
         return 0
+    if command == "show":
+        shown = checkpoints.show(args.workdir, args.ckptd, args.run, args.step)
+        if args.json:
+            print(json.dumps(shown, indent=2))
+        else:
+            _print_show(shown)
+        return 0
+    if command == "verify":
+        results = checkpoints.verify(args.workdir, args.ckptd, args.run, args.step)
+        if args.json:
+            print(json.dumps(results, indent=2))
+        else:
+            for tier, verdict in results.items():
+                print(f"{tier:<7} {verdict}")
+        bad = [tier for tier, verdict in results.items() if verdict != "ok"]
+        if bad:
+            raise UserError(f"{args.run}@{args.step}: damaged copy on {', '.join(bad)}")
+        return 0
+    if command == "rm":
+        removed, pending = checkpoints.remove(args.workdir, args.ckptd, args.run, args.step)
+        line = f"removed {args.run}@{args.step} from {', '.join(removed) or 'no tier'}"
+        if pending:
+            line += f"; removal from {', '.join(pending)} continues in the background"
+        print(line)
+        return 0
     files = checkpoints.export(args.workdir, args.ckptd, args.run, args.step, args.dest)
     print(f"exported {args.run}@{args.step}: {len(files)} files to {args.dest}")
     return 0
+
+
+def _print_show(shown: dict) -> None:
+    print(f"checkpoint   {shown['run']}@{shown['step']}  (world size {shown['world_size']})")
+    print(f"size         {shown['bytes'] / 1e6:.2f} MB in {len(shown['files'])} files")
+    for tier, state in shown["tier_states"].items():
+        error = f"  ({state['error']})" if state["error"] else ""
+        print(f"  {tier:<7}  {state['state']}{error}")
+    if shown["retention"]:
+        r = shown["retention"]
+        print(
+            f"retention    memory last {r['memory_last']}, SSD last {r['ssd_last']}, "
+            f"S3 every {r['s3_every']} + latest"
+        )
+    if shown["labels"]:
+        print("labels       " + ", ".join(f"{k}={v}" for k, v in shown["labels"].items()))
+    for f in shown["files"]:
+        print(f"  {f['path']:<24} rank {f['rank']:>4}  {f['bytes']:>14,} B  {f['sha256'][:16]}")

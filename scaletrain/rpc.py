@@ -30,6 +30,8 @@ MiB = 1 << 20
 # Payload of one streamed chunk. The message limit leaves room for framing around a chunk.
 CHUNK_BYTES = 4 * MiB
 MAX_MESSAGE_BYTES = 16 * MiB
+# The largest chunk a server accepts: one message, less room for its framing.
+MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - MiB
 # Default deadline of a unary call; streams set their own from the bytes they carry.
 DEFAULT_TIMEOUT_S = 30.0
 

@@ -71,7 +71,8 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 class SeaweedS3:
     """Start and stop a SeaweedFS S3 server storing its data in `data_dir`.
 
-    Restarting on the same data dir serves what an earlier run stored.
+    Restarting on the same data dir serves what an earlier run stored; restarting the same object
+    also keeps its ports and credentials (an S3 outage and its end, as clients see them).
     """
 
     def __init__(
@@ -114,7 +115,10 @@ class SeaweedS3:
             return self
         weed = find_weed()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS), self.host), strict=True))
+        if not self.ports:  # a restart keeps its ports, so clients keep their endpoint
+            self.ports = dict(
+                zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS), self.host), strict=True)
+            )
         args = [
             weed,
             "-logtostderr",  # into weed.log, not glog files in /tmp

@@ -59,12 +59,12 @@ class BlockCrcs:
         self._crc = 0
         self._fill = 0
 
-    def update(self, data: bytes) -> None:
-        # google_crc32c takes only bytes (not memoryviews): slicing copies, at memcpy speed.
+    def update(self, data: bytes | memoryview) -> None:
+        # google_crc32c takes only bytes: each block is copied out (a small, reused allocation).
         pos = 0
         while pos < len(data):
             take = min(len(data) - pos, BLOCK_BYTES - self._fill)
-            self._crc = google_crc32c.extend(self._crc, data[pos : pos + take])
+            self._crc = google_crc32c.extend(self._crc, bytes(data[pos : pos + take]))
             self._fill += take
             pos += take
             if self._fill == BLOCK_BYTES:

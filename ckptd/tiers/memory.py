@@ -1,67 +1,128 @@
-"""The memory tier: the newest checkpoints as byte strings, within a fixed byte budget.
+"""The memory tier and the byte budget it shares with the data in flight.
 
-It exists so that a restore right after a save (the common case after a crash of one rank) reads
-at memory speed. It never holds the only copy of anything it evicts: a checkpoint is evicted only
-when the store confirms that a slower tier holds a committed copy, otherwise the new one is not
-kept here instead.
+The memory tier exists so that a restore right after a save (the common case after a crash of one
+rank) reads at memory speed. Its checkpoints are kept as the very chunks that arrived over the
+wire (no joined copy), and they come out of one `MemoryBudget` together with the chunks still
+being verified and written to SSD. When the budget is full, the store frees memory (it evicts
+checkpoints that a durable tier holds, and spills saves in progress to SSD only), and writers
+wait for their chunks to reach the disk: ckptd slows writers down instead of running out of
+memory. The tier never decides on its own what to drop; the store does, by the retention rules.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from ckptd.tiers import CheckpointKey
 from scaletrain.v1 import common_pb2
 
 
+class MemoryBudget:
+    """A byte budget that blocks a reservation until it fits.
+
+    A caller holding nothing in flight is always granted one reservation, so every stream makes
+    progress even when the budget is smaller than one chunk (memory stays bounded by the budget
+    plus one chunk per stream).
+    """
+
+    def __init__(self, total: int, relieve: Callable[[], None] | None = None) -> None:
+        self.total = total
+        self._used = 0
+        self._cond = threading.Condition()
+        self._relieve = relieve
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def set_relief(self, relieve: Callable[[], None]) -> None:
+        self._relieve = relieve
+
+    def try_reserve(self, n: int) -> bool:
+        with self._cond:
+            if self._used + n > self.total:
+                return False
+            self._used += n
+            return True
+
+    def reserve(self, n: int, holding: Callable[[], int]) -> None:
+        """Reserve `n` bytes, waiting (and asking for relief) while they do not fit.
+
+        `holding()` is what the caller still has in flight; at 0 it is granted regardless.
+        """
+        while True:
+            with self._cond:
+                if self._used + n <= self.total or holding() == 0:
+                    self._used += n
+                    return
+            if self._relieve is not None:
+                self._relieve()
+            with self._cond:
+                if self._used + n <= self.total or holding() == 0:
+                    continue
+                self._cond.wait(0.05)
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self._used -= n
+            self._cond.notify_all()
+
+
+class MemoryFile:
+    """One file as the list of chunks it arrived in (views into the received messages, often);
+    reads gather the pieces of a range."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._chunks: list[bytes | memoryview] = []
+        self.size = 0
+
+    def append(self, data: bytes | memoryview) -> None:
+        self._starts.append(self.size)
+        self._chunks.append(data)
+        self.size += len(data)
+
+    def read(self, offset: int, length: int) -> bytes:
+        end = min(self.size, offset + length)
+        if offset >= end:
+            return b""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        pieces = []
+        while offset < end:
+            chunk, start = self._chunks[i], self._starts[i]
+            take = chunk[offset - start : end - start]
+            pieces.append(take)
+            offset += len(take)
+            i += 1
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+
+
 class MemoryTier:
-    """Checkpoints held in process memory, oldest evicted first."""
+    """Committed checkpoints held in process memory; their bytes are already in the budget."""
 
     tier = common_pb2.TIER_MEMORY
 
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
+    def __init__(self, budget: MemoryBudget) -> None:
+        self.budget = budget
         self._lock = threading.Lock()
         # Insertion order is commit order: the first entry is the oldest.
-        self._checkpoints: OrderedDict[CheckpointKey, dict[str, bytes]] = OrderedDict()
-        self._used = 0
+        self._checkpoints: OrderedDict[CheckpointKey, dict[str, MemoryFile]] = OrderedDict()
 
     @property
     def used_bytes(self) -> int:
-        return self._used
-
-    def put(
-        self,
-        key: CheckpointKey,
-        files: Mapping[str, bytes],
-        can_evict: Callable[[CheckpointKey], bool],
-    ) -> tuple[bool, list[CheckpointKey]]:
-        """Keep `files` under `key` if they fit, evicting old checkpoints that `can_evict` allows.
-
-        Returns whether the checkpoint was kept and which checkpoints were evicted for it.
-        """
-        size = sum(len(data) for data in files.values())
         with self._lock:
-            self._drop(key)
-            if size > self.budget_bytes:
-                return False, []
-            victims: list[CheckpointKey] = []
-            free = self.budget_bytes - self._used
-            for old, old_files in self._checkpoints.items():
-                if free >= size:
-                    break
-                if can_evict(old):
-                    victims.append(old)
-                    free += sum(len(data) for data in old_files.values())
-            if free < size:
-                return False, []
-            for old in victims:
-                self._drop(old)
-            self._checkpoints[key] = dict(files)
-            self._used += size
-            return True, victims
+            return sum(_size(files) for files in self._checkpoints.values())
+
+    def put(self, key: CheckpointKey, files: dict[str, MemoryFile]) -> None:
+        """Keep `files` (reserved in the budget by the caller, released by `delete`)."""
+        with self._lock:
+            old = self._checkpoints.pop(key, None)
+            self._checkpoints[key] = files
+        if old is not None:
+            self.budget.release(_size(old))
 
     def has(self, key: CheckpointKey) -> bool:
         with self._lock:
@@ -72,19 +133,22 @@ class MemoryTier:
             files = self._checkpoints.get(key)
             if files is None or path not in files:
                 raise FileNotFoundError(f"{key}/{path} is not in memory")
-            return files[path][offset : offset + length]
+            file = files[path]
+        return file.read(offset, length)
 
     def delete(self, key: CheckpointKey) -> bool:
         with self._lock:
-            return self._drop(key)
+            files = self._checkpoints.pop(key, None)
+        if files is None:
+            return False
+        self.budget.release(_size(files))
+        return True
 
     def list(self) -> list[CheckpointKey]:
+        """Checkpoints held, oldest commit first."""
         with self._lock:
             return list(self._checkpoints)
 
-    def _drop(self, key: CheckpointKey) -> bool:
-        files = self._checkpoints.pop(key, None)
-        if files is None:
-            return False
-        self._used -= sum(len(data) for data in files.values())
-        return True
+
+def _size(files: dict[str, MemoryFile]) -> int:
+    return sum(f.size for f in files.values())

@@ -3,33 +3,40 @@
 Keeping DCP's own file names means a committed checkpoint can be read by stock PyTorch straight
 from the disk. Crash safety comes from the layout, not from bookkeeping:
 
-- a file being received lives in `.incoming/` under a unique name, so a broken stream never leaves
-  a half file where a good one is expected;
-- a received, verified file moves into `.staging/<save_id>/` under its real name;
-- commit fsyncs every staged file and the staging dir, renames the staging dir to `<run>/<step>`
-  and fsyncs the parent, so a checkpoint directory exists completely or not at all;
+- a file being received lives in `.incoming/` under a unique name; once every byte is written it
+  is fsynced and renamed into `.staging/<save_id>/` under its real name, so a broken stream never
+  leaves a half file where a good one is expected;
+- commit writes the manifest (`_COMMITTED`, see `ckptd.manifest`) into the staging dir under a
+  temporary name, fsyncs it, renames it, fsyncs the staging dirs, renames the staging dir to
+  `<run>/<step>` and fsyncs the parent: a checkpoint directory exists complete, with its marker,
+  or not at all, and its marker is what a restart (or a lost catalog) trusts;
 - delete renames the checkpoint into `.trash/` first, so it disappears at once.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
 from pathlib import Path
 from typing import BinaryIO
 
+from ckptd.crash import crash_point
+from ckptd.manifest import MARKER, Manifest
 from ckptd.tiers import CheckpointKey
 from scaletrain.v1 import common_pb2
+
+log = logging.getLogger(__name__)
 
 _INCOMING = ".incoming"
 _STAGING = ".staging"
 _TRASH = ".trash"
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (new, renamed or removed children) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: Path, directory: bool = False) -> None:
+    """Make a file's bytes, or a directory's entries, durable."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
     finally:
@@ -41,12 +48,15 @@ class IncomingFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 (closed by close/discard)
+        self._file: BinaryIO = open(path, "wb", buffering=0)  # noqa: SIM115 (closed by close/discard)
 
-    def write(self, data: bytes) -> None:
-        self._file.write(data)
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[self._file.write(view) :]
 
-    def close(self) -> None:
+    def sync_and_close(self) -> None:
+        os.fsync(self._file.fileno())
         self._file.close()
 
     def discard(self) -> None:
@@ -70,8 +80,7 @@ class SsdTier:
         return IncomingFile(self.root / _INCOMING / uuid.uuid4().hex)
 
     def stage(self, incoming: IncomingFile, save_id: str, path: str) -> None:
-        """Move a fully received file into the save's staging dir under its real name."""
-        incoming.close()
+        """Move a fully written, fsynced file into the save's staging dir under its real name."""
         target = self.staging_dir(save_id) / path
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(incoming.path, target)
@@ -91,28 +100,38 @@ class SsdTier:
             shutil.rmtree(self.root / sub, ignore_errors=True)
             (self.root / sub).mkdir()
 
-    def put(self, key: CheckpointKey, save_id: str) -> None:
-        """Commit a staged save as `key`: fsync, rename into place, fsync the parent."""
+    def put(self, manifest: Manifest, save_id: str) -> None:
+        """Commit a staged save: marker, fsyncs, rename into place, fsync of the parent."""
         staging = self.staging_dir(save_id)
-        for dirpath, _dirs, files in os.walk(staging):
-            for name in files:
-                fd = os.open(Path(dirpath) / name, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            fsync_dir(Path(dirpath))
-        target = self.dir_of(key)
+        self._write_marker(staging, manifest)
+        for dirpath, _dirs, _files in os.walk(staging):
+            fsync_path(Path(dirpath), directory=True)
+        target = self.dir_of(manifest.key)
         run_dir = target.parent
         if not run_dir.exists():
             run_dir.mkdir()
-            fsync_dir(self.root)
+            fsync_path(self.root, directory=True)
         if target.exists():
-            # Left by a crash between rename and catalog update of an earlier attempt.
-            self._trash(target)
+            self._trash(target)  # an uncommitted leftover of an earlier attempt
+        crash_point("ssd-before-rename")
         os.rename(staging, target)
-        fsync_dir(run_dir)
-        fsync_dir(self.root / _STAGING)
+        crash_point("ssd-after-rename")
+        fsync_path(run_dir, directory=True)
+        fsync_path(self.root / _STAGING, directory=True)
+
+    def write_marker(self, manifest: Manifest) -> None:
+        """Give a committed directory its marker (one made before markers existed)."""
+        self._write_marker(self.dir_of(manifest.key), manifest)
+
+    @staticmethod
+    def _write_marker(directory: Path, manifest: Manifest) -> None:
+        tmp = directory / f"{MARKER}.tmp"
+        with open(tmp, "wb") as out:
+            out.write(manifest.to_json())
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, directory / MARKER)
+        fsync_path(directory, directory=True)
 
     # -- the Tier interface ----------------------------------------------------------------------
 
@@ -123,12 +142,15 @@ class SsdTier:
         return self.dir_of(key) / path
 
     def has(self, key: CheckpointKey) -> bool:
-        return self.dir_of(key).is_dir()
+        return (self.dir_of(key) / MARKER).is_file()
+
+    def manifest(self, key: CheckpointKey) -> Manifest:
+        marker = self.dir_of(key) / MARKER
+        return Manifest.from_json(marker.read_bytes(), str(marker))
 
     def read_range(self, key: CheckpointKey, path: str, offset: int, length: int) -> bytes:
-        with open(self.path_of(key, path), "rb") as f:
-            f.seek(offset)
-            return f.read(length)
+        with open(self.path_of(key, path), "rb", buffering=0) as f:
+            return os.pread(f.fileno(), length, offset)
 
     def delete(self, key: CheckpointKey) -> bool:
         target = self.dir_of(key)
@@ -138,15 +160,14 @@ class SsdTier:
         return True
 
     def list(self) -> list[CheckpointKey]:
+        """Every checkpoint directory with a marker (a directory without one is not committed)."""
         keys = []
         for run_dir in self.root.iterdir():
             if run_dir.name.startswith(".") or not run_dir.is_dir():
                 continue
-            keys.extend(
-                CheckpointKey(run_dir.name, int(step.name))
-                for step in run_dir.iterdir()
-                if step.name.isdigit()
-            )
+            for step in run_dir.iterdir():
+                if step.name.isdigit() and (step / MARKER).is_file():
+                    keys.append(CheckpointKey(run_dir.name, int(step.name)))
         return sorted(keys)
 
     def _trash(self, target: Path) -> None:

@@ -42,7 +42,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class OpenSaveRequest(_message.Message):
-    __slots__ = ("ref", "world_size", "labels")
+    __slots__ = ("ref", "world_size", "labels", "retention")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,10 +53,22 @@ class OpenSaveRequest(_message.Message):
     REF_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
     world_size: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    retention: RetentionPolicy
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ...) -> None: ...
+
+class RetentionPolicy(_message.Message):
+    __slots__ = ("memory_last", "ssd_last", "s3_every")
+    MEMORY_LAST_FIELD_NUMBER: _ClassVar[int]
+    SSD_LAST_FIELD_NUMBER: _ClassVar[int]
+    S3_EVERY_FIELD_NUMBER: _ClassVar[int]
+    memory_last: int
+    ssd_last: int
+    s3_every: int
+    def __init__(self, memory_last: _Optional[int] = ..., ssd_last: _Optional[int] = ..., s3_every: _Optional[int] = ...) -> None: ...
 
 class OpenSaveResponse(_message.Message):
     __slots__ = ("save_id",)
@@ -161,7 +173,7 @@ class FileInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FileKind, str]] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("ref", "world_size", "committed", "tiers", "files", "total_bytes", "created_at", "committed_at", "labels")
+    __slots__ = ("ref", "world_size", "committed", "tiers", "files", "total_bytes", "created_at", "committed_at", "labels", "retention")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +190,7 @@ class CheckpointInfo(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
     world_size: int
     committed: bool
@@ -187,7 +200,8 @@ class CheckpointInfo(_message.Message):
     created_at: _timestamp_pb2.Timestamp
     committed_at: _timestamp_pb2.Timestamp
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., committed: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    retention: RetentionPolicy
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., committed: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("run", "include_uncommitted")
@@ -212,16 +226,18 @@ class GetCheckpointRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., latest: _Optional[bool] = ...) -> None: ...
 
 class ReadFileRequest(_message.Message):
-    __slots__ = ("ref", "path", "offset", "length")
+    __slots__ = ("ref", "path", "offset", "length", "tier")
     REF_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
     path: str
     offset: int
     length: int
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    tier: _common_pb2.Tier
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ...) -> None: ...
 
 class ReadFileResponse(_message.Message):
     __slots__ = ("offset", "data", "crc32c", "tier")
@@ -242,7 +258,9 @@ class DeleteCheckpointRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ...) -> None: ...
 
 class DeleteCheckpointResponse(_message.Message):
-    __slots__ = ("tiers",)
+    __slots__ = ("tiers", "pending")
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...) -> None: ...
+    pending: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., pending: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...) -> None: ...

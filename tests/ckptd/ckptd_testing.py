@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import google_crc32c
 import pytest
 
+from ckptd.config import S3Config
+from ckptd.crash import ENV as CRASH_ENV
 from ckptd.store import CheckpointStore
 from scaletrain.v1 import checkpoint_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SHARD = checkpoint_pb2.FILE_KIND_SHARD
 METADATA = checkpoint_pb2.FILE_KIND_METADATA
@@ -93,3 +102,58 @@ def tier_states(info: checkpoint_pb2.CheckpointInfo) -> dict[str, str]:
         names[t.tier]: checkpoint_pb2.TierState.Name(t.state).removeprefix("TIER_STATE_")
         for t in info.tiers
     }
+
+
+class CkptdProcess:
+    """A real ckptd (`python -m scaletrain ckptd ...`) in its own process, for crash tests."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        s3: S3Config | None = None,
+        crash_at: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        args = [
+            sys.executable, "-m", "scaletrain", "ckptd",
+            "--listen", "127.0.0.1:0", "--data-dir", str(data_dir), "--log-format", "text",
+            *extra_args,
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop(CRASH_ENV, None)
+        if s3 is not None:
+            args += ["--s3-endpoint", s3.endpoint_url, "--s3-bucket", s3.bucket]
+            args += ["--s3-part-mb", str(s3.part_bytes >> 20), "--s3-backoff-max-s", "0.5"]
+            env |= {
+                "AWS_ACCESS_KEY_ID": s3.access_key_id,
+                "AWS_SECRET_ACCESS_KEY": s3.secret_access_key,
+            }
+        if crash_at is not None:
+            env[CRASH_ENV] = crash_at
+        self.log = data_dir.parent / f"ckptd-{crash_at or 'plain'}.log"
+        self._log = self.log.open("w")
+        self.process = subprocess.Popen(
+            args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line.startswith("ckptd listening on "):
+            self.process.kill()
+            pytest.fail(f"ckptd did not start: {line!r} {self.log.read_text()[-2000:]}")
+        self.address = line.split()[3].rstrip(",")
+
+    def wait_killed(self, timeout_s: float = 60.0) -> None:
+        """Wait for the process to die by SIGKILL (its crash point), failing otherwise."""
+        try:
+            code = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"ckptd did not crash within {timeout_s}s: {self.log.read_text()[-2000:]}")
+        assert code == -signal.SIGKILL, f"exit code {code}: {self.log.read_text()[-2000:]}"
+        self._log.close()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()

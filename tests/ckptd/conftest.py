@@ -18,6 +18,9 @@ from ckptd.server import RunningCkptd, start
 from ckptd.store import CheckpointStore
 from scaletrain.seaweed import SeaweedS3
 
+# Retries that give up (and retry again) within a fraction of a second, so tests see failures.
+FAST_RETRIES = {"attempts": 2, "backoff_s": 0.05, "backoff_max_s": 0.2, "connect_timeout_s": 2.0}
+
 
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
@@ -29,7 +32,7 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
 def s3_config(seaweed: SeaweedS3) -> S3Config:
     """A fresh bucket on the session's SeaweedFS, with fast retries."""
     config = seaweed.s3_config(bucket=f"t-{uuid.uuid4().hex[:12]}")
-    return S3Config(**{**vars(config), "upload_attempts": 2, "backoff_s": 0.05})
+    return S3Config(**{**vars(config), **FAST_RETRIES})
 
 
 @pytest.fixture
@@ -43,8 +46,7 @@ def dead_s3_config() -> S3Config:
         bucket="unreachable",
         access_key_id="k",
         secret_access_key="s",
-        upload_attempts=2,
-        backoff_s=0.05,
+        **FAST_RETRIES,
     )
 
 

@@ -25,7 +25,7 @@ from scaletrain.errors import (
     InvalidArgument,
     NotFound,
 )
-from scaletrain.rpc import add_health, bind, make_channel, make_server
+from scaletrain.rpc import MAX_CHUNK_BYTES, add_health, bind, make_channel, make_server
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 RunCkptd = Callable[..., RunningCkptd]
@@ -144,7 +144,16 @@ def test_bad_input_gets_the_right_status_code_and_stores_nothing(
         bad_crc = [header, checkpoint_pb2.WriteFileRequest(chunk=chunk(0, data, crc=7))]
         with pytest.raises(grpc.RpcError) as err:
             stub.WriteFile(iter(bad_crc))
-        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "CRC-32C mismatch" in err.value.details()
+        too_big = [
+            header,
+            checkpoint_pb2.WriteFileRequest(chunk=chunk(0, bytes(MAX_CHUNK_BYTES + 1))),
+        ]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.WriteFile(iter(too_big))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "over the limit" in err.value.details()
         out_of_order = [header, checkpoint_pb2.WriteFileRequest(chunk=chunk(50, data))]
         with pytest.raises(grpc.RpcError) as err:
             stub.WriteFile(iter(out_of_order))
@@ -212,7 +221,7 @@ def test_a_restarted_ckptd_lists_its_checkpoints_and_uploads_what_s3_missed(
     assert info.ref.step == 7 and tier_states(info)["memory"] == "ABSENT"
     wait_for(lambda: tier_states(client.get("run", 7))["s3"] == "COMMITTED", what="re-upload")
     assert client.read("run", 7, "__1_0.distcp") == files["__1_0.distcp"]
-    assert client.delete("run", 7) == [2, 3]
+    assert client.delete("run", 7) == ([2], [3])
     assert client.list() == []
 
 

@@ -89,7 +89,8 @@ def test_delete_removes_the_s3_objects_too(open_store: OpenStore, s3_config: S3C
     store = open_store(s3=s3_config)
     store_save(store, "run", 1, checkpoint_files(world_size=1, shard_bytes=100))
     wait_for(lambda: s3_state(store, "run", 1) == "COMMITTED", what="the S3 upload")
-    assert store.delete(ref("run", 1)) == [1, 2, 3]
+    assert store.delete(ref("run", 1)) == ([1, 2], [3])
+    assert store.wait_background(timeout_s=20)
     listing = make_s3_client(s3_config).list_objects_v2(Bucket=s3_config.bucket)
     assert listing.get("KeyCount", 0) == 0
 

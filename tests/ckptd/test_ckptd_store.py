@@ -22,6 +22,7 @@ from ckptd_testing import (
 
 from ckptd.store import CheckpointStore, list_offline
 from ckptd.tiers import CheckpointKey
+from ckptd.tiers.memory import MemoryFile
 from scaletrain.errors import (
     AlreadyExists,
     DataLoss,
@@ -98,11 +99,13 @@ def test_commit_names_the_ranks_that_wrote_nothing_and_the_missing_metadata(
     assert store.list("run") == []
 
 
-def test_a_chunk_with_a_bad_crc_is_data_loss_and_stores_nothing(open_store: OpenStore) -> None:
+def test_a_chunk_with_a_bad_crc_is_an_invalid_argument_and_stores_nothing(
+    open_store: OpenStore,
+) -> None:
     store = open_store()
     save_id = store.open_save(ref("run", 1), world_size=1)
     data = payload(1000, 1)
-    with pytest.raises(DataLoss, match="CRC-32C mismatch"):
+    with pytest.raises(InvalidArgument, match="CRC-32C mismatch"):
         store.write_file(header(save_id, "__0_0.distcp"), [chunk(0, data, crc=1234)], trailer(data))
     assert_nothing_stored(store, "run", 1)
 
@@ -119,13 +122,15 @@ def test_an_out_of_order_chunk_is_an_invalid_argument_and_stores_nothing(
     assert_nothing_stored(store, "run", 1)
 
 
-def test_a_trailer_that_disagrees_with_the_bytes_is_data_loss(open_store: OpenStore) -> None:
+def test_a_trailer_that_disagrees_with_the_bytes_is_an_invalid_argument(
+    open_store: OpenStore,
+) -> None:
     store = open_store()
     save_id = store.open_save(ref("run", 1), world_size=1)
     data = payload(2000, 1)
-    with pytest.raises(DataLoss, match="SHA-256 mismatch"):
+    with pytest.raises(InvalidArgument, match="SHA-256 mismatch"):
         store.write_file(header(save_id, "x"), [chunk(0, data)], trailer(data[::-1]))
-    with pytest.raises(DataLoss, match="trailer says 1999 bytes"):
+    with pytest.raises(InvalidArgument, match="trailer says 1999 bytes"):
         store.write_file(header(save_id, "x"), [chunk(0, data)], trailer(data[1:]))
     assert_nothing_stored(store, "run", 1)
 
@@ -265,7 +270,9 @@ def test_a_read_falls_through_to_ssd_when_the_memory_copy_is_corrupt(
     key = CheckpointKey("run", 1)
     damaged = bytearray(files["__0_0.distcp"][2])
     damaged[12345] ^= 0xFF
-    store.memory._checkpoints[key]["__0_0.distcp"] = bytes(damaged)
+    rotten = MemoryFile()
+    rotten.append(bytes(damaged))
+    store.memory._checkpoints[key]["__0_0.distcp"] = rotten
     pieces = list(store.iter_range(ref("run", 1), "__0_0.distcp"))
     assert b"".join(data for _, _, data in pieces) == files["__0_0.distcp"][2]
     assert pieces[0][0] == 2  # TIER_SSD
@@ -290,7 +297,7 @@ def test_a_corrupt_ssd_copy_with_no_other_tier_is_data_loss(open_store: OpenStor
 def test_delete_removes_the_checkpoint_from_every_tier(open_store: OpenStore) -> None:
     store = open_store()
     store_save(store, "run", 1, checkpoint_files(world_size=1, shard_bytes=100))
-    assert store.delete(ref("run", 1)) == [1, 2]  # memory, SSD
+    assert store.delete(ref("run", 1)) == ([1, 2], [])  # memory, SSD; nothing pending
     assert not store.ssd.dir_of(CheckpointKey("run", 1)).exists()
     assert store.list() == []
     with pytest.raises(NotFound):

@@ -1,13 +1,16 @@
-"""Small pure pieces of ckptd: name validation, block checksums, configuration."""
+"""Small pure pieces of ckptd: names, block checksums, configuration, the chunk wire format."""
 
 from __future__ import annotations
 
+import google_crc32c
 import pytest
 
 from ckptd.config import CkptdConfig, S3Config
 from ckptd.store import check_path, check_run
 from ckptd.tiers import BLOCK_BYTES, BlockCrcs, block_span, first_bad_block
+from ckptd.wire import Chunk, crc32c, decode_write_request, encode_write_request
 from scaletrain.errors import InvalidArgument
+from scaletrain.v1 import checkpoint_pb2
 
 
 @pytest.mark.parametrize("run", ["llama-8b", "run_1", "exp.2026-11-30T12:00", "a"])
@@ -70,3 +73,29 @@ def test_s3_config_never_shows_its_secret_and_reads_credentials_from_the_environ
 def test_a_negative_memory_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="memory_budget_bytes"):
         CkptdConfig(data_dir="/tmp/x", memory_budget_bytes=-1)
+
+
+@pytest.mark.parametrize(
+    ("offset", "size", "crc"), [(0, 0, 0), (0, 10, 0), (5, 1, 7), (1 << 40, 300_000, 0xFFFFFFFF)]
+)
+def test_a_chunk_encoded_by_hand_is_the_protobuf_message_and_decodes_to_the_same_fields(
+    offset: int, size: int, crc: int
+) -> None:
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    wire = encode_write_request(Chunk(offset, memoryview(data), crc))
+    parsed = checkpoint_pb2.WriteFileRequest.FromString(wire)
+    assert (parsed.chunk.offset, parsed.chunk.data, parsed.chunk.crc32c) == (offset, data, crc)
+    decoded = decode_write_request(wire)
+    assert decoded.WhichOneof("part") == "chunk"
+    assert (decoded.chunk.offset, bytes(decoded.chunk.data), decoded.chunk.crc32c) == (
+        offset, data, crc
+    )  # fmt: skip
+    assert crc32c(memoryview(data)) == google_crc32c.value(data)
+
+
+def test_messages_that_are_not_a_canonical_chunk_are_decoded_by_protobuf() -> None:
+    header = checkpoint_pb2.WriteFileRequest(header=checkpoint_pb2.FileHeader(path="x", rank=1))
+    assert decode_write_request(header.SerializeToString()) == header
+    chunk = checkpoint_pb2.FileChunk(offset=3, data=b"abc", crc32c=9).SerializeToString()
+    reordered = b"\x12" + bytes([len(chunk) + 2]) + b"\x18\x01" + chunk  # an unknown field first
+    assert decode_write_request(reordered).chunk.data == b"abc"

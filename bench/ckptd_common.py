@@ -1,0 +1,105 @@
+"""What the ckptd benchmarks share: incompressible payloads, best-of timing, a ckptd process.
+
+Each benchmark measures its baseline in the same command as the thing it compares, interleaved
+run by run, because this machine's disk and CPUs are shared and noisy: only the ratio of two
+figures taken side by side means something.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import google_crc32c
+
+from ckptd.store import CheckpointStore
+from scaletrain.rpc import CHUNK_BYTES
+from scaletrain.v1.checkpoint_pb2 import (
+    FILE_KIND_METADATA,
+    FILE_KIND_SHARD,
+    CheckpointRef,
+    FileChunk,
+    FileHeader,
+    FileTrailer,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+
+
+def payload(mib: int) -> bytes:
+    """`mib` MiB of random bytes (incompressible: nothing gets faster by compressing)."""
+    return os.urandom(mib * MiB)
+
+
+def best_of(runs: int, *measures: Callable[[], float]) -> list[float]:
+    """Run each measure `runs` times, interleaved; the best (lowest) seconds of each."""
+    best = [float("inf")] * len(measures)
+    for _ in range(runs):
+        for i, measure in enumerate(measures):
+            best[i] = min(best[i], measure())
+    return best
+
+
+def line(label: str, nbytes: int, seconds: float) -> str:
+    return f"{label:<40} {nbytes / seconds / 1e6:9.0f} MB/s"
+
+
+class CkptdProcess:
+    """ckptd as its own process, as in production (the trainer is another process)."""
+
+    def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        argv = [
+            sys.executable, "-m", "scaletrain", "ckptd", "--listen", "127.0.0.1:0",
+            "--data-dir", str(data_dir), "--log-format", "text", *extra,
+        ]  # fmt: skip
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        self.process = subprocess.Popen(
+            argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        assert self.process.stdout is not None
+        first = self.process.stdout.readline()
+        if not first.startswith("ckptd listening on "):
+            self.process.kill()
+            raise SystemExit(f"ckptd did not start: {first!r}")
+        self.address = first.split()[3].rstrip(",")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def timed(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def chunked(data: bytes) -> tuple[list[FileChunk], FileTrailer]:
+    """`data` as a client sends it: 4 MiB chunks with their CRC-32C, and its trailer."""
+    view = memoryview(data)
+    chunks = []
+    for offset in range(0, len(data), CHUNK_BYTES):
+        piece = bytes(view[offset : offset + CHUNK_BYTES])
+        chunks.append(FileChunk(offset=offset, data=piece, crc32c=google_crc32c.value(piece)))
+    return chunks, FileTrailer(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+def save_one_shard(store: CheckpointStore, step: int, shard: tuple[list, FileTrailer]) -> None:
+    """Open, receive one shard (prepared by `chunked`) and a tiny metadata file, and commit."""
+    save_id = store.open_save(CheckpointRef(run="bench", step=step), world_size=1)
+    for path, kind, (chunks, trailer) in (
+        ("__0_0.distcp", FILE_KIND_SHARD, shard),
+        (".metadata", FILE_KIND_METADATA, chunked(b"metadata")),
+    ):
+        store.write_file(FileHeader(save_id=save_id, path=path, kind=kind), chunks, trailer)
+    store.commit(save_id)

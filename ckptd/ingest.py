@@ -1,0 +1,245 @@
+"""Receiving one file of a save: a three-stage pipeline so the gRPC thread only receives.
+
+The gRPC thread checks each chunk's size and place in the file, reserves its bytes in the memory
+budget (waiting when the budget is full: backpressure) and queues it. A verifier thread checks
+the chunk's CRC-32C and feeds the file's SHA-256 and per-block CRCs; a writer thread appends it to
+an SSD file, and either keeps it for the memory tier or releases its memory. SHA-256, CRC and
+file writes release the GIL, so the three stages overlap. The WriteFile reply waits only for the
+verifier (it reports the SHA-256 check); the disk catches up behind it, and a commit waits for
+the disk, because a checkpoint is committed only once it is durable.
+
+A chunk whose bytes do not match its CRC, or a file whose bytes do not match its trailer, is bad
+input (INVALID_ARGUMENT): the client sent something other than what it described and must send
+it again; DATA_LOSS is kept for stored data that no tier can serve intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from ckptd.manifest import FileRecord
+from ckptd.metrics import Metrics
+from ckptd.tiers import BlockCrcs
+from ckptd.tiers.memory import MemoryBudget, MemoryFile
+from ckptd.tiers.ssd import IncomingFile
+from ckptd.wire import Chunk, crc32c
+from scaletrain.errors import InvalidArgument, ScaletrainError, Unavailable
+from scaletrain.rpc import MAX_CHUNK_BYTES
+from scaletrain.v1 import checkpoint_pb2
+
+# A chunk's bytes: a view into the received message (ckptd.wire), or bytes from protobuf.
+Data = bytes | memoryview
+
+
+class FileUpload:
+    """One file being received. The store creates it (`CheckpointStore.begin_file`).
+
+    `on_written(upload)` runs in the writer thread once the file is complete, fsynced and closed;
+    it decides (under the store's lock) whether the file joins the save's staging dir.
+    """
+
+    def __init__(
+        self,
+        header: checkpoint_pb2.FileHeader,
+        incoming: IncomingFile,
+        budget: MemoryBudget,
+        retain: bool,
+        on_written: Callable[[FileUpload], None],
+        metrics: Metrics,
+    ) -> None:
+        self.header = header
+        self.path = header.path
+        self.incoming = incoming
+        self.touched = time.monotonic()
+        self._budget = budget
+        self._on_written = on_written
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._size = 0
+        self._inflight = 0  # reserved bytes not yet on disk
+        self._memory: MemoryFile | None = MemoryFile() if retain else None
+        self._error: ScaletrainError | None = None
+        self._cancelled = False
+        self._sha = hashlib.sha256()
+        self._crcs = BlockCrcs()
+        self._to_verify: queue.SimpleQueue[tuple[int, bytes | memoryview, int] | None] = (
+            queue.SimpleQueue()
+        )
+        self._to_disk: queue.SimpleQueue[Data | None] = queue.SimpleQueue()
+        self._written = threading.Event()
+        self._verifier = threading.Thread(target=self._verify_loop, daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, daemon=True)
+        self._verifier.start()
+        self._writer.start()
+
+    # -- the gRPC thread -------------------------------------------------------------------------
+
+    def write(self, chunk: checkpoint_pb2.FileChunk | Chunk) -> None:
+        self._raise_if_failed()
+        data = chunk.data  # protobuf copies the bytes at every access: take them once
+        if len(data) > MAX_CHUNK_BYTES:
+            raise InvalidArgument(
+                f"{self.path}: chunk of {len(data)} bytes at offset {chunk.offset} is over "
+                f"the limit of {MAX_CHUNK_BYTES} bytes"
+            )
+        if chunk.offset != self._size:
+            raise InvalidArgument(
+                f"{self.path}: chunk at offset {chunk.offset}, expected {self._size} "
+                "(chunks must arrive in order without gaps)"
+            )
+        self._budget.reserve(len(data), holding=self._held)
+        with self._lock:
+            self._inflight += len(data)
+        self._size += len(data)
+        self.touched = time.monotonic()
+        self._to_verify.put((chunk.offset, data, chunk.crc32c))
+
+    def verified(self) -> None:
+        """Wait until every chunk so far is verified; raise what the verifier found wrong."""
+        self._to_verify.put(None)
+        self._verifier.join()
+        self._raise_if_failed()
+
+    def _held(self) -> int:
+        """Bytes this file holds in the budget: in flight to the disk, or kept for memory."""
+        with self._lock:
+            return self._inflight + (self._memory.size if self._memory is not None else 0)
+
+    def finish(self, trailer: checkpoint_pb2.FileTrailer) -> FileRecord:
+        """Wait for the verifier, check the trailer; the writer goes on in the background."""
+        self.verified()
+        if trailer.size != self._size:
+            self._fail(
+                InvalidArgument(
+                    f"{self.path}: trailer says {trailer.size} bytes, {self._size} were received"
+                )
+            )
+        digest = self._sha.hexdigest()
+        if trailer.sha256.lower() != digest:
+            self._fail(
+                InvalidArgument(
+                    f"{self.path}: SHA-256 mismatch (trailer {trailer.sha256[:16]}..., "
+                    f"received bytes give {digest[:16]}...)"
+                )
+            )
+        self._raise_if_failed()
+        return FileRecord(
+            path=self.path,
+            rank=self.header.rank,
+            kind=self.header.kind,
+            size=self._size,
+            sha256=digest,
+            block_crcs=self._crcs.packed(),
+        )
+
+    def end_input(self) -> None:
+        """No more chunks: let the writer finish the file."""
+        self._to_disk.put(None)
+
+    def cancel(self) -> None:
+        """Drop the file: what was received is discarded and its memory released."""
+        self._cancelled = True
+        self._to_verify.put(None)
+        self._verifier.join()
+        self._to_disk.put(None)
+        self._writer.join()
+
+    # -- the store, at commit --------------------------------------------------------------------
+
+    def wait_written(self) -> None:
+        """Block until the file is on disk (or failed); raise its error."""
+        self._written.wait()
+        self._raise_if_failed()
+
+    def take_memory(self) -> MemoryFile | None:
+        """Hand the kept chunks (still reserved in the budget) to the caller."""
+        with self._lock:
+            memory, self._memory = self._memory, None
+            return memory
+
+    def spill(self) -> int:
+        """Stop keeping chunks for the memory tier and release those kept; returns the bytes."""
+        with self._lock:
+            memory, self._memory = self._memory, None
+            kept = memory.size if memory is not None else 0
+        if kept:
+            self._budget.release(kept)
+        return kept
+
+    # -- the pipeline threads --------------------------------------------------------------------
+
+    def _fail(self, error: ScaletrainError) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _verify_loop(self) -> None:
+        while (item := self._to_verify.get()) is not None:
+            offset, data, crc = item
+            if self._cancelled or self._error is not None:
+                self._drop(len(data))
+                continue
+            actual = crc32c(data)
+            if actual != crc:
+                self._fail(
+                    InvalidArgument(
+                        f"{self.path}: CRC-32C mismatch in chunk at offset {offset} "
+                        f"(sent {crc:08x}, received bytes give {actual:08x})"
+                    )
+                )
+                self._drop(len(data))
+                continue
+            self._sha.update(data)
+            self._crcs.update(data)
+            self._to_disk.put(data)
+
+    def _drop(self, nbytes: int) -> None:
+        with self._lock:
+            self._inflight -= nbytes
+        self._budget.release(nbytes)
+
+    def _write_loop(self) -> None:
+        started = time.perf_counter()
+        while (data := self._to_disk.get()) is not None:
+            if self._cancelled or self._error is not None:
+                self._drop(len(data))
+                continue
+            try:
+                self.incoming.write(data)
+            except OSError as exc:
+                self._fail(Unavailable(f"{self.path}: ckptd cannot write to its SSD: {exc}"))
+                self._drop(len(data))
+                continue
+            with self._lock:
+                self._inflight -= len(data)
+                keep = self._memory is not None
+                if keep:
+                    self._memory.append(data)
+            if not keep:
+                self._budget.release(len(data))
+        try:
+            if self._cancelled or self._error is not None:
+                self.incoming.discard()
+                self.spill()
+            else:
+                self.incoming.sync_and_close()
+                self._metrics.bytes.labels("SSD", "write").inc(self._size)
+                self._metrics.seconds.labels("SSD", "write").observe(time.perf_counter() - started)
+                self._on_written(self)
+        except OSError as exc:
+            self._fail(Unavailable(f"{self.path}: ckptd cannot write to its SSD: {exc}"))
+            self.incoming.discard()
+            self.spill()
+        except ScaletrainError as exc:
+            self._fail(exc)
+            self.spill()
+        finally:
+            self._written.set()

@@ -1,0 +1,92 @@
+"""Prometheus metrics of one ckptd: bytes and seconds per tier, queue depth, failures.
+
+Each store has its own registry (several stores can live in one test process), served over HTTP
+by `serve_metrics` when ckptd runs with --metrics-port. Names follow Prometheus conventions:
+counters end in `_total`, units are bytes and seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from time import perf_counter
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from ckptd.tiers import TIER_NAMES
+
+_SECONDS_BUCKETS = (0.001, 0.005, 0.02, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    """The metric families of ckptd; labels: tier (memory|SSD|S3), op (write|read|delete)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.bytes = Counter(
+            "ckptd_tier_bytes", "Bytes moved per tier and operation",
+            ["tier", "op"], registry=self.registry,
+        )  # fmt: skip
+        self.seconds = Histogram(
+            "ckptd_tier_seconds", "Seconds per tier operation (a file write, a commit, an upload)",
+            ["tier", "op"], buckets=_SECONDS_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.failures = Counter(
+            "ckptd_failures", "Failed tier operations and damaged copies found",
+            ["tier", "op"], registry=self.registry,
+        )  # fmt: skip
+        self.commits = Counter(
+            "ckptd_commits", "Checkpoints committed per tier", ["tier"], registry=self.registry
+        )
+        self.queue_depth = Gauge(
+            "ckptd_s3_queue_depth", "S3 jobs (uploads, removals) waiting or running",
+            registry=self.registry,
+        )  # fmt: skip
+        self.memory_used = Gauge(
+            "ckptd_memory_used_bytes", "Memory budget in use (memory tier plus data in flight)",
+            registry=self.registry,
+        )  # fmt: skip
+        self.memory_budget = Gauge(
+            "ckptd_memory_budget_bytes", "Memory budget", registry=self.registry
+        )
+        self.open_saves = Gauge("ckptd_open_saves", "Saves in progress", registry=self.registry)
+
+    def watch(
+        self,
+        queue_depth: Callable[[], int],
+        memory_used: Callable[[], int],
+        memory_budget: int,
+        open_saves: Callable[[], int],
+    ) -> None:
+        """Read the gauges from live state at scrape time."""
+        self.queue_depth.set_function(queue_depth)
+        self.memory_used.set_function(memory_used)
+        self.memory_budget.set(memory_budget)
+        self.open_saves.set_function(open_saves)
+
+    @contextmanager
+    def timed(self, tier: int, op: str, nbytes: int = 0) -> Iterator[None]:
+        """Count `nbytes` and the seconds of the block; a raising block counts as a failure."""
+        name = TIER_NAMES[tier]
+        started = perf_counter()
+        try:
+            yield
+        except BaseException:
+            self.failures.labels(name, op).inc()
+            raise
+        self.seconds.labels(name, op).observe(perf_counter() - started)
+        if nbytes:
+            self.bytes.labels(name, op).inc(nbytes)
+
+    def failed(self, tier: int, op: str) -> None:
+        self.failures.labels(TIER_NAMES[tier], op).inc()
+
+
+def serve_metrics(metrics: Metrics, listen: str) -> tuple[WSGIServer, int]:
+    """Serve /metrics on `listen` (HOST:PORT, port 0 picks one); returns the server and port."""
+    host, _, port = listen.rpartition(":")
+    server, _thread = start_http_server(
+        int(port), addr=host or "0.0.0.0", registry=metrics.registry
+    )
+    return server, server.server_port

@@ -1,0 +1,90 @@
+"""Retention: which tiers want which of a run's committed checkpoints, and what may be dropped.
+
+Pure functions over steps and tier states, so the rules are tested without any storage. The
+rules, for a run with policy (memory_last=N, ssd_last=M, s3_every=K):
+
+- memory wants the newest N committed checkpoints, SSD the newest M;
+- S3 wants every step that is a multiple of K, the newest committed checkpoint, and, until that
+  one is on S3, the newest checkpoint S3 already holds (so S3 always has a "latest");
+- a tier's copy that its tier no longer wants is dropped only if the checkpoint is wanted nowhere,
+  or another durable tier (SSD or S3) holds a committed copy. So a copy leaves a faster tier only
+  once a slower one holds it, and the only durable copy of a wanted checkpoint is never deleted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from scaletrain.errors import InvalidArgument
+from scaletrain.v1 import checkpoint_pb2, common_pb2
+
+MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S3
+DURABLE = (SSD, S3)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """How many checkpoints of a run each tier keeps (see the module docstring).
+
+    The default sends every checkpoint to S3 (s3_every=1); a run that saves often asks for, say,
+    every 10th step plus the latest with its OpenSave, or ckptd is started with --s3-every.
+    """
+
+    memory_last: int = 2
+    ssd_last: int = 5
+    s3_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.memory_last < 0:
+            raise InvalidArgument(f"retention memory_last must be >= 0, got {self.memory_last}")
+        if self.ssd_last < 1:
+            raise InvalidArgument(f"retention ssd_last must be >= 1, got {self.ssd_last}")
+        if self.s3_every < 1:
+            raise InvalidArgument(f"retention s3_every must be >= 1, got {self.s3_every}")
+
+    @classmethod
+    def from_proto(cls, msg: checkpoint_pb2.RetentionPolicy) -> RetentionPolicy:
+        return cls(msg.memory_last, msg.ssd_last, msg.s3_every)
+
+    def to_proto(self) -> checkpoint_pb2.RetentionPolicy:
+        return checkpoint_pb2.RetentionPolicy(
+            memory_last=self.memory_last, ssd_last=self.ssd_last, s3_every=self.s3_every
+        )
+
+
+def wanted(
+    policy: RetentionPolicy, steps: Sequence[int], on_s3: Sequence[int], has_s3: bool
+) -> dict[int, set[int]]:
+    """step -> the tiers that want it, for a run's committed `steps` (any order).
+
+    `on_s3` are the steps S3 holds committed copies of; `has_s3` whether the S3 tier exists.
+    """
+    newest_first = sorted(steps, reverse=True)
+    result: dict[int, set[int]] = {step: set() for step in newest_first}
+    for step in newest_first[: policy.memory_last]:
+        result[step].add(MEMORY)
+    for step in newest_first[: policy.ssd_last]:
+        result[step].add(SSD)
+    if has_s3 and newest_first:
+        newest = newest_first[0]
+        for step in newest_first:
+            if step % policy.s3_every == 0 or step == newest:
+                result[step].add(S3)
+        held = [s for s in on_s3 if s in result]
+        if held and newest not in held:
+            result[max(held)].add(S3)
+    return result
+
+
+def droppable(wants: set[int], held: Mapping[int, bool]) -> list[int]:
+    """The tiers whose copy may go now; `held` maps each tier to whether it has a good copy."""
+    holders = {tier for tier, good in held.items() if good}
+    if not wants:
+        return sorted(holders)
+    drops = []
+    for tier in sorted(holders - wants):  # fastest first; each drop leaves fewer holders
+        if any(other in holders for other in DURABLE if other != tier):
+            drops.append(tier)
+            holders.discard(tier)
+    return drops

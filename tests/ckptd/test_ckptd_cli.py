@@ -1,0 +1,91 @@
+"""`scaletrain ckpt ls | show | verify | export | rm` as a user runs them, online and offline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ckptd_testing import ROOT, checkpoint_files, ref, store_save, tier_states, wait_for
+
+from ckptd.config import S3Config
+from ckptd.server import RunningCkptd
+from ckptd.store import CheckpointStore
+from ckptd.tiers import CheckpointKey
+
+RunCkptd = Callable[..., RunningCkptd]
+OpenStore = Callable[..., CheckpointStore]
+
+
+def ckpt(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "scaletrain", "ckpt", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+def test_against_a_running_ckptd_every_command_works_and_verify_names_a_damaged_tier(
+    run_ckptd: RunCkptd, s3_config: S3Config, tmp_path: Path
+) -> None:
+    running = run_ckptd(s3=s3_config)
+    files = checkpoint_files(world_size=2, shard_bytes=3 << 20)
+    store_save(running.store, "run", 10, files)
+    wait_for(lambda: tier_states(running.store.get(ref("run", 10)))["s3"] == "COMMITTED", what="S3")
+    at = ("--ckptd", running.address)
+
+    listed = json.loads(ckpt("ls", *at, "--json").stdout)
+    total = sum(len(data) for _, _, data in files.values())
+    assert listed == [
+        {"run": "run", "step": 10, "world_size": 2, "bytes": total,
+         "tiers": ["memory", "ssd", "s3"]}
+    ]  # fmt: skip
+    shown = json.loads(ckpt("show", *at, "run", "--json").stdout)
+    assert shown["step"] == 10 and {f["path"] for f in shown["files"]} == set(files)
+
+    shard = running.store.ssd.path_of(CheckpointKey("run", 10), "__1_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(1 << 20)
+        f.write(b"bit rot")
+    verified = ckpt("verify", *at, "run", "10")
+    assert verified.returncode == 1
+    assert "memory  ok" in verified.stdout and "s3      ok" in verified.stdout
+    assert "fails its checksum" in verified.stdout
+    assert verified.stderr.strip().splitlines()[-1].endswith("damaged copy on ssd")
+    assert "verify run@10 on s3 [####################]" in verified.stderr  # progress
+
+    exported = ckpt("export", *at, "run", "10", str(tmp_path / "out"))
+    assert exported.returncode == 0, exported.stderr
+    for path, (_, _, data) in files.items():
+        assert (tmp_path / "out" / path).read_bytes() == data
+
+    removed = ckpt("rm", *at, "run", "10")
+    assert removed.stdout.strip() == (
+        "removed run@10 from memory, ssd; removal from s3 continues in the background"
+    )
+    assert ckpt("ls", *at).stdout.strip() == "no checkpoints"
+
+
+def test_on_a_work_directory_with_no_ckptd_running_every_command_works(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    workdir = tmp_path / "wd"
+    store = open_store(data_dir=workdir / "ckptd")
+    files = checkpoint_files(world_size=1, shard_bytes=1 << 20)
+    store_save(store, "run", 3, files)
+    store.close()
+    at = ("--workdir", str(workdir))
+
+    assert "run" in ckpt("ls", *at).stdout
+    assert "ssd      COMMITTED" in ckpt("show", *at, "run", "3").stdout
+    assert ckpt("verify", *at, "run", "3").stdout.strip() == "ssd     ok"
+    assert ckpt("export", *at, "run", "3", str(tmp_path / "out")).returncode == 0
+    assert (tmp_path / "out" / "__0_0.distcp").read_bytes() == files["__0_0.distcp"][2]
+    assert ckpt("rm", *at, "run", "3").stdout.strip() == "removed run@3 from ssd"
+    unknown = ckpt("verify", *at, "run", "3")
+    assert unknown.returncode == 1 and "no committed checkpoint run@3" in unknown.stderr
+    assert len(unknown.stderr.strip().splitlines()) == 1 and "Traceback" not in unknown.stderr
