@@ -20,9 +20,6 @@ test-artifacts/parallel_layouts.json.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +32,7 @@ from ckptd.server import start
 from scaletrain.checkpoints import export
 from trainer.checkpoint.digest import state_sha256
 from trainer.model.llama import Transformer
-from trainer.parallel.probe import ProbeResult, config_from_layout, reference
+from trainer.parallel.probe import ProbeResult, config_from_layout, launch, reference
 
 STEPS = 3
 DENSE = {"dim": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4}
@@ -90,21 +87,6 @@ def _layouts(table: dict[str, tuple[dict, dict]]) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def _probe(world: int, table: dict, tmp: Path, ckptd: str) -> dict[str, dict[str, Any]]:
-    """Run every layout of `table` in one torchrun job of `world` ranks; rank 0's results."""
-    layouts, out = tmp / f"layouts{world}.json", tmp / f"results{world}.pt"
-    layouts.write_text(json.dumps(_layouts(table)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc-per-node", str(world), "-m", "trainer.parallel.probe",
-         "--layouts", str(layouts), "--steps", str(STEPS), "--out", str(out), "--ckptd", ckptd],
-        env=env, capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    return torch.load(out, weights_only=False)
-
-
 @pytest.fixture(scope="module")
 def ckptd(tmp_path_factory: pytest.TempPathFactory):
     running = start(CkptdConfig(data_dir=tmp_path_factory.mktemp("ckptd")))
@@ -113,10 +95,11 @@ def ckptd(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory, ckptd: str):
+def measured(ckptd: str):
     """Both jobs' results by layout name, and the differences recorded for the artifact."""
-    tmp = tmp_path_factory.mktemp("layouts")
-    results = _probe(4, WORLD_4, tmp, ckptd) | _probe(8, WORLD_8, tmp, ckptd)
+    results = launch(4, _layouts(WORLD_4), STEPS, ckptd) | launch(
+        8, _layouts(WORLD_8), STEPS, ckptd
+    )
     diffs: dict[str, dict[str, Any]] = {}
     yield results, diffs
     ARTIFACT.parent.mkdir(exist_ok=True)

@@ -14,6 +14,7 @@ which run on gloo and NCCL alike. Blocks are computed in fp32 whatever the input
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -105,12 +106,8 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
             incoming = ring.start(kv, _KV) if step < ring.size - 1 else None
-            kf, vf = _expand(kv.float(), q.shape[1])
-            for qs, ks, causal in _pairs(ring.rank, src, ring.size, q.shape[2]):
-                block_out, block_lse = _attend(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], causal)
-                _merge(out, lse, qs, block_out, block_lse)
+            forward_block(qf, kv, ring.rank, (ring.rank - step) % ring.size, ring.size, out, lse)
             if incoming is not None:
                 kv = incoming()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -125,28 +122,44 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout * out).sum(dim=-1)
         dq = torch.zeros_like(qf)
         kv = torch.stack([k, v])
-        grad_in: Callable[[], torch.Tensor] | None = None
+        # The gradient for the visiting block so far, from the previous rank (none at step 0).
+        grad_in: Callable[[], torch.Tensor] = partial(torch.zeros, ())
         for step in range(ring.size):
-            src = (ring.rank - step) % ring.size
             incoming = ring.start(kv, _KV) if step < ring.size - 1 else None
-            kf, vf = _expand(kv.float(), q.shape[1])
-            dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-            for qs, ks, causal in _pairs(ring.rank, src, ring.size, q.shape[2]):
-                _attend_backward(
-                    qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], dout[:, :, qs], lse[:, :, qs],
-                    delta[:, :, qs], causal, dq[:, :, qs], dk[:, :, ks], dv[:, :, ks],
-                )  # fmt: skip
-            # The gradient for src's block so far arrives from the previous rank; add ours.
-            grad = torch.stack([_reduce_heads(dk, k.shape[1]), _reduce_heads(dv, v.shape[1])])
-            if grad_in is not None:
-                grad = grad + grad_in()
-            grad_in = ring.start(grad, _GRAD)
+            src = (ring.rank - step) % ring.size
+            grad = backward_block(qf, kv, dout, lse, delta, ring.rank, src, ring.size, dq)
+            grad_in = ring.start(grad + grad_in(), _GRAD)
             if incoming is not None:
                 kv = incoming()
-        assert grad_in is not None
         # After a full turn the accumulated gradient of this rank's own block comes home.
         dkv = grad_in()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def forward_block(
+    q: torch.Tensor, kv: torch.Tensor, rank: int, src: int, cp: int, out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:  # fmt: skip
+    """Fold the attention of `rank`'s queries (fp32) over `src`'s key/value block into out, lse."""
+    k, v = _expand(kv.float(), q.shape[1])
+    for qs, ks, causal in _pairs(rank, src, cp, q.shape[2]):
+        block_out, block_lse = _attend(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal)
+        _merge(out, lse, qs, block_out, block_lse)
+
+
+def backward_block(
+    q: torch.Tensor, kv: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, rank: int, src: int, cp: int, dq: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Add this block's share to dq; return its gradient for src's keys and values (stacked)."""
+    k, v = _expand(kv.float(), q.shape[1])
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for qs, ks, causal in _pairs(rank, src, cp, q.shape[2]):
+        _attend_backward(
+            q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs], lse[:, :, qs],
+            delta[:, :, qs], causal, dq[:, :, qs], dk[:, :, ks], dv[:, :, ks],
+        )  # fmt: skip
+    return torch.stack([_reduce_heads(dk, kv.shape[2]), _reduce_heads(dv, kv.shape[2])])
 
 
 def _pairs(rank: int, src: int, cp: int, local_seq: int) -> list[tuple[slice, slice, bool]]:

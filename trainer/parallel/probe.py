@@ -20,8 +20,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +41,7 @@ from trainer.model.moe import MoEArgs
 from trainer.parallel.dims import ParallelMesh, validate_layout
 from trainer.parallel.expert import ExpertLoad, balance_experts
 from trainer.parallel.parallelize import ParallelModel, parallelize
+from trainer.parallel.pipeline import scheduled_bubble
 
 CORPUS_BYTES = 1 << 18
 
@@ -49,6 +55,8 @@ class ProbeResult:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     # Set when the layout was checkpointed: whether a fresh copy restored every parameter.
     restored_equal: bool | None = None
+    # Pipelined layouts: the idle fraction of the schedule's own action table (if it has one).
+    scheduled_bubble: float | None = None
 
 
 def config_from_layout(layout: dict[str, Any]) -> TrainConfig:
@@ -140,6 +148,8 @@ def run_layout(
         result.losses.append(job.parallel.mean_loss(loss))
         result.step_seconds.append(time.perf_counter() - start)
     result.state = job.parallel.full_state()
+    if job.parallel.pipeline is not None:
+        result.scheduled_bubble = scheduled_bubble(job.parallel.pipeline.schedule)
     if ckptd is not None:
         _checkpointer(ckptd, cfg.run_id, job).save(steps, labels={})
         fresh = _build(cfg, mesh, device, cfg.seed + 1)
@@ -154,6 +164,28 @@ def run_layout(
 def _checkpointer(address: str, run_id: str, job: _Job) -> Checkpointer:
     schedule = torch.optim.lr_scheduler.LambdaLR(job.optimizer, lambda _: 1.0)
     return Checkpointer(address, run_id, job.parallel.model, job.optimizer, schedule, job.loader)
+
+
+def launch(
+    world: int, layouts: list[dict[str, Any]], steps: int, ckptd: str | None = None
+) -> dict[str, dict[str, Any]]:
+    """Run the probe on `world` local ranks under torchrun; rank 0's results by layout name.
+
+    For a parent process (tests, benchmarks): one job for all layouts, since each job pays the
+    start-up of `world` Python processes importing torch.
+    """
+    with tempfile.TemporaryDirectory(prefix="probe-") as tmp:
+        spec, out = Path(tmp) / "layouts.json", Path(tmp) / "results.pt"
+        spec.write_text(json.dumps(layouts))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(world), "-m", "trainer.parallel.probe",
+                "--layouts", str(spec), "--steps", str(steps), "--out", str(out),
+                *(["--ckptd", ckptd] if ckptd else [])]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"probe job on {world} ranks failed:\n{proc.stderr[-6000:]}")
+        return torch.load(out, weights_only=False)
 
 
 def main(argv: list[str] | None = None) -> None:
