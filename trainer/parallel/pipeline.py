@@ -174,13 +174,14 @@ def bubble_formula(pp: int, microbatches: int, stages_per_rank: int = 1) -> floa
 
 
 def scheduled_bubble(runner: _PipelineSchedule) -> float | None:
-    """Idle fraction of the schedule's own action table (each action one time unit).
+    """Idle fraction of a multi-stage schedule's own action table, one slot per action.
 
-    Only the multi-stage schedules keep such a table (`pipeline_order`); None for the others.
+    The table is the schedule's idealised plan (a full backward takes one slot, like a forward);
+    None for the single-stage schedules, whose tables are drawings rather than what they run.
     """
-    order = getattr(runner, "pipeline_order", None)
-    if not order:
+    if not isinstance(runner, PipelineScheduleMulti):
         return None
+    order = runner.pipeline_order
     length = max(len(actions) for actions in order.values())
     busy = sum(sum(a is not None for a in actions) for actions in order.values())
     return 1 - busy / (length * len(order))
