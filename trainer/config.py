@@ -133,19 +133,9 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         n_kv_heads=args.n_kv_heads,
         moe=moe,
     )
-    parallel = ParallelConfig(
-        dp_replicate=args.dp_replicate,
-        dp_shard=args.dp_shard,
-        tp=args.tp,
-        pp=args.pp,
-        cp=args.cp,
-        ep=args.ep,
-        pp_schedule=args.pp_schedule,
-        pp_microbatches=args.pp_microbatches,
-        pp_stages_per_rank=args.pp_stages_per_rank,
-        mixed_precision=args.mixed_precision,
-        activation_checkpointing=args.activation_checkpointing,
-    )
+    # Every ParallelConfig field has the flag of the same name.
+    fields = dataclasses.fields(ParallelConfig)
+    parallel = ParallelConfig(**{f.name: getattr(args, f.name) for f in fields})
     return TrainConfig(
         run_id=args.run_id,
         ckptd=args.ckptd,

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
     from trainer.config import TrainConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Every degree, in the order telemetry's ParallelLayout lists them.
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 
 
 class LayoutError(ValueError):
@@ -99,14 +101,7 @@ class ParallelDims:
 
     def layout(self) -> dict[str, int]:
         """Every degree by name, as telemetry's ParallelLayout records it."""
-        return {
-            "dp_replicate": self.dp_replicate,
-            "dp_shard": self.dp_shard,
-            "tp": self.tp,
-            "pp": self.pp,
-            "cp": self.cp,
-            "ep": self.ep,
-        }
+        return {name: getattr(self, name) for name in DEGREES}
 
     def check(self, cfg: TrainConfig) -> None:
         """Refuse a model, sequence or batch this layout cannot split evenly.
@@ -234,16 +229,7 @@ class ParallelDims:
 
 def validate_layout(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """The job's degrees for `world_size` ranks, checked against the model and data."""
-    par = cfg.parallel
-    dims = ParallelDims(
-        world_size,
-        dp_replicate=par.dp_replicate,
-        dp_shard=par.dp_shard,
-        cp=par.cp,
-        tp=par.tp,
-        pp=par.pp,
-        ep=par.ep,
-    )
+    dims = ParallelDims(world_size, **{name: getattr(cfg.parallel, name) for name in DEGREES})
     dims.check(cfg)
     return dims
 
