@@ -91,6 +91,15 @@ class ExpertLoad:
     per_layer: dict[str, list[int]]
     dropped: int
 
+    @staticmethod
+    def merge(parts: list[ExpertLoad]) -> ExpertLoad:
+        """One load out of the pipeline stages' loads, each over its own layers."""
+        per_layer = {k: v for part in parts for k, v in part.per_layer.items()}
+        return ExpertLoad(
+            per_layer=dict(sorted(per_layer.items(), key=lambda item: int(item[0]))),
+            dropped=sum(part.dropped for part in parts),
+        )
+
     @property
     def imbalance(self) -> float:
         """The busiest expert's load over the mean load, worst layer (1.0 is perfect)."""

@@ -44,6 +44,7 @@ class ParallelModel:
     model: Transformer
     dims: ParallelDims
     mesh: ParallelMesh
+    device: torch.device
     # Context parallelism: the sequence positions this rank is fed.
     positions: torch.Tensor | None
     pipeline: Pipeline | None
@@ -74,9 +75,9 @@ class ParallelModel:
 
     def mean_loss(self, loss: torch.Tensor | None) -> float:
         """The loss over the global batch: the mean over the ranks that computed one."""
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         if loss is not None:
-            total += loss.detach().float().cpu()
+            total += loss.detach().float()
         dist.all_reduce(total)
         return total.item() / (self.dims.world_size // self.dims.pp)
 
@@ -85,11 +86,9 @@ class ParallelModel:
         load = balance_experts(self.model, self.mesh.dp_cp)
         if load is None or self.dims.pp == 1:
             return load
-        stage_loads: list[ExpertLoad | None] = [None] * self.dims.pp
-        dist.all_gather_object(stage_loads, load, group=self.mesh.pp.get_group())
-        per_layer = {k: v for part in stage_loads if part for k, v in part.per_layer.items()}
-        return ExpertLoad(per_layer=dict(sorted(per_layer.items(), key=lambda kv: int(kv[0]))),
-                          dropped=sum(part.dropped for part in stage_loads if part))  # fmt: skip
+        stages: list[ExpertLoad | None] = [None] * self.dims.pp
+        dist.all_gather_object(stages, load, group=self.mesh.pp.get_group())
+        return ExpertLoad.merge([stage for stage in stages if stage is not None])
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered in full, on every rank (pipeline stages merged)."""
@@ -146,7 +145,7 @@ def parallelize(
             stages, par.pp_schedule, dims.pp * v, microbatches, mesh.pp.get_group(), shapes,
             next_token_loss, device,
         )  # fmt: skip
-    return ParallelModel(model, dims, mesh, positions, pipeline)
+    return ParallelModel(model, dims, mesh, device, positions, pipeline)
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
