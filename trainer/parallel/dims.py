@@ -50,6 +50,8 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """The degree of each parallelism; constructing one checks they fill the world exactly."""
+
     world_size: int
     dp_replicate: int = 1
     # -1 takes every rank the other degrees leave.
@@ -124,10 +126,9 @@ class ParallelDims:
                     )
         step = self.seq_multiple
         if cfg.seq_len % step:
-            why = f"cp {self.cp} x 2 load-balanced causal chunks" if self.cp > 1 else ""
-            why += (" and " if why else "") + (
-                f"tp {self.tp} sequence shards" if self.tp > 1 else ""
-            )
+            reasons = [f"cp {self.cp} x 2 load-balanced causal chunks"] if self.cp > 1 else []
+            reasons += [f"tp {self.tp} sequence shards"] if self.tp > 1 else []
+            why = " and ".join(reasons)
             raise LayoutError(
                 f"seq_len {cfg.seq_len} is not a multiple of {step} ({why}); nearest valid "
                 f"seq_len: {_nearest_multiples(cfg.seq_len, step)}"

@@ -117,7 +117,11 @@ def build_pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
 ) -> Pipeline:
-    """The schedule over `stages`, with static shapes so no step runs just to infer them."""
+    """The schedule over `stages`, with static shapes.
+
+    Without them the first step would run an extra real forward and backward to infer shapes,
+    which costs time and would count its tokens into the expert loads.
+    """
     pipeline_stages = [
         PipelineStage(
             module,
