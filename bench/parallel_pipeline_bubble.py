@@ -1,14 +1,15 @@
 """The pipeline bubble of each schedule, measured on CPU, next to the formula (p-1)/(m+p-1).
 
-For p pipeline ranks and m micro-batches, a perfectly filled pipeline would take m·t/p per step,
-t being one micro-batch's forward and backward through the whole model, timed here in one process.
-The measured bubble is 1 - (m·t/p) / (the pipelined step's median time): idle time plus every
-overhead the pipeline adds (sends, the optimizer step). Also printed: the idle fraction of each
-multi-stage schedule's own action table (one time unit per action). The formula is
-(p-1)/(m+p-1) for GPipe and 1F1B and (p-1)/(v·m+p-1) with v stages per rank for interleaving;
-zero-bubble schedules aim at 0 when forward, input-backward and weight-backward cost the same.
+Every pipeline rank adds up the seconds its stages spend computing (forward, backward, weight
+backward) during a step's schedule; the rest of the schedule's wall time is its bubble: waiting
+for a neighbour's activations or gradients, sends included. The figure is the median over steps of
+the mean over ranks. Next to it: the formula, (p-1)/(m+p-1) for GPipe and 1F1B and (p-1)/(v·m+p-1)
+with v stages per rank for Interleaved1F1B (zero-bubble schedules aim at 0 when forward,
+input-backward and weight-backward cost the same), and the idle fraction of each multi-stage
+schedule's own action table (one slot per action).
 
-Meaningful only when every rank has a core of its own: p = 2 on a 2-core machine.
+Meaningful when every rank has a core of its own (p = 2 on a 2-core machine) and nothing else
+runs: other processes stretch both compute and waits.
 Run: `.venv/bin/python bench/parallel_pipeline_bubble.py [--pp 2] [--microbatches 4 8]`
 """
 
@@ -16,30 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-import torch
-
-from trainer.model.llama import ModelArgs, Transformer, next_token_loss
-from trainer.parallel.pipeline import SCHEDULES, bubble_formula
+from trainer.parallel.pipeline import SCHEDULES, expected_bubble
 from trainer.parallel.probe import launch
 
 MODEL = {"dim": 128, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4}
 MICROBATCH = 2
-
-
-def microbatch_seconds(seq_len: int, repeats: int = 5) -> float:
-    """Median time of one micro-batch's forward and backward through the whole model."""
-    torch.set_num_threads(1)
-    model = Transformer(ModelArgs(**MODEL))
-    model.init_weights(0)
-    tokens = torch.randint(0, 256, (MICROBATCH, seq_len + 1))
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        next_token_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
 
 
 def main() -> None:
@@ -58,20 +41,15 @@ def main() -> None:
         for schedule in SCHEDULES
     ]  # fmt: skip
     results = launch(args.pp, layouts, args.steps)
-    t = microbatch_seconds(args.seq_len)
-    print(f"pp {args.pp}, micro-batch of {MICROBATCH}x{args.seq_len} tokens: {t * 1e3:.1f} ms "
-          "forward+backward through the whole model in one process")  # fmt: skip
+    print(f"pp {args.pp}, micro-batches of {MICROBATCH}x{args.seq_len} tokens, {MODEL}")
     print(f"{'schedule':28} {'formula':>8} {'table':>8} {'measured':>9}")
     for layout in layouts:
         r, m = results[layout["name"]], layout["parallel"]["pp_microbatches"]
         schedule = layout["parallel"]["pp_schedule"]
-        measured = 1 - (m * t / args.pp) / statistics.median(r["step_seconds"][args.warmup :])
-        formula = (
-            f"{bubble_formula(args.pp, m, SCHEDULES[schedule]):8.3f}"
-            if "ZeroBubble" not in schedule and schedule != "DualPipeV"
-            else f"{'~0':>8}"
-        )
+        expected = expected_bubble(schedule, args.pp, m, SCHEDULES[schedule])
+        formula = f"{'~0':>8}" if expected is None else f"{expected:8.3f}"
         table = "-" if r["scheduled_bubble"] is None else f"{r['scheduled_bubble']:.3f}"
+        measured = statistics.median(r["bubbles"][args.warmup :])
         print(f"{layout['name']:28} {formula} {table:>8} {measured:9.3f}")
 
 

@@ -161,6 +161,8 @@ def train(cfg: TrainConfig) -> None:
             note = f" | checkpoint {saved.seconds:.2f}s" if saved else ""
             if expert_load is not None:
                 note += f" | expert load max/mean {expert_load.imbalance:.2f}"
+            if parallel.pipeline is not None:
+                note += f" | pipeline bubble {parallel.pipeline.bubble_report()}"
             print(
                 f"[trainer] step {step} loss {global_loss:.4f} "
                 f"tok/s {done * tokens_per_step / elapsed:,.0f}{note}",

@@ -20,6 +20,9 @@ test-artifacts/parallel_layouts.json.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +75,13 @@ WORLD_8 = {
     ),
     "ep4-in-dp2.cp2.tp2": ({"cp": 2, "tp": 2, "ep": 4}, MOE),
 }
-CHECKPOINTED = {"pp2.dp2-interleaved-1f1b", "ep2-in-dp4", "cp2.tp2", "ep2-in-dp2.tp2.pp2"}
+CHECKPOINTED = {
+    "pp2.dp2-interleaved-1f1b",
+    "ep2-in-dp4",
+    "cp2.tp2",
+    "ep2-in-dp2.tp2.pp2",
+    "dp4-activation-checkpointing",
+}
 BF16 = {"dp4-bf16"}
 BITWISE_TWINS = {"dp4-activation-checkpointing": "dp4"}
 
@@ -197,3 +206,19 @@ def test_a_layouts_checkpoint_loads_into_a_one_process_model_with_stock_dcp(
     state = {"model": model.state_dict()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp_path / "export")))
     assert state_sha256(state["model"]) == state_sha256(results[name]["state"])
+
+
+def test_the_trainer_runs_a_composed_layout_given_on_its_command_line():
+    """pp2 x cp2 with ep2 borrowed from cp, a zero-bubble schedule, bf16 and recomputation."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "-m", "trainer", "--run-id", "composed", "--steps", "2", "--log-every", "1",
+         "--seq-len", "32", "--global-batch", "4", "--pp", "2", "--cp", "2", "--ep", "2",
+         "--n-experts", "4", "--pp-schedule", "ZBVZeroBubble", "--mixed-precision",
+         "--activation-checkpointing"],
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "[trainer] step 2 loss" in proc.stdout and "expert load max/mean" in proc.stdout
+    assert "[trainer] done: final loss" in proc.stdout

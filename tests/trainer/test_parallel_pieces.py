@@ -15,7 +15,12 @@ from trainer.model.llama import CausalAttention, ModelArgs, Transformer
 from trainer.model.moe import MoE, MoEArgs
 from trainer.parallel.context import _pairs, backward_block, chunk_positions, forward_block
 from trainer.parallel.expert import _source_major_to_expert_major, balance_experts
-from trainer.parallel.pipeline import bubble_formula, split_into_stages, stage_indices
+from trainer.parallel.pipeline import (
+    bubble_formula,
+    expected_bubble,
+    split_into_stages,
+    stage_indices,
+)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -149,6 +154,8 @@ def test_the_bubble_formula_shrinks_with_micro_batches_and_interleaving():
     assert bubble_formula(4, 4) == pytest.approx(3 / 7)
     assert bubble_formula(4, 12) == pytest.approx(3 / 15)
     assert bubble_formula(4, 4, stages_per_rank=2) == pytest.approx(3 / 11)
+    assert expected_bubble("Interleaved1F1B", 4, 4, 2) == pytest.approx(3 / 11)
+    assert expected_bubble("ZBVZeroBubble", 4, 4, 2) is None
 
 
 def test_every_parallel_option_reaches_the_trainer_config_from_the_command_line():

@@ -11,8 +11,10 @@ unparallelised names, while the schedule runs the stages.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,8 @@ SCHEDULES = {
     "DualPipeV": 2,
 }
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+# Schedules that split backward into input and weight parts to fill the bubble.
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def resolve_stages_per_rank(schedule: str, requested: int) -> int:
@@ -88,23 +92,62 @@ def split_into_stages(
     return stages
 
 
+def _timed(name: str) -> Callable[..., Any]:
+    """PipelineStage's method `name`, adding the seconds it runs to the stage's `busy_s`."""
+    method = getattr(PipelineStage, name)
+
+    def timed(self: TimedStage, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    return timed
+
+
+class TimedStage(PipelineStage):
+    """A stage that adds up the seconds it computes (forward, backward, weight backward).
+
+    What is left of a step's wall time is the rank's bubble: waiting for its neighbours.
+    """
+
+    busy_s = 0.0
+    forward_one_chunk = _timed("forward_one_chunk")
+    backward_one_chunk = _timed("backward_one_chunk")
+    backward_weight_one_chunk = _timed("backward_weight_one_chunk")
+
+
 @dataclass
 class Pipeline:
     """The schedule over this rank's stages, and which ends of the pipeline it holds."""
 
     schedule: _PipelineSchedule
+    stages: list[TimedStage]
     has_first: bool
     has_last: bool
+    # (p-1)/(v·m+p-1) for the schedules it describes; None for the zero-bubble ones.
+    formula: float | None
+    # This rank's idle fraction of the last step: 1 - compute seconds / schedule seconds.
+    last_bubble: float = 0.0
+
+    def bubble_report(self) -> str:
+        """The last step's measured bubble on this rank, beside what the formula predicts."""
+        expected = "zero-bubble schedule" if self.formula is None else f"formula {self.formula:.2f}"
+        return f"{self.last_bubble:.2f} ({expected})"
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward over all micro-batches; the mean loss where the last stage is."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
+        busy, start = sum(s.busy_s for s in self.stages), time.perf_counter()
         if self.has_last:
             self.schedule.step(*args, target=targets, losses=losses)
-            return torch.stack(losses).mean()
-        self.schedule.step(*args)
-        return None
+        else:
+            self.schedule.step(*args)
+        busy = sum(s.busy_s for s in self.stages) - busy
+        self.last_bubble = 1 - busy / (time.perf_counter() - start)
+        return torch.stack(losses).mean() if self.has_last else None
 
 
 def build_pipeline(
@@ -123,7 +166,7 @@ def build_pipeline(
     which costs time and would count its tokens into the expert loads.
     """
     pipeline_stages = [
-        PipelineStage(
+        TimedStage(
             module,
             index,
             n_stages,
@@ -141,7 +184,8 @@ def build_pipeline(
         (only,) = pipeline_stages
         runner = cls(only, n_microbatches=microbatches, loss_fn=loss_fn)
     indices = [index for index, _ in stages]
-    return Pipeline(runner, has_first=0 in indices, has_last=n_stages - 1 in indices)
+    formula = expected_bubble(schedule, n_stages // len(stages), microbatches, len(stages))
+    return Pipeline(runner, pipeline_stages, 0 in indices, n_stages - 1 in indices, formula)
 
 
 @dataclass(frozen=True)
@@ -175,6 +219,15 @@ class StageShapes:
 def bubble_formula(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
     """Idle fraction of an ideal pipeline: (p-1)/(m+p-1), or (p-1)/(v·m+p-1) when interleaved."""
     return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
+def expected_bubble(
+    schedule: str, pp: int, microbatches: int, stages_per_rank: int
+) -> float | None:
+    """The formula's bubble for `schedule`; None for zero-bubble schedules, which aim at 0."""
+    if schedule in ZERO_BUBBLE:
+        return None
+    return bubble_formula(pp, microbatches, stages_per_rank)
 
 
 def scheduled_bubble(runner: _PipelineSchedule) -> float | None:

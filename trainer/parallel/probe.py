@@ -55,7 +55,9 @@ class ProbeResult:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     # Set when the layout was checkpointed: whether a fresh copy restored every parameter.
     restored_equal: bool | None = None
-    # Pipelined layouts: the idle fraction of the schedule's own action table (if it has one).
+    # Pipelined layouts: each step's idle fraction, averaged over the pipeline ranks, and the
+    # idle fraction of the schedule's own action table (multi-stage schedules).
+    bubbles: list[float] = field(default_factory=list)
     scheduled_bubble: float | None = None
 
 
@@ -147,6 +149,10 @@ def run_layout(
         result.expert_loads.append(job.parallel.after_optimizer_step())
         result.losses.append(job.parallel.mean_loss(loss))
         result.step_seconds.append(time.perf_counter() - start)
+        if (pipeline := job.parallel.pipeline) is not None:
+            bubble = torch.tensor(pipeline.last_bubble)
+            dist.all_reduce(bubble, group=mesh.pp.get_group())
+            result.bubbles.append(bubble.item() / mesh.dims.pp)
     result.state = job.parallel.full_state()
     if job.parallel.pipeline is not None:
         result.scheduled_bubble = scheduled_bubble(job.parallel.pipeline.schedule)
