@@ -26,6 +26,36 @@ from scaletrain.errors import ScaletrainError, UserError
 
 DEFAULT_WORKDIR = Path(".scaletrain")
 
+# `scaletrain run` options handed to the trainer unchanged (model, data and parallel layout).
+TRAINER_FLAGS: dict[str, type] = {
+    "--seq-len": int,
+    "--global-batch": int,
+    "--dim": int,
+    "--n-layers": int,
+    "--n-heads": int,
+    "--n-kv-heads": int,
+    "--dp-replicate": int,
+    "--dp-shard": int,
+    "--tp": int,
+    "--pp": int,
+    "--cp": int,
+    "--ep": int,
+    "--pp-schedule": str,
+    "--pp-microbatches": int,
+    "--pp-stages-per-rank": int,
+    "--mixed-precision": bool,
+    "--activation-checkpointing": bool,
+    "--n-experts": int,
+    "--top-k": int,
+    "--shared-experts": int,
+    "--capacity-factor": float,
+    "--moe-balance": str,
+    "--expert-groups": int,
+    "--topk-groups": int,
+    "--ckpt-policy": str,
+    "--log-every": int,
+}
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line in one line."""
@@ -46,13 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-id", help="name of the run (default: a new one)")
     run.add_argument("--resume", action="store_true", help="continue the last run of --workdir")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
-    run.add_argument("--ckpt-policy", choices=("wait", "skip"), help="save while one streams")
-    run.add_argument("--log-every", type=int, help="print progress every N steps")
-    run.add_argument("--seq-len", type=int)
-    run.add_argument("--global-batch", type=int)
-    run.add_argument("--dp-replicate", type=int)
-    run.add_argument("--dim", type=int)
-    run.add_argument("--n-layers", type=int)
+    trainer = run.add_argument_group(
+        "trainer options, passed through (see `python -m trainer --help`); the layout is checked "
+        "before anything starts"
+    )
+    for flag, kind in TRAINER_FLAGS.items():
+        if kind is bool:
+            trainer.add_argument(flag, action="store_true", default=None)
+        else:
+            trainer.add_argument(flag, type=kind)
 
     ckptd = sub.add_parser("ckptd", help="serve the checkpoint daemon")
     ckptd.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT")
@@ -161,16 +193,11 @@ def _run(args: argparse.Namespace) -> int:
     from scaletrain.embedded import RunOptions, run
     from scaletrain.stack import Workdir
 
-    passthrough = {
-        "--seq-len": args.seq_len,
-        "--global-batch": args.global_batch,
-        "--dp-replicate": args.dp_replicate,
-        "--dim": args.dim,
-        "--n-layers": args.n_layers,
-        "--ckpt-policy": args.ckpt_policy,
-        "--log-every": args.log_every,
-    }
-    trainer_args = [x for k, v in passthrough.items() if v is not None for x in (k, str(v))]
+    trainer_args: list[str] = []
+    for flag, kind in TRAINER_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            trainer_args += [flag] if kind is bool else [flag, str(value)]
     options = RunOptions(
         workdir=Workdir(args.workdir),
         ranks=args.ranks,

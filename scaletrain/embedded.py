@@ -76,6 +76,7 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
     run_id = options.run_id or (workdir.last_run_id() if options.resume else None) or new_run_id()
     if options.resume and not workdir.last_run_id() and not options.run_id:
         raise UserError(f"--resume: no earlier run in {workdir.root}; start one without --resume")
+    check_layout(options.trainer_args, options.ranks)
     started = time.monotonic()
     trainer_args = [
         "--steps", str(options.steps), "--ckpt-every", str(options.ckpt_every),
@@ -105,6 +106,20 @@ def _first_error(log: Path) -> str:
         if line.startswith("trainer: ") and ": error: " in line:
             return line.removeprefix("trainer: ")
     return "a rank crashed or was killed"
+
+
+def check_layout(trainer_args: list[str], ranks: int) -> None:
+    """Refuse trainer options or a parallel layout that cannot run on `ranks` ranks.
+
+    Runs the trainer's own checks in this process, so nothing is started for a bad layout.
+    """
+    from trainer.config import from_args, parser
+    from trainer.parallel.dims import validate_layout
+
+    try:
+        validate_layout(from_args(parser().parse_args(["--run-id", "check", *trainer_args])), ranks)
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
 
 
 def _wait_for_tiers(

@@ -7,6 +7,30 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from trainer.model.llama import ModelArgs
+from trainer.model.moe import BALANCE_MODES, MoEArgs
+from trainer.parallel.pipeline import SCHEDULES
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the job is laid out over its ranks (trainer/parallel/dims.py checks it fits)."""
+
+    dp_replicate: int = 1
+    # -1 takes every rank the other degrees leave.
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    # Borrowed from dp_shard x cp: must divide it.
+    ep: int = 1
+    pp_schedule: str = "1F1B"
+    # 0: one micro-batch per sequence of the local batch.
+    pp_microbatches: int = 0
+    # 0: the schedule's own (1 for GPipe and 1F1B, 2 for the others).
+    pp_stages_per_rank: int = 0
+    # bf16 parameters and compute, fp32 gradient reductions and optimizer state.
+    mixed_precision: bool = False
+    activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)
@@ -26,8 +50,7 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
-    dp_replicate: int = 1
-    dp_shard: int = -1
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     corpus_bytes: int = 4 << 20
     log_every: int = 10
     model: ModelArgs = field(default_factory=ModelArgs)
@@ -71,21 +94,58 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
     p.add_argument("--global-batch", type=int, default=TrainConfig.global_batch)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
-    p.add_argument("--dp-replicate", type=int, default=TrainConfig.dp_replicate)
-    p.add_argument("--dp-shard", type=int, default=TrainConfig.dp_shard)
-    p.add_argument("--dim", type=int, default=ModelArgs.dim)
-    p.add_argument("--n-layers", type=int, default=ModelArgs.n_layers)
-    p.add_argument("--n-heads", type=int, default=ModelArgs.n_heads)
-    p.add_argument("--n-kv-heads", type=int, default=ModelArgs.n_kv_heads)
     p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
+    model = p.add_argument_group("model")
+    model.add_argument("--dim", type=int, default=ModelArgs.dim)
+    model.add_argument("--n-layers", type=int, default=ModelArgs.n_layers)
+    model.add_argument("--n-heads", type=int, default=ModelArgs.n_heads)
+    model.add_argument("--n-kv-heads", type=int, default=ModelArgs.n_kv_heads)
+    moe = p.add_argument_group("mixture of experts (every block, when --n-experts > 0)")
+    moe.add_argument("--n-experts", type=int, default=0)
+    moe.add_argument("--top-k", type=int, default=MoEArgs.top_k)
+    moe.add_argument("--shared-experts", type=int, default=MoEArgs.n_shared)
+    moe.add_argument("--capacity-factor", type=float, default=MoEArgs.capacity_factor,
+                     help="0: never drop tokens")  # fmt: skip
+    moe.add_argument("--moe-balance", default=MoEArgs.balance, choices=BALANCE_MODES)
+    moe.add_argument("--expert-groups", type=int, default=MoEArgs.n_groups,
+                     help="groups of consecutive experts (e.g. one per node)")  # fmt: skip
+    moe.add_argument("--topk-groups", type=int, default=MoEArgs.topk_groups,
+                     help="each token's experts come from at most this many groups")  # fmt: skip
+    par = p.add_argument_group("parallelism (world = dp_replicate*dp_shard*cp*tp*pp)")
+    defaults = ParallelConfig()
+    for flag in ("dp-replicate", "dp-shard", "tp", "pp", "cp", "ep"):
+        par.add_argument(f"--{flag}", type=int, default=getattr(defaults, flag.replace("-", "_")))
+    par.add_argument("--pp-schedule", default=defaults.pp_schedule, choices=list(SCHEDULES))
+    par.add_argument("--pp-microbatches", type=int, default=defaults.pp_microbatches)
+    par.add_argument("--pp-stages-per-rank", type=int, default=defaults.pp_stages_per_rank)
+    par.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 reduce")
+    par.add_argument("--activation-checkpointing", action="store_true")
     return p
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
     """Build the config; raises ValueError with a message naming the bad option."""
+    moe = None
+    if args.n_experts:
+        moe = MoEArgs(
+            n_experts=args.n_experts,
+            top_k=args.top_k,
+            n_shared=args.shared_experts,
+            capacity_factor=args.capacity_factor,
+            balance=args.moe_balance,
+            n_groups=args.expert_groups,
+            topk_groups=args.topk_groups,
+        )
     model = ModelArgs(
-        dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads
+        dim=args.dim,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        moe=moe,
     )
+    # Every ParallelConfig field has the flag of the same name.
+    fields = dataclasses.fields(ParallelConfig)
+    parallel = ParallelConfig(**{f.name: getattr(args, f.name) for f in fields})
     return TrainConfig(
         run_id=args.run_id,
         ckptd=args.ckptd,
@@ -98,8 +158,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         seq_len=args.seq_len,
         global_batch=args.global_batch,
         lr=args.lr,
-        dp_replicate=args.dp_replicate,
-        dp_shard=args.dp_shard,
+        parallel=parallel,
         log_every=args.log_every,
         model=model,
     )

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from scaletrain.errors import ScaletrainError, UserError
 from trainer.checkpoint.checkpointer import Checkpointer, SaveDone, SavePolicy, SaveStarted
@@ -26,8 +24,8 @@ from trainer.config import TrainConfig
 from trainer.data.corpus import stdlib_corpus
 from trainer.data.loader import DeterministicLoader, LoaderOffset
 from trainer.model.llama import Transformer
-from trainer.parallel.dims import ParallelDims
-from trainer.parallel.fsdp import apply_fsdp
+from trainer.parallel.dims import validate_layout
+from trainer.parallel.parallelize import parallelize
 from trainer.reporting import Reporter
 
 
@@ -69,17 +67,18 @@ def lr_lambda(warmup: int, total: int):
 
 
 def train(cfg: TrainConfig) -> None:
+    # The layout is checked against the model and data before any process group exists.
+    dims = validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     rank, world, device = init_distributed()
     torch.use_deterministic_algorithms(True)
-    dims = ParallelDims(world, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard)
     mesh = dims.build_mesh(device.type)
 
-    # The model starts identical on every rank (same seed), then FSDP2 shards it.
+    # The model starts identical on every rank (same seed), then the layout shards it.
     model = Transformer(cfg.model)
     model.init_weights(cfg.seed)
     model.to(device)
     n_params = model.num_params()
-    apply_fsdp(model, mesh)
+    parallel = parallelize(model, mesh, cfg, device)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
     )
@@ -87,7 +86,7 @@ def train(cfg: TrainConfig) -> None:
 
     corpus = stdlib_corpus(cfg.corpus_bytes)
     loader = DeterministicLoader(
-        corpus, cfg.seq_len, cfg.global_batch, dp_rank=rank, dp_size=dims.dp_size, seed=cfg.seed
+        corpus, cfg.seq_len, cfg.global_batch, mesh.dp_rank, dims.dp_size, seed=cfg.seed
     )
     reporter = Reporter(cfg.telemetry, cfg.run_id, rank, attempt=_attempt(device))
     if rank == 0:
@@ -111,8 +110,8 @@ def train(cfg: TrainConfig) -> None:
             flush=True,
         )
     tokens_per_step = cfg.global_batch * cfg.seq_len
-    local_tokens = tokens_per_step // dims.dp_size
-    loss_sum = torch.zeros((), device=device)
+    # Each rank reports its share, so the tokens of all ranks add up to the global batch's.
+    local_tokens = tokens_per_step // world
     global_loss = float("nan")
     run_start = time.perf_counter()
     for step in range(start_step + 1, cfg.steps + 1):
@@ -121,22 +120,21 @@ def train(cfg: TrainConfig) -> None:
         inputs, targets = (x.to(device) for x in loader.next_batch())
         phases.data, t = _lap(t)
 
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        # Under pipeline parallelism forward runs the whole schedule, backward included.
+        loss = parallel.forward(inputs, targets)
         phases.forward, t = _lap(t)
-        loss.backward()
+        parallel.backward(loss)
         phases.backward, t = _lap(t)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        grad_norm = parallel.clip_grad_norm_(cfg.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
+        expert_load = parallel.after_optimizer_step()
         phases.optimizer, t = _lap(t)
 
         # The mean loss over ranks is what the run reports; its all-reduce is our comm wait.
-        loss_sum.copy_(loss.detach())
-        dist.all_reduce(loss_sum)
-        global_loss = loss_sum.item() / world
+        global_loss = parallel.mean_loss(loss)
         phases.comm_wait, t = _lap(t)
 
         saved = None
@@ -151,8 +149,9 @@ def train(cfg: TrainConfig) -> None:
         step_seconds = sum(vars(phases).values())
         reporter.step(
             step=step,
-            loss=loss.item(),
-            grad_norm=float(_full(grad_norm)),
+            # Pipeline ranks without the last stage have no loss of their own.
+            loss=global_loss if loss is None else float(loss),
+            grad_norm=grad_norm,
             tokens=local_tokens,
             phases=phases,
             step_seconds=step_seconds,
@@ -164,6 +163,10 @@ def train(cfg: TrainConfig) -> None:
             elapsed = time.perf_counter() - run_start
             done = step - start_step
             note = f" | checkpoint staged in {saved.blocking_s:.3f}s" if saved else ""
+            if expert_load is not None:
+                note += f" | expert load max/mean {expert_load.imbalance:.2f}"
+            if parallel.pipeline is not None:
+                note += f" | pipeline bubble {parallel.pipeline.bubble_report()}"
             print(
                 f"[trainer] step {step} loss {global_loss:.4f} "
                 f"tok/s {done * tokens_per_step / elapsed:,.0f}{note}",
@@ -177,10 +180,11 @@ def train(cfg: TrainConfig) -> None:
         if any(done.error for done in final):
             raise ScaletrainError(f"the final checkpoint failed: {final[-1].error}")
 
-    digest = state_sha256(full_model_state(model))
-    logits_digest = probe_logits_sha256(model, cfg.model.vocab_size)
+    full_state = parallel.full_state()  # a collective: every rank takes part
     if rank == 0:
         elapsed = time.perf_counter() - run_start
+        digest = state_sha256(full_state)
+        logits_digest = probe_logits_sha256(full_state, cfg.model)
         reporter.run_finished(cfg.steps, global_loss, digest, logits_digest, elapsed)
         print(
             f"[trainer] done: final loss {global_loss:.4f}, params sha256 {digest[:16]}", flush=True
@@ -288,19 +292,9 @@ def check_offsets(
         )
 
 
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter gathered in full on every rank (for the final digest)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-
-
 def _lap(start: float) -> tuple[float, float]:
     now = time.perf_counter()
     return now - start, now
-
-
-def _full(value: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (clip_grad_norm_ returns one under FSDP2), or the tensor itself."""
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 def _hardware(device: torch.device) -> str:

@@ -78,3 +78,17 @@ def test_exporting_an_unknown_checkpoint_is_one_line(tmp_path: Path):
 @pytest.mark.parametrize("argv", [["ckptd", "--data-dir"], ["ckpt", "export", "run"]])
 def test_missing_arguments_are_one_line(argv: list[str]):
     assert_one_line_error(scaletrain(*argv), "error")
+
+
+def test_a_layout_that_cannot_split_the_model_is_refused_before_anything_starts(tmp_path: Path):
+    result = scaletrain("run", "--ranks", "4", "--tp", "4", "--workdir", str(tmp_path / "w"))
+    assert_one_line_error(result, "n_kv_heads 2 is not divisible by tp 4", "valid tp")
+    assert not (tmp_path / "w" / "logs").exists()
+
+
+def test_expert_parallelism_needs_ranks_it_can_borrow(tmp_path: Path):
+    result = scaletrain(
+        "run", "--ranks", "4", "--tp", "2", "--ep", "4", "--n-experts", "8",
+        "--workdir", str(tmp_path / "w"),
+    )  # fmt: skip
+    assert_one_line_error(result, "ep 4 does not divide dp_shard x cp = 2")

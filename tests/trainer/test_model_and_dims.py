@@ -8,7 +8,6 @@ import torch
 from trainer.checkpoint.digest import state_sha256
 from trainer.config import TrainConfig
 from trainer.model.llama import ModelArgs, Transformer
-from trainer.parallel.dims import ParallelDims
 
 
 def test_the_model_predicts_one_distribution_per_position():
@@ -43,21 +42,6 @@ def test_rope_buffers_are_not_part_of_the_checkpoint():
 def test_heads_that_do_not_divide_the_hidden_size_are_refused():
     with pytest.raises(ValueError, match="dim 100 is not divisible by n_heads 3"):
         ModelArgs(dim=100, n_heads=3, n_kv_heads=1)
-
-
-def test_data_parallel_degrees_fill_the_world():
-    assert ParallelDims(4).dp_shard == 4
-    hsdp = ParallelDims(8, dp_replicate=2)
-    assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.dp_size) == (2, 4, 8)
-
-
-def test_degrees_that_do_not_multiply_to_the_world_name_the_valid_ones():
-    with pytest.raises(ValueError, match=r"dp_replicate 2 x dp_shard 3 must equal .* 4.*\(2, 2\)"):
-        ParallelDims(4, dp_replicate=2, dp_shard=3)
-    with pytest.raises(
-        ValueError, match=r"dp_replicate 3 does not divide world size 4.*\[1, 2, 4\]"
-    ):
-        ParallelDims(4, dp_replicate=3)
 
 
 def test_a_sequence_longer_than_the_model_allows_is_refused():

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 
 import torch
 
+from trainer.model.llama import ModelArgs, Transformer
+
 
 def state_sha256(state: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 over (name, dtype, shape, bytes) of every tensor, in sorted name order."""
@@ -18,11 +20,12 @@ def state_sha256(state: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def probe_logits_sha256(model: torch.nn.Module, vocab_size: int) -> str:
-    """SHA-256 of the model's logits on a fixed probe sequence: the same bytes wherever the same
-    parameters run the same arithmetic (every rank of a sharded model, or one plain process)."""
-    device = next(iter(model.parameters())).device
-    probe = (torch.arange(32, device=device) * 7 % vocab_size).view(1, 32)
+def probe_logits_sha256(state: Mapping[str, torch.Tensor], args: ModelArgs) -> str:
+    """SHA-256 of the logits that a plain, single-process model with these parameters gives on a
+    fixed probe sequence: what anyone who loads the checkpoint with stock PyTorch will see."""
+    model = Transformer(args)
+    model.load_state_dict({name: tensor.cpu() for name, tensor in state.items()})
+    probe = (torch.arange(32) * 7 % args.vocab_size).view(1, 32)
     with torch.no_grad():
         logits = model(probe)
-    return hashlib.sha256(logits.float().cpu().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(logits.float().numpy().tobytes()).hexdigest()

@@ -1,7 +1,9 @@
-"""A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+"""A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU or MoE.
 
-Blocks live in a ModuleDict keyed by their index (as in TorchTitan) so that a later pipeline split
-can delete blocks by name and checkpoint keys stay the same whatever the parallel layout.
+Blocks live in a ModuleDict keyed by their index (as in TorchTitan) so that a pipeline split can
+keep a subset of blocks by name and checkpoint keys stay the same whatever the parallel layout.
+The attention kernel is a replaceable submodule (`Attention.core`) so that context parallelism can
+swap in ring attention without touching the projections around it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from trainer.model.moe import MoE, MoEArgs
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,8 @@ class ModelArgs:
     max_seq_len: int = 1024
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
+    # None: every block has a dense SwiGLU feed-forward; else every block has this MoE instead.
+    moe: MoEArgs | None = None
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -74,29 +80,38 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+class CausalAttention(nn.Module):
+    """Causal attention over the whole (local) sequence with PyTorch's fused kernel.
+
+    Takes q as (batch, heads, seq, head_dim) and k, v with the (fewer) key/value heads: keeping
+    the grouped heads unexpanded until here lets ring attention pass the smaller k, v around.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        repeats = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(repeats, dim=1)
+        v = v.repeat_interleave(repeats, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.n_heads = args.n_heads
-        self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core: nn.Module = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Head counts come from the projections' (possibly tensor-parallel, local) widths.
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        repeats = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(repeats, dim=2)
-        v = v.repeat_interleave(repeats, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -117,7 +132,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward: nn.Module = (
+            MoE(args.dim, args.ffn_dim, args.moe) if args.moe else FeedForward(args)
+        )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -125,17 +142,40 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    """The whole model, or a pipeline stage of it.
+
+    A stage holds a subset of `layers` (keys unchanged) and has `tok_embeddings` only if it is the
+    first stage and `norm`/`output` only if it is the last; the others are None. `forward` then
+    takes token ids or hidden states and returns logits or hidden states accordingly.
+    """
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         cos, sin = rope_tables(args)
-        # Derived from the config, so not part of the checkpoint.
+        # Derived from the config, so not part of the checkpoint. Context parallelism replaces
+        # them with the rows of the positions this rank holds.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    @classmethod
+    def sharing(cls, model: Transformer, layers: list[str], first: bool, last: bool) -> Transformer:
+        """A pipeline stage made of `model`'s own modules (no copy): blocks `layers`, plus the
+        embedding if `first` and the final norm and output if `last`."""
+        stage = cls.__new__(cls)
+        nn.Module.__init__(stage)
+        stage.args = model.args
+        stage.tok_embeddings = model.tok_embeddings if first else None
+        stage.layers = nn.ModuleDict({key: model.layers[key] for key in layers})
+        stage.norm = model.norm if last else None
+        stage.output = model.output if last else None
+        stage.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        stage.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        return stage
 
     def init_weights(self, seed: int) -> None:
         """Deterministic initialisation: the same seed gives the same model on every rank."""
@@ -147,20 +187,32 @@ class Transformer(nn.Module):
                 if name.endswith("norm.weight"):
                     param.fill_(1.0)
                     continue
-                scaled = name.endswith(("wo.weight", "w2.weight"))
+                # Projections back into the residual stream get the depth-scaled deviation.
+                scaled = name.endswith(("wo.weight", "w2.weight", ".w2"))
                 values = torch.empty(param.shape).normal_(
                     0.0, out_std if scaled else std, generator=gen
                 )
                 param.copy_(values)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
     def num_params(self, exclude_embedding: bool = True) -> int:
         total = sum(p.numel() for p in self.parameters())
         if exclude_embedding:
             total -= self.tok_embeddings.weight.numel()
         return total
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position, computed in fp32.
+
+    Under tensor parallelism the logits are sharded over the vocabulary and this runs inside
+    `loss_parallel`, which makes the same call vocabulary-parallel.
+    """
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

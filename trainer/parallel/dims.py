@@ -1,60 +1,278 @@
-"""The parallel degrees of a job, validated before any process group exists, and its mesh.
+"""The parallel degrees of a job, validated before any process group exists, and its device mesh.
 
-Mesh order, outermost first: dp_replicate, dp_shard. The outermost dimension spans the slowest
-links (across nodes); later parallelisms (cp, tp) will be added innermost, on the fastest links.
+One mesh, outermost (slowest links) first:
+
+    pp, dp_replicate, dp_shard, cp, tp
+
+TP exchanges activations inside every layer, so it sits innermost, on the fastest links (NVLink
+within a node); CP passes key/value blocks around a ring in every attention layer, next to it; EP's
+all-to-alls use the innermost ranks of dp_shard·cp; FSDP gathers parameters per block and reduces
+gradients once a step; HSDP's replica groups only all-reduce gradients, so dp_replicate is the
+outermost data-parallel dimension. PP sits outside DP, as in TorchTitan and Megatron-Core: it
+sends one activation per micro-batch point to point, the lightest and most latency-tolerant
+traffic, so it is the dimension to stretch across the slowest links.
+
+Derived views (flattened or unflattened from the same mesh, so they share its process groups):
+- dp = dp_replicate·dp_shard: which slice of the global batch a rank reads;
+- dp_shard_cp: FSDP's shard dimension. CP ranks hold different tokens of the same sequences, so
+  their gradients are averaged like data-parallel ones;
+- dp_cp = dp_replicate·dp_shard·cp: every rank with different tokens (expert load statistics);
+- expert parallelism borrows dp_shard·cp: its innermost `ep` ranks form the ep dimension (experts
+  split across them), the remaining efsdp = dp_shard·cp/ep shard the experts with FSDP.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from trainer.parallel.pipeline import (
+    SCHEDULES,
+    V_SHAPED,
+    resolve_microbatches,
+    resolve_stages_per_rank,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from trainer.config import TrainConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Every degree, in the order telemetry's ParallelLayout lists them.
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot run, with the offending value and the nearest valid ones."""
 
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """The degree of each parallelism; constructing one checks they fill the world exactly."""
+
     world_size: int
     dp_replicate: int = 1
     # -1 takes every rank the other degrees leave.
     dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    # Borrowed from dp_shard·cp, so not a factor of the world size.
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
-            raise ValueError(f"world size must be at least 1, got {self.world_size}")
-        if self.dp_replicate < 1:
-            raise ValueError(f"dp_replicate must be at least 1, got {self.dp_replicate}")
-        if self.dp_shard == -1:
-            if self.world_size % self.dp_replicate:
-                raise ValueError(
-                    f"dp_replicate {self.dp_replicate} does not divide world size "
-                    f"{self.world_size}; valid values: {_divisors(self.world_size)}"
-                )
-            object.__setattr__(self, "dp_shard", self.world_size // self.dp_replicate)
-        if self.dp_shard < 1 or self.dp_replicate * self.dp_shard != self.world_size:
-            valid = [(r, self.world_size // r) for r in _divisors(self.world_size)]
-            raise ValueError(
-                f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} must equal the "
-                f"world size {self.world_size}; valid (dp_replicate, dp_shard): {valid}"
+            raise LayoutError(f"world size must be at least 1, got {self.world_size}")
+        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"{name} must be at least 1, got {getattr(self, name)}")
+        world, others = self.world_size, self.dp_replicate * self.cp * self.tp * self.pp
+        fits = world % others == 0
+        dp_shard = world // others if self.dp_shard == -1 and fits else self.dp_shard
+        if dp_shard < 1 or others * dp_shard != world:
+            raise LayoutError(
+                f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x "
+                f"tp {self.tp} x pp {self.pp} must equal the world size {world}; "
+                + (f"dp_shard {world // others} (or -1) fits" if fits else self._alternatives())
             )
+        object.__setattr__(self, "dp_shard", dp_shard)
+        if (self.dp_shard * self.cp) % self.ep:
+            raise LayoutError(
+                f"ep {self.ep} does not divide dp_shard x cp = {self.dp_shard * self.cp}: expert "
+                f"parallelism borrows its ranks from them; valid ep: "
+                f"{_divisors(self.dp_shard * self.cp)}"
+            )
+
+    def _alternatives(self) -> str:
+        """For each degree above 1, the values that would fit with the others unchanged."""
+        parts = []
+        for name in ("dp_replicate", "cp", "tp", "pp"):
+            if getattr(self, name) == 1:
+                continue
+            rest = self.dp_replicate * self.cp * self.tp * self.pp // getattr(self, name)
+            if self.world_size % rest == 0:
+                parts.append(f"{name} in {_divisors(self.world_size // rest)}")
+        return "valid with the others unchanged: " + (", ".join(parts) or "none")
 
     @property
     def dp_size(self) -> int:
-        """Number of data-parallel replicas of a batch: every rank reads its own slice."""
+        """Number of data-parallel replicas of a batch: each reads its own slice."""
         return self.dp_replicate * self.dp_shard
-
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """A 2-D mesh (dp_replicate, dp_shard): FSDP2 shards over one, replicates over the other."""
-        return init_device_mesh(
-            device_type,
-            (self.dp_replicate, self.dp_shard),
-            mesh_dim_names=("dp_replicate", "dp_shard"),
-        )
 
     def layout(self) -> dict[str, int]:
         """Every degree by name, as telemetry's ParallelLayout records it."""
-        degrees = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
-        return degrees | {"tp": 1, "pp": 1, "cp": 1, "ep": 1}
+        return {name: getattr(self, name) for name in DEGREES}
+
+    def check(self, cfg: TrainConfig) -> None:
+        """Refuse a model, sequence or batch this layout cannot split evenly.
+
+        An uneven split would otherwise abort inside gloo (SIGABRT) or silently change the math.
+        """
+        model = cfg.model
+        if self.tp > 1:
+            sizes = {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}
+            sizes["vocab_size"] = model.vocab_size
+            if model.moe is None:
+                sizes["ffn hidden size"] = model.ffn_dim
+            for what, size in sizes.items():
+                if size % self.tp:
+                    valid_tp = _divisors(math.gcd(*sizes.values()))
+                    raise LayoutError(
+                        f"{what} {size} is not divisible by tp {self.tp}: tensor parallelism "
+                        f"splits it evenly; nearest valid {what}: "
+                        f"{_nearest_multiples(size, self.tp)}; valid tp for this model: {valid_tp}"
+                    )
+        step = self.seq_multiple
+        if cfg.seq_len % step:
+            reasons = [f"cp {self.cp} x 2 load-balanced causal chunks"] if self.cp > 1 else []
+            reasons += [f"tp {self.tp} sequence shards"] if self.tp > 1 else []
+            why = " and ".join(reasons)
+            raise LayoutError(
+                f"seq_len {cfg.seq_len} is not a multiple of {step} ({why}); nearest valid "
+                f"seq_len: {_nearest_multiples(cfg.seq_len, step)}"
+            )
+        if cfg.global_batch % self.dp_size:
+            raise LayoutError(
+                f"global_batch {cfg.global_batch} is not divisible by the data-parallel degree "
+                f"dp_replicate x dp_shard = {self.dp_size}; nearest valid global_batch: "
+                f"{_nearest_multiples(cfg.global_batch, self.dp_size)}"
+            )
+        if self.ep > 1 and model.moe is None:
+            raise LayoutError(f"ep {self.ep} needs a mixture-of-experts model (--n-experts > 0)")
+        if model.moe is not None and model.moe.n_experts % self.ep:
+            raise LayoutError(
+                f"n_experts {model.moe.n_experts} is not divisible by ep {self.ep}: every expert "
+                f"rank holds the same number of experts; nearest valid n_experts: "
+                f"{_nearest_multiples(model.moe.n_experts, self.ep)}"
+            )
+        if self.pp > 1:
+            self._check_pipeline(cfg)
+
+    def _check_pipeline(self, cfg: TrainConfig) -> None:
+        """Refuse a stage split or micro-batch count the schedule cannot run."""
+        par, pp = cfg.parallel, self.pp
+        schedule = par.pp_schedule
+        if schedule not in SCHEDULES:
+            raise LayoutError(f"pp_schedule {schedule!r} is not one of {list(SCHEDULES)}")
+        v = resolve_stages_per_rank(schedule, par.pp_stages_per_rank)
+        if SCHEDULES[schedule] == 1 and v != 1:
+            raise LayoutError(f"pp_schedule {schedule} runs one stage per rank, not {v}")
+        if schedule in V_SHAPED and v != 2:
+            raise LayoutError(f"pp_schedule {schedule} runs exactly 2 stages per rank, not {v}")
+        stages, n_layers = pp * v, cfg.model.n_layers
+        if n_layers % stages:
+            raise LayoutError(
+                f"n_layers {n_layers} does not split into {stages} equal stages (pp {pp} x {v} "
+                f"per rank); nearest valid n_layers: {_nearest_multiples(n_layers, stages)}"
+            )
+        local_batch = cfg.global_batch // self.dp_size
+        m = resolve_microbatches(par.pp_microbatches, local_batch)
+        if local_batch % m:
+            raise LayoutError(
+                f"pp_microbatches {m} does not divide the local batch {local_batch} "
+                f"(global_batch / dp); valid: {_divisors(local_batch)}"
+            )
+        if schedule == "1F1B" and m < pp:
+            raise LayoutError(f"1F1B needs at least pp = {pp} micro-batches, got {m}")
+        if schedule == "DualPipeV" and m < stages:
+            raise LayoutError(f"DualPipeV needs at least 2 x pp = {stages} micro-batches, got {m}")
+        rounds = max(1, m // pp)
+        if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
+            raise LayoutError(
+                f"{schedule} needs the micro-batches ({m}) to be a multiple of "
+                f"max(1, micro-batches // pp) = {rounds}"
+            )
+
+    @property
+    def seq_multiple(self) -> int:
+        """The sequence length must be a multiple of this: 2·cp chunks, each rank's tp shards."""
+        return math.lcm(2 * self.cp, self.cp * self.tp) if self.cp > 1 else self.tp
+
+    def build_mesh(self, device_type: str) -> ParallelMesh:
+        """The job's mesh and its derived views; needs the default process group to exist."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = init_device_mesh(
+            device_type,
+            tuple(getattr(self, name) for name in MESH_DIMS),
+            mesh_dim_names=MESH_DIMS,
+        )
+        dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        shard_cp = self.dp_shard * self.cp
+        fsdp = (
+            dp_cp._unflatten(0, (self.dp_replicate, shard_cp), ("dp_replicate", "dp_shard_cp"))
+            if self.dp_replicate > 1
+            else world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        )
+        ep = expert_fsdp = None
+        if self.ep > 1:
+            experts = dp_cp._unflatten(
+                0,
+                (self.dp_replicate, shard_cp // self.ep, self.ep),
+                ("dp_replicate", "efsdp", "ep"),
+            )
+            ep = experts["ep"]
+            expert_fsdp = (
+                experts["dp_replicate", "efsdp"] if self.dp_replicate > 1 else experts["efsdp"]
+            )
+        return ParallelMesh(
+            dims=self,
+            world=world,
+            dp=world["dp_replicate", "dp_shard"]._flatten("dp"),
+            dp_cp=dp_cp,
+            fsdp=fsdp,
+            ep=ep,
+            expert_fsdp=expert_fsdp,
+        )
+
+
+def validate_layout(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    """The job's degrees for `world_size` ranks, checked against the model and data."""
+    dims = ParallelDims(world_size, **{name: getattr(cfg.parallel, name) for name in DEGREES})
+    dims.check(cfg)
+    return dims
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The mesh and the views each parallelism works on (see the module docstring)."""
+
+    dims: ParallelDims
+    world: DeviceMesh
+    dp: DeviceMesh
+    # Every rank that sees different tokens (tp ranks see the same, pp ranks other layers).
+    dp_cp: DeviceMesh
+    # FSDP's mesh: 1-D shard, or 2-D (dp_replicate, dp_shard_cp) for HSDP.
+    fsdp: DeviceMesh
+    # Expert parallelism only: the ranks experts are split over, and FSDP's mesh for experts.
+    ep: DeviceMesh | None
+    expert_fsdp: DeviceMesh | None
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.world["tp"]
+
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.world["cp"]
+
+    @property
+    def pp(self) -> DeviceMesh:
+        return self.world["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        """Which slice of the global batch this rank reads."""
+        return self.dp.get_local_rank()
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest_multiples(value: int, step: int) -> str:
+    """The multiples of `step` just below and above `value` (below omitted when 0)."""
+    below, above = value // step * step, (value // step + 1) * step
+    return f"{below} or {above}" if below else f"{above}"

@@ -1,4 +1,14 @@
-"""FSDP2: shard each transformer block, then the root, over the data-parallel mesh."""
+"""FSDP2: shard each transformer block, then each model part, over the data-parallel mesh.
+
+With a 2-D mesh (dp_replicate, dp_shard_cp) this is HSDP: parameters are sharded within a group
+and replicated across groups. Parameters already sharded by tensor parallelism become 2-D DTensors.
+Under expert parallelism the experts are sharded over the data-parallel ranks left outside ep
+(their own mesh), and their gradients are divided by every data-parallel rank, not just those: a
+rank's experts receive gradient from the tokens of all ep ranks through the all-to-all.
+
+The router keeps fp32 parameters under mixed precision, so routing decisions do not depend on
+bf16 rounding.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +17,47 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer.model.llama import Transformer
+from trainer.model.moe import MoE
 
 
 def apply_fsdp(
-    model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None = None
+    parts: list[Transformer],
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    expert_mesh: DeviceMesh | None = None,
+    expert_grad_divisor: int = 1,
+    reshard_after_forward: bool = True,
 ) -> None:
-    """Shard `model` in place with `fully_shard`: per block, then at the root.
+    """Shard every part in place: per block, then the part itself (its root).
 
-    With a 2-D mesh (dp_replicate, dp_shard) this is HSDP: parameters are sharded within a
-    dp_shard group and replicated across groups. `param_dtype` (e.g. bf16) enables mixed precision
-    with fp32 gradient reductions; None keeps everything in fp32, bitwise comparable to one process.
+    `parts` are the model, or this rank's pipeline stages. `param_dtype` (e.g. bf16) turns on
+    mixed precision with fp32 gradient reductions; None keeps fp32, comparable to one process.
+    Pipelining runs several micro-batches through a stage, so it keeps blocks gathered between
+    forward and backward (`reshard_after_forward=False`) instead of gathering them per micro-batch.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    dp_mesh = mesh if mesh.ndim == 1 or mesh.shape[0] > 1 else mesh["dp_shard"]
-    blocks = list(model.layers.values())
-    for index, block in enumerate(blocks):
-        # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(
-            block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=index < len(blocks) - 1
-        )
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for part in parts:
+        blocks = list(part.layers.values())
+        for index, block in enumerate(blocks):
+            # The last block's parameters are needed again at once by backward: keep them.
+            reshard = reshard_after_forward and index < len(blocks) - 1
+            moe = block.feed_forward
+            if isinstance(moe, MoE):
+                fully_shard(moe.router, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard)
+                if expert_mesh is not None:
+                    experts = fully_shard(
+                        moe.experts,
+                        mesh=expert_mesh,
+                        mp_policy=policy,
+                        reshard_after_forward=reshard,
+                    )
+                    experts.set_gradient_divide_factor(expert_grad_divisor)
+                    # A custom divisor needs PREMUL_SUM, which gloo lacks: sum, then divide.
+                    # Not over a one-rank shard group, which skips the reduce-scatter and
+                    # divides already (forcing the sum there divides twice in torch 2.13).
+                    if expert_mesh.size(expert_mesh.ndim - 1) > 1:
+                        experts.set_force_sum_reduction_for_comms(True)
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(part, mesh=mesh, mp_policy=policy)

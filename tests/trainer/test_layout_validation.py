@@ -1,0 +1,134 @@
+"""Every layout is checked before any process group exists; a bad one names what to change.
+
+These run in the test process: no rank is ever started for a layout that cannot run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainer.config import ParallelConfig, TrainConfig
+from trainer.model.llama import ModelArgs
+from trainer.model.moe import MoEArgs
+from trainer.parallel.dims import LayoutError, ParallelDims, validate_layout
+
+MODEL = ModelArgs(dim=64, n_layers=4, n_heads=8, n_kv_heads=4)
+
+
+def _cfg(
+    model: ModelArgs = MODEL, seq_len: int = 32, global_batch: int = 8, **parallel
+) -> TrainConfig:
+    return TrainConfig(
+        run_id="r",
+        seq_len=seq_len,
+        global_batch=global_batch,
+        model=model,
+        parallel=ParallelConfig(**parallel),
+    )
+
+
+def test_data_parallel_shards_take_every_rank_the_other_degrees_leave():
+    assert ParallelDims(4).dp_shard == 4
+    assert ParallelDims(8, dp_replicate=2).dp_size == 8
+    dims = ParallelDims(8, tp=2, pp=2)
+    assert (dims.dp_shard, dims.dp_size) == (2, 2)
+
+
+def test_every_composition_of_the_issue_is_a_valid_layout():
+    moe = dataclasses.replace(MODEL, moe=MoEArgs(n_experts=4))
+    for world, model, parallel in [
+        (4, MODEL, {"dp_shard": 2, "tp": 2}),
+        (4, MODEL, {"pp": 2}),
+        (4, MODEL, {"cp": 2, "tp": 2}),
+        (4, moe, {"ep": 2}),
+        (8, MODEL, {"dp_shard": 2, "tp": 2, "pp": 2}),
+        (8, MODEL, {"cp": 2, "tp": 2}),
+        (8, moe, {"tp": 2, "pp": 2, "ep": 2}),
+    ]:
+        dims = validate_layout(_cfg(model, **parallel), world)
+        assert dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp * dims.pp == world
+
+
+def test_degrees_that_do_not_fill_the_world_say_which_dp_shard_fits():
+    with pytest.raises(
+        LayoutError, match=r"dp_replicate 2 x dp_shard 3 .* world size 4; dp_shard 2 \(or -1\) fits"
+    ):
+        ParallelDims(4, dp_replicate=2, dp_shard=3)
+
+
+def test_degrees_that_do_not_divide_the_world_name_the_values_that_would():
+    with pytest.raises(LayoutError, match=r"world size 4; .*tp in \[1, 2, 4\]"):
+        ParallelDims(4, tp=3)
+    with pytest.raises(LayoutError, match=r"world size 8; .*: tp in \[1, 2, 4\]$"):
+        ParallelDims(8, tp=3, pp=2)
+
+
+def test_expert_parallelism_must_divide_the_ranks_it_borrows():
+    with pytest.raises(LayoutError, match=r"ep 3 does not divide dp_shard x cp = 4.*\[1, 2, 4\]"):
+        ParallelDims(4, ep=3)
+    with pytest.raises(LayoutError, match=r"ep 4 does not divide dp_shard x cp = 2"):
+        ParallelDims(8, tp=2, pp=2, ep=4)
+    assert ParallelDims(8, cp=2, tp=2, ep=4).ep == 4
+
+
+def test_tensor_parallelism_must_split_whole_heads():
+    model = dataclasses.replace(MODEL, n_heads=8, n_kv_heads=2)
+    with pytest.raises(
+        LayoutError,
+        match=r"n_kv_heads 2 is not divisible by tp 4.*nearest valid n_kv_heads: 4; "
+        r"valid tp for this model: \[1, 2\]",
+    ):
+        validate_layout(_cfg(model, tp=4), 4)
+
+
+def test_a_sequence_must_split_into_load_balanced_context_chunks():
+    with pytest.raises(
+        LayoutError,
+        match=r"seq_len 30 is not a multiple of 4 \(cp 2 x 2 .*\); nearest valid seq_len: 28 or 32",
+    ):
+        validate_layout(_cfg(seq_len=30, cp=2), 4)
+    with pytest.raises(LayoutError, match=r"seq_len 36 is not a multiple of 8 .*tp 4.*32 or 40"):
+        validate_layout(_cfg(seq_len=36, cp=2, tp=4), 8)
+
+
+def test_the_global_batch_must_split_over_the_data_parallel_ranks():
+    with pytest.raises(
+        LayoutError, match=r"global_batch 6 .* = 4; nearest valid global_batch: 4 or 8"
+    ):
+        validate_layout(_cfg(global_batch=6), 4)
+
+
+def test_experts_must_split_evenly_over_the_expert_ranks():
+    model = dataclasses.replace(MODEL, moe=MoEArgs(n_experts=6))
+    with pytest.raises(LayoutError, match=r"n_experts 6 is not divisible by ep 4.*4 or 8"):
+        validate_layout(_cfg(model, ep=4), 4)
+    with pytest.raises(LayoutError, match=r"ep 2 needs a mixture-of-experts model"):
+        validate_layout(_cfg(ep=2), 4)
+
+
+def test_layers_must_split_into_equal_pipeline_stages():
+    with pytest.raises(
+        LayoutError, match=r"n_layers 4 does not split into 8 equal stages \(pp 4 x 2 per rank\).*8"
+    ):
+        validate_layout(_cfg(pp=4, pp_schedule="Interleaved1F1B"), 4)
+
+
+def test_pipeline_schedules_get_the_micro_batches_and_stages_they_need():
+    with pytest.raises(LayoutError, match=r"1F1B needs at least pp = 4 micro-batches, got 2"):
+        validate_layout(_cfg(pp=4, pp_microbatches=2), 4)
+    with pytest.raises(LayoutError, match=r"pp_microbatches 3 does not divide the local batch 4"):
+        validate_layout(_cfg(pp=2, pp_microbatches=3), 4)
+    with pytest.raises(LayoutError, match=r"ZBVZeroBubble runs exactly 2 stages per rank, not 4"):
+        validate_layout(_cfg(model=dataclasses.replace(MODEL, n_layers=8), pp=2,
+                             pp_schedule="ZBVZeroBubble", pp_stages_per_rank=4), 4)  # fmt: skip
+    with pytest.raises(LayoutError, match=r"pp_schedule 'Zero' is not one of"):
+        validate_layout(_cfg(pp=2, pp_schedule="Zero"), 4)
+
+
+def test_expert_options_that_cannot_route_are_refused():
+    with pytest.raises(ValueError, match=r"n_expert_groups 3 does not divide n_experts 8"):
+        MoEArgs(n_experts=8, n_groups=3)
+    with pytest.raises(ValueError, match=r"top_k 4 exceeds the 2 experts of 1 groups of 2"):
+        MoEArgs(n_experts=8, top_k=4, n_groups=4, topk_groups=1)

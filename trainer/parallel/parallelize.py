@@ -1,0 +1,155 @@
+"""Applies the job's parallelisms to the model, in the one order that composes, and runs its steps.
+
+Order: tensor parallelism (DTensor plans on the whole model), context parallelism (ring attention,
+rotary tables cut to this rank's positions), expert parallelism (experts sharded, all-to-all
+dispatch), activation checkpointing, the pipeline split (this rank keeps its stages), and FSDP
+last, over whatever each part then holds. Every rank starts from the same full model (same seed),
+so applying a layout shards tensors and moves no data.
+
+The training loop sees one object: `forward` gives this rank's loss (under pipelining the whole
+forward-backward schedule runs there), `backward`, `clip_grad_norm_`, `mean_loss`, and
+`after_optimizer_step` (expert balancing). `model` is what the optimizer and the checkpointer use:
+this rank's parameters under their unparallelised names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from trainer.config import TrainConfig
+from trainer.model.llama import Transformer, next_token_loss
+from trainer.parallel.context import apply_cp
+from trainer.parallel.dims import ParallelDims, ParallelMesh
+from trainer.parallel.expert import ExpertLoad, apply_ep, balance_experts
+from trainer.parallel.fsdp import apply_fsdp
+from trainer.parallel.grad_norm import clip_grad_norm_
+from trainer.parallel.pipeline import (
+    Pipeline,
+    StageShapes,
+    build_pipeline,
+    resolve_microbatches,
+    resolve_stages_per_rank,
+    split_into_stages,
+)
+from trainer.parallel.recompute import apply_activation_checkpointing
+from trainer.parallel.tensor import apply_tp, loss_context
+
+
+@dataclass
+class ParallelModel:
+    model: Transformer
+    dims: ParallelDims
+    mesh: ParallelMesh
+    device: torch.device
+    # Context parallelism: the sequence positions this rank is fed.
+    positions: torch.Tensor | None
+    pipeline: Pipeline | None
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """This rank's mean loss over its tokens; None on pipeline ranks without the last stage.
+
+        `inputs` and `targets` are this data-parallel rank's whole sequences.
+        """
+        if self.positions is not None:
+            inputs, targets = inputs[:, self.positions], targets[:, self.positions]
+        with loss_context(self.dims.tp):
+            if self.pipeline is not None:
+                loss = self.pipeline.step(inputs, targets)
+            else:
+                loss = next_token_loss(self.model(inputs), targets)
+        return None if loss is None else _full(loss)
+
+    def backward(self, loss: torch.Tensor | None) -> None:
+        """Backward of `forward`'s loss (already done by the pipeline schedule under pp)."""
+        if self.pipeline is None and loss is not None:
+            with loss_context(self.dims.tp):
+                loss.backward()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        pp_group = self.mesh.pp.get_group() if self.dims.pp > 1 else None
+        return float(clip_grad_norm_(self.model.parameters(), max_norm, pp_group))
+
+    def mean_loss(self, loss: torch.Tensor | None) -> float:
+        """The loss over the global batch: the mean over the ranks that computed one."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if loss is not None:
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        return total.item() / (self.dims.world_size // self.dims.pp)
+
+    def after_optimizer_step(self) -> ExpertLoad | None:
+        """Balance the experts by this step's load and return it for every MoE layer."""
+        load = balance_experts(self.model, self.mesh.dp_cp)
+        if load is None or self.dims.pp == 1:
+            return load
+        stages: list[ExpertLoad | None] = [None] * self.dims.pp
+        dist.all_gather_object(stages, load, group=self.mesh.pp.get_group())
+        return ExpertLoad.merge([stage for stage in stages if stage is not None])
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered in full, on every rank (pipeline stages merged)."""
+        options = StateDictOptions(full_state_dict=True)
+        state = get_model_state_dict(self.model, options=options)
+        if self.dims.pp == 1:
+            return state
+        stages: list[dict[str, torch.Tensor] | None] = [None] * self.dims.pp
+        dist.all_gather_object(stages, state, group=self.mesh.pp.get_group())
+        return {k: v for stage in stages if stage for k, v in stage.items()}
+
+
+def parallelize(
+    model: Transformer, mesh: ParallelMesh, cfg: TrainConfig, device: torch.device
+) -> ParallelModel:
+    """Lay `model` (identical on every rank) out over `mesh` as `cfg.parallel` says."""
+    dims, par = mesh.dims, cfg.parallel
+    if dims.tp > 1:
+        apply_tp(model, mesh.tp)
+    positions = apply_cp(model, mesh.cp, cfg.seq_len) if dims.cp > 1 else None
+    if dims.ep > 1:
+        apply_ep(model, mesh.ep)
+    if par.activation_checkpointing:
+        apply_activation_checkpointing(model)
+
+    parts, stages = [model], []
+    v = resolve_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
+    if dims.pp > 1:
+        stages = split_into_stages(model, par.pp_schedule, mesh.pp.get_local_rank(), dims.pp, v)
+        parts = [stage for _, stage in stages]
+    param_dtype = torch.bfloat16 if par.mixed_precision else None
+    apply_fsdp(
+        parts,
+        mesh.fsdp,
+        param_dtype=param_dtype,
+        expert_mesh=mesh.expert_fsdp,
+        expert_grad_divisor=dims.dp_size * dims.cp,
+        reshard_after_forward=dims.pp == 1,
+    )
+
+    pipeline = None
+    if dims.pp > 1:
+        local_batch = cfg.global_batch // dims.dp_size
+        microbatches = resolve_microbatches(par.pp_microbatches, local_batch)
+        shapes = StageShapes(
+            microbatch=local_batch // microbatches,
+            seq=cfg.seq_len // dims.cp,
+            tp=dims.tp,
+            dim=cfg.model.dim,
+            vocab=cfg.model.vocab_size,
+            dtype=param_dtype or torch.float32,
+        )
+        pipeline = build_pipeline(
+            stages, par.pp_schedule, dims.pp * v, microbatches, mesh.pp.get_group(), shapes,
+            next_token_loss, device,
+        )  # fmt: skip
+    return ParallelModel(model, dims, mesh, device, positions, pipeline)
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (the loss is one under loss_parallel), or the tensor itself.
+
+    Differentiable, and free for the replicated loss, so backward still runs through it."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value

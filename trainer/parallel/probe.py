@@ -1,0 +1,221 @@
+"""Train a few steps of several layouts in one job, and of no layout at all in one process.
+
+What the layout tests compare and the parallel benchmarks time. Under torchrun, every layout in
+turn builds its own mesh over the same world, trains from the same seed on the same data, and rank
+0 writes per layout: the loss and gradient norm of each step, every parameter gathered in full,
+each step's expert loads and wall time. With --ckptd, layouts marked "checkpoint" are then saved
+to ckptd with the trainer's Checkpointer and restored into a fresh copy of the layout, whose
+parameters must come back equal. `reference` computes the same numbers in one process with a
+plain model, a plain loss and torch's own clipping: the single-process run layouts must match.
+
+    torchrun --nproc-per-node 4 -m trainer.parallel.probe --layouts layouts.json --out out.pt
+
+A layout is a JSON object: {"name": ..., "parallel": {ParallelConfig fields}, "model": {ModelArgs
+fields, "moe": {MoEArgs fields}}, any of seq_len, global_batch, lr, seed, and "checkpoint": true}.
+The name is also the checkpoint's run id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.config import ParallelConfig, TrainConfig
+from trainer.data.corpus import stdlib_corpus
+from trainer.data.loader import DeterministicLoader
+from trainer.model.llama import ModelArgs, Transformer, next_token_loss
+from trainer.model.moe import MoEArgs
+from trainer.parallel.dims import ParallelMesh, validate_layout
+from trainer.parallel.expert import ExpertLoad, balance_experts
+from trainer.parallel.parallelize import ParallelModel, parallelize
+from trainer.parallel.pipeline import scheduled_bubble
+
+CORPUS_BYTES = 1 << 18
+
+
+@dataclass
+class ProbeResult:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    expert_loads: list[ExpertLoad | None] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Set when the layout was checkpointed: whether a fresh copy restored every parameter.
+    restored_equal: bool | None = None
+    # Pipelined layouts: each step's idle fraction, averaged over the pipeline ranks, and the
+    # idle fraction of the schedule's own action table (multi-stage schedules).
+    bubbles: list[float] = field(default_factory=list)
+    scheduled_bubble: float | None = None
+
+
+def config_from_layout(layout: dict[str, Any]) -> TrainConfig:
+    """The TrainConfig a layout object describes (see the module docstring)."""
+    model = dict(layout.get("model", {}))
+    moe = model.pop("moe", None)
+    args = ModelArgs(**model, moe=MoEArgs(**moe) if moe else None)
+    extra = {k: layout[k] for k in ("seq_len", "global_batch", "lr", "seed") if k in layout}
+    return TrainConfig(
+        run_id=layout["name"],
+        parallel=ParallelConfig(**layout.get("parallel", {})),
+        model=args,
+        corpus_bytes=CORPUS_BYTES,
+        **extra,
+    )
+
+
+def _optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+
+def _model(cfg: TrainConfig) -> Transformer:
+    model = Transformer(cfg.model)
+    model.init_weights(cfg.seed)
+    return model
+
+
+def reference(cfg: TrainConfig, steps: int) -> ProbeResult:
+    """The same steps in this process on the whole global batch, with no parallelism."""
+    model = _model(cfg)
+    optimizer = _optimizer(model.parameters(), cfg)
+    loader = DeterministicLoader(stdlib_corpus(cfg.corpus_bytes), cfg.seq_len, cfg.global_batch,
+                                 0, 1, seed=cfg.seed)  # fmt: skip
+    result = ProbeResult()
+    for _ in range(steps):
+        start = time.perf_counter()
+        inputs, targets = loader.next_batch()
+        loss = next_token_loss(model(inputs), targets)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        result.expert_loads.append(balance_experts(model, None))
+        result.losses.append(loss.item())
+        result.grad_norms.append(norm.item())
+        result.step_seconds.append(time.perf_counter() - start)
+    result.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return result
+
+
+@dataclass
+class _Job:
+    """One layout built on this rank: what a training step and a checkpoint need."""
+
+    parallel: ParallelModel
+    optimizer: torch.optim.Optimizer
+    loader: DeterministicLoader
+
+
+def _build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, seed: int) -> _Job:
+    model = _model(dataclasses.replace(cfg, seed=seed)).to(device)
+    parallel = parallelize(model, mesh, cfg, device)
+    loader = DeterministicLoader(stdlib_corpus(cfg.corpus_bytes), cfg.seq_len, cfg.global_batch,
+                                 mesh.dp_rank, mesh.dims.dp_size, seed=cfg.seed)  # fmt: skip
+    return _Job(parallel, _optimizer(model.parameters(), cfg), loader)
+
+
+def run_layout(
+    cfg: TrainConfig, steps: int, device: torch.device, ckptd: str | None = None
+) -> ProbeResult:
+    """The same steps under cfg.parallel, on the world's ranks (the process group must exist).
+
+    With `ckptd`, the trained state is saved under run id `cfg.run_id`, then loaded into a fresh
+    copy of the layout (built from another seed) and compared with what was saved.
+    """
+    mesh = validate_layout(cfg, dist.get_world_size()).build_mesh(device.type)
+    job = _build(cfg, mesh, device, cfg.seed)
+    result = ProbeResult()
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        inputs, targets = (x.to(device) for x in job.loader.next_batch())
+        loss = job.parallel.forward(inputs, targets)
+        job.parallel.backward(loss)
+        result.grad_norms.append(job.parallel.clip_grad_norm_(cfg.max_grad_norm))
+        job.optimizer.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        result.expert_loads.append(job.parallel.after_optimizer_step())
+        result.losses.append(job.parallel.mean_loss(loss))
+        result.step_seconds.append(time.perf_counter() - start)
+        if (pipeline := job.parallel.pipeline) is not None:
+            bubble = torch.tensor(pipeline.last_bubble)
+            dist.all_reduce(bubble, group=mesh.pp.get_group())
+            result.bubbles.append(bubble.item() / mesh.dims.pp)
+    result.state = job.parallel.full_state()
+    if job.parallel.pipeline is not None:
+        result.scheduled_bubble = scheduled_bubble(job.parallel.pipeline.schedule)
+    if ckptd is not None:
+        _checkpointer(ckptd, cfg.run_id, job).save(steps, labels={})
+        fresh = _build(cfg, mesh, device, cfg.seed + 1)
+        _checkpointer(ckptd, cfg.run_id, fresh).load(steps)
+        restored = fresh.parallel.full_state()
+        result.restored_equal = restored.keys() == result.state.keys() and all(
+            torch.equal(restored[k], v) for k, v in result.state.items()
+        )
+    return result
+
+
+def _checkpointer(address: str, run_id: str, job: _Job) -> Checkpointer:
+    schedule = torch.optim.lr_scheduler.LambdaLR(job.optimizer, lambda _: 1.0)
+    return Checkpointer(address, run_id, job.parallel.model, job.optimizer, schedule, job.loader)
+
+
+def launch(
+    world: int, layouts: list[dict[str, Any]], steps: int, ckptd: str | None = None
+) -> dict[str, dict[str, Any]]:
+    """Run the probe on `world` local ranks under torchrun; rank 0's results by layout name.
+
+    For a parent process (tests, benchmarks): one job for all layouts, since each job pays the
+    start-up of `world` Python processes importing torch.
+    """
+    with tempfile.TemporaryDirectory(prefix="probe-") as tmp:
+        spec, out = Path(tmp) / "layouts.json", Path(tmp) / "results.pt"
+        spec.write_text(json.dumps(layouts))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(world), "-m", "trainer.parallel.probe",
+                "--layouts", str(spec), "--steps", str(steps), "--out", str(out),
+                *(["--ckptd", ckptd] if ckptd else [])]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"probe job on {world} ranks failed:\n{proc.stderr[-6000:]}")
+        return torch.load(out, weights_only=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m trainer.parallel.probe", description=__doc__)
+    p.add_argument("--layouts", required=True, help="JSON file: a list of layout objects")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", required=True, help="where rank 0 writes {name: result} (torch.save)")
+    p.add_argument("--ckptd", help="HOST:PORT of ckptd, for the layouts marked checkpoint")
+    args = p.parse_args(argv)
+    with open(args.layouts) as f:
+        layouts = json.load(f)
+    dist.init_process_group("gloo")
+    torch.use_deterministic_algorithms(True)
+    device = torch.device("cpu")
+    results = {}
+    for layout in layouts:
+        ckptd = args.ckptd if layout.get("checkpoint") else None
+        result = run_layout(config_from_layout(layout), args.steps, device, ckptd)
+        results[layout["name"]] = dataclasses.asdict(result)
+    if dist.get_rank() == 0:
+        torch.save(results, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
