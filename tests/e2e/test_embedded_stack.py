@@ -275,3 +275,20 @@ def test_a_dp4_checkpoint_resumes_at_dp2_with_the_same_global_data_order(
         mean4 = sum(float.fromhex(dp4[(step, r)]) for r in range(4)) / 4
         mean2 = sum(float.fromhex(dp2[(step, r)]) for r in range(2)) / 2
         assert mean2 == pytest.approx(mean4, rel=1e-5)
+
+
+def test_a_dp4_checkpoint_resumes_at_dp2_tp2_with_the_same_global_data_order(killed_fsdp: dict):
+    resumed = run_json(
+        killed_fsdp["workdir"], "--resume", "--ranks", "4", "--tp", "2", "--steps",
+        str(MORE + 2), "--ckpt-every", str(EVERY),
+    )  # fmt: skip
+    assert f"from step {MORE}" in resumed["_log"]
+    recorded = offsets(killed_fsdp["workdir"], killed_fsdp["run_id"])
+    for step in (MORE + 1, MORE + 2):
+        for rank in range(4):
+            dp_rank = rank // 2  # tensor-parallel pairs read the same slice
+            assert recorded[(step, rank)] == (
+                step * GLOBAL_BATCH,
+                step * GLOBAL_BATCH + dp_rank * 8,
+            )
+    assert resumed["last_loss"] < resumed["first_loss"]

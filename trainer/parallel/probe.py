@@ -157,9 +157,16 @@ def run_layout(
     if job.parallel.pipeline is not None:
         result.scheduled_bubble = scheduled_bubble(job.parallel.pipeline.schedule)
     if ckptd is not None:
-        _checkpointer(ckptd, cfg.run_id, job).save(steps, labels={})
+        saver = _checkpointer(ckptd, cfg.run_id, job)
+        saver.save(steps, labels={})
+        (saved,) = saver.finish()  # saves stream in the background: wait for the commit
+        saver.close()
+        if saved.error is not None:
+            raise saved.error
         fresh = _build(cfg, mesh, device, cfg.seed + 1)
-        _checkpointer(ckptd, cfg.run_id, fresh).load(steps)
+        restorer = _checkpointer(ckptd, cfg.run_id, fresh)
+        restorer.load(steps)
+        restorer.close()
         restored = fresh.parallel.full_state()
         result.restored_equal = restored.keys() == result.state.keys() and all(
             torch.equal(restored[k], v) for k, v in result.state.items()
