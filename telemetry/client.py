@@ -168,8 +168,9 @@ class TelemetryClient:
 
     def register_run(
         self, request: telemetry_pb2.RegisterRunRequest, *, timeout_s: float = 30.0
-    ) -> bool:
-        """Register the run (again, when resuming); True when it is new. Retries until timeout_s.
+    ) -> telemetry_pb2.RegisterRunResponse:
+        """Register the run (again, when resuming): whether it is new, and its attempt (restart
+        generation) to stamp on records. Retries until timeout_s.
 
         Call it before reporting: reports of an unregistered run are rejected. An unset
         `started_at` becomes now.
@@ -179,8 +180,7 @@ class TelemetryClient:
             stamped.CopyFrom(request)
             stamped.started_at.FromDatetime(_now())
             request = stamped
-        reply = self._call("register run", self._stub.RegisterRun, request, timeout_s)
-        return reply.created
+        return self._call("register run", self._stub.RegisterRun, request, timeout_s)
 
     def resume_point(
         self, run_id: str, step: int | None = None, *, timeout_s: float = 30.0

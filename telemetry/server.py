@@ -34,7 +34,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
     def RegisterRun(
         self, request: telemetry_pb2.RegisterRunRequest, context: grpc.ServicerContext
     ) -> telemetry_pb2.RegisterRunResponse:
-        return telemetry_pb2.RegisterRunResponse(created=self._store.register_run(request))
+        return self._store.register_run(request)
 
     @maps_errors
     def ReportSteps(

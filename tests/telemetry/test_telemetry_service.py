@@ -49,7 +49,8 @@ def stub(service: RunningTelemetry) -> Iterator[telemetry_pb2_grpc.TelemetryServ
 
 
 def register(client: TelemetryClient, run_id: str = "run-1") -> bool:
-    return client.register_run(
+    """Register the test run; True when it was new."""
+    reply = client.register_run(
         telemetry_pb2.RegisterRunRequest(
             run_id=run_id,
             world_size=RANKS,
@@ -60,6 +61,7 @@ def register(client: TelemetryClient, run_id: str = "run-1") -> bool:
             ],
         )
     )
+    return reply.created
 
 
 def step_record(step: int, rank: int, run_id: str = "run-1") -> telemetry_pb2.RankStep:

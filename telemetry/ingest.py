@@ -1,0 +1,197 @@
+"""The bulk path of rank-step records: validated protobuf -> row tuples -> the driver's fastest
+idempotent insert.
+
+Rank-step records are nearly all that telemetry stores (one per rank per step, thousands per second
+on a large job), so they skip SQLAlchemy's per-row parameter processing, which alone costs more than
+the database's own work: SQLite gets one `executemany` of tuples, PostgreSQL a `COPY` into a
+temporary table and one `INSERT ... SELECT ... ON CONFLICT DO NOTHING`. The rows keep the storage
+conventions of `telemetry.models` exactly (naive UTC text times on SQLite, NaN stored as NULL), so
+the ORM and the queries read them back as if SQLAlchemy had written them; the store's tests check
+that on both databases.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection
+
+from scaletrain.errors import InvalidArgument
+from scaletrain.v1 import telemetry_pb2
+
+PHASES = (
+    "step", "data", "forward", "backward", "optimizer", "comm_wait", "checkpoint", "compute",
+    "replay",
+)  # fmt: skip
+_COUNTS = ("step", "rank", "attempt", "tokens", "memory_bytes", "peak_memory_bytes")
+_OFFSETS = ("global_sample", "rank_sample", "epoch")
+# Column order of the tuples `step_values` returns; the positions below index into it.
+STEP_COLUMNS = (
+    "run_id", "step", "rank", "attempt", "loss", "grad_norm", "tokens",
+    *(f"{phase}_s" for phase in PHASES),
+    "memory_bytes", "peak_memory_bytes", "lr", "time", "param_checksum",
+    "global_sample", "rank_sample", "epoch", "dropped_records",
+)  # fmt: skip
+RUN_ID, RANK = STEP_COLUMNS.index("run_id"), STEP_COLUMNS.index("rank")
+# Seconds of 0001-01-01 and 9999-12-31T23:59:59 since the epoch: the range a datetime can hold.
+_MIN_SECONDS, _MAX_SECONDS = -62_135_596_800, 253_402_300_799
+_TEMP_TABLE = "rank_steps_incoming"
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_NAIVE_EPOCH = _EPOCH.replace(tzinfo=None)
+
+# A record's time as the driver stores it, from the Timestamp's seconds and microseconds.
+TimeFormat = Callable[[int, int], Any]
+
+
+def aware_time(seconds: int, microseconds: int) -> datetime:
+    """The time as an aware UTC datetime: what PostgreSQL's driver and SQLAlchemy take."""
+    return _aware_second(seconds).replace(microsecond=microseconds)
+
+
+def sqlite_time(seconds: int, microseconds: int) -> str:
+    """The time as SQLAlchemy's SQLite DATETIME stores it: naive UTC text with microseconds."""
+    return f"{_sqlite_second(seconds)}.{microseconds:06d}"
+
+
+# Every rank reports each step at about the same time, so a second's calendar fields are worked
+# out once for many records: formatting a time from scratch costs more than the rest of a row.
+@functools.lru_cache(maxsize=4096)
+def _aware_second(seconds: int) -> datetime:
+    return _EPOCH + timedelta(seconds=seconds)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sqlite_second(seconds: int) -> str:
+    return (_NAIVE_EPOCH + timedelta(seconds=seconds)).isoformat(" ")
+
+
+def time_format(dialect: str) -> TimeFormat:
+    """How `dialect` stores a time: text on SQLite, an aware datetime on PostgreSQL."""
+    return sqlite_time if dialect == "sqlite" else aware_time
+
+
+def step_values(
+    index: int, record: telemetry_pb2.RankStep, time_format: TimeFormat = aware_time
+) -> tuple[Any, ...]:
+    """The row of one record in STEP_COLUMNS order, or InvalidArgument naming the record and field.
+
+    An unset time becomes now; `time_format` turns it into what the driver stores.
+    A NaN loss or gradient norm becomes None (NULL), as NanDouble stores it. The common case takes
+    a handful of combined checks; only a record that fails one is examined field by field.
+    """
+    times = record.times
+    offset = record.data_offset
+    seconds = (
+        times.step, times.data, times.forward, times.backward, times.optimizer, times.comm_wait,
+        times.checkpoint, times.compute, times.replay, record.lr,
+    )  # fmt: skip
+    counts = (
+        record.step, record.rank, record.attempt, record.tokens, record.memory_bytes,
+        record.peak_memory_bytes, record.dropped_records, offset.global_sample,
+        offset.rank_sample, offset.epoch,
+    )  # fmt: skip
+    stamp = record.time
+    has_time = record.HasField("time")
+    if not (
+        record.run_id
+        and math.isfinite(sum(seconds))
+        and min(seconds) >= 0
+        and min(counts) >= 0
+        and not record.grad_norm < 0
+        and len(record.param_checksum) <= 128
+        and (not has_time or (_MIN_SECONDS <= stamp.seconds <= _MAX_SECONDS))
+        and 0 <= stamp.nanos < 1_000_000_000
+    ):
+        _raise_problem(index, record)
+    if has_time:
+        stored_time = time_format(stamp.seconds, stamp.nanos // 1000)
+    else:
+        now = time.time_ns() // 1000
+        stored_time = time_format(now // 1_000_000, now % 1_000_000)
+    loss, grad_norm = record.loss, record.grad_norm
+    return (
+        record.run_id, record.step, record.rank, record.attempt,
+        None if math.isnan(loss) else loss, None if math.isnan(grad_norm) else grad_norm,
+        record.tokens, *seconds[:-1], record.memory_bytes, record.peak_memory_bytes, record.lr,
+        stored_time, record.param_checksum, offset.global_sample, offset.rank_sample,
+        offset.epoch, record.dropped_records,
+    )  # fmt: skip
+
+
+def insert_steps(connection: Connection, rows: Sequence[tuple[Any, ...]]) -> int:
+    """Insert rows (from `step_values` with the dialect's time format) in the connection's open
+    transaction, skipping those whose (run, step, rank, attempt) is stored already. Returns how
+    many were new."""
+    if not rows:
+        return 0
+    columns = ", ".join(f'"{column}"' for column in STEP_COLUMNS)
+    raw = connection.connection.driver_connection
+    if connection.dialect.name == "sqlite":
+        placeholders = ", ".join("?" * len(STEP_COLUMNS))
+        cursor = raw.cursor()
+        try:
+            cursor.executemany(
+                f"INSERT INTO rank_steps ({columns}) VALUES ({placeholders}) "
+                "ON CONFLICT DO NOTHING",
+                rows,
+            )
+            return cursor.rowcount
+        finally:
+            cursor.close()
+    with raw.cursor() as cursor:
+        # A temporary table per connection, emptied at every commit: COPY cannot skip conflicts,
+        # the INSERT from it can.
+        cursor.execute(
+            f"CREATE TEMP TABLE IF NOT EXISTS {_TEMP_TABLE} "
+            "(LIKE rank_steps INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
+        )
+        with cursor.copy(f"COPY {_TEMP_TABLE} ({columns}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+        cursor.execute(
+            f"INSERT INTO rank_steps ({columns}) SELECT {columns} FROM {_TEMP_TABLE} "
+            "ON CONFLICT DO NOTHING"
+        )
+        accepted = cursor.rowcount
+        cursor.execute(f"DELETE FROM {_TEMP_TABLE}")
+        return accepted
+
+
+def _raise_problem(index: int, record: telemetry_pb2.RankStep) -> None:
+    """Raise InvalidArgument for the first thing wrong with `record` (the combined checks of
+    `step_values` failed); return quietly if nothing is (a sum that overflowed, say)."""
+
+    def bad(problem: str) -> InvalidArgument:
+        return InvalidArgument(
+            f"record {index} (step {record.step}, rank {record.rank}): {problem}"
+        )
+
+    if not record.run_id:
+        raise bad("run_id is empty")
+    for field in (*_COUNTS, "dropped_records"):
+        if getattr(record, field) < 0:
+            raise bad(f"{field} must not be negative, got {getattr(record, field)}")
+    for field in _OFFSETS:
+        value = getattr(record.data_offset, field)
+        if value < 0:
+            raise bad(f"data_offset.{field} must not be negative, got {value}")
+    for phase in PHASES:
+        seconds = getattr(record.times, phase)
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise bad(f"times.{phase} must be finite and >= 0, got {seconds}")
+    if not (math.isfinite(record.lr) and record.lr >= 0):
+        raise bad(f"lr must be finite and >= 0, got {record.lr}")
+    # A NaN or infinite loss or gradient norm is a real observation (divergence, overflow, SDC).
+    if record.grad_norm < 0:
+        raise bad(f"grad_norm must not be negative, got {record.grad_norm}")
+    if len(record.param_checksum) > 128:
+        raise bad("param_checksum is longer than 128 characters")
+    stamp = record.time
+    if not (_MIN_SECONDS <= stamp.seconds <= _MAX_SECONDS and 0 <= stamp.nanos < 1_000_000_000):
+        raise bad(f"time is not a valid time ({stamp.seconds} s, {stamp.nanos} ns)")
