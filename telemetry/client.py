@@ -391,6 +391,7 @@ def rank_step(
     peak_memory_bytes: int = 0,
     param_checksum: str = "",
     attempt: int = 0,
+    dropped_records: int = 0,
 ) -> telemetry_pb2.RankStep:
     """A step record in one call, stamped with the current time.
 
@@ -413,6 +414,7 @@ def rank_step(
         peak_memory_bytes=peak_memory_bytes,
         param_checksum=param_checksum,
         attempt=attempt,
+        dropped_records=dropped_records,
     )
     if offset is not None:
         global_sample, rank_sample, epoch = offset
@@ -439,7 +441,8 @@ def event(
 ) -> telemetry_pb2.Event:
     """An event stamped with the current time; `kind` as "checkpoint_committed" or an EventKind.
 
-    Giving `tier` ("memory", "ssd", "s3" or a Tier) makes it a checkpoint event with bytes/seconds.
+    Giving `tier` ("memory", "ssd", "s3" or a Tier), `bytes` or `seconds` makes it a checkpoint
+    event; without a tier it describes the save as the trainer saw it.
     """
     if isinstance(kind, str):
         kind = telemetry_pb2.EventKind.Value(f"EVENT_KIND_{kind.upper()}")
@@ -451,11 +454,13 @@ def event(
         message=message,
         attributes=dict(attributes or {}),
     )
-    if tier is not None:
+    if tier is not None or bytes or seconds:
         if isinstance(tier, str):
             tier = common_pb2.Tier.Value(f"TIER_{tier.upper()}")
         result.checkpoint.CopyFrom(
-            telemetry_pb2.CheckpointEvent(tier=tier, bytes=bytes, seconds=seconds)
+            telemetry_pb2.CheckpointEvent(
+                tier=tier or common_pb2.TIER_UNSPECIFIED, bytes=bytes, seconds=seconds
+            )
         )
     result.time.FromDatetime(_now())
     return result
