@@ -113,6 +113,7 @@ def start(config: TelemetryConfig) -> RunningTelemetry:
     Raises UserError (one line) when the database URL is bad or the address cannot be bound.
     """
     engine = connect(config.db_url)
+    server: grpc.Server | None = None
     metrics = None
     try:
         migrate(engine)
@@ -127,6 +128,8 @@ def start(config: TelemetryConfig) -> RunningTelemetry:
         if config.metrics_listen is not None:
             metrics = serve_metrics(live, config.metrics_listen)
     except BaseException:
+        if server is not None:
+            server.stop(None)
         engine.dispose()
         raise
     server.start()
