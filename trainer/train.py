@@ -1,8 +1,9 @@
 """The training loop, readable top to bottom.
 
 One process per rank (torchrun). Gloo on CPU, NCCL on CUDA, the same code otherwise. Each step:
-read this rank's slice of the global batch, forward, backward, clip, optimizer step, report the
-step's record to telemetry; every `ckpt_every` steps save the whole state to ckptd through DCP.
+read this rank's slice of the global batch, forward, backward, clip, optimizer step (under the step
+guard, which replays the step when it looks corrupted), report the step's record to telemetry; every
+`ckpt_every` steps save the whole state to ckptd through DCP.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from google.protobuf.timestamp_pb2 import Timestamp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from scaletrain.errors import UserError
@@ -25,6 +27,8 @@ from trainer.checkpoint.digest import state_sha256
 from trainer.config import TrainConfig
 from trainer.data.corpus import stdlib_corpus
 from trainer.data.loader import DeterministicLoader
+from trainer.health.faults import FaultInjector
+from trainer.health.guard import StepGuard, replica_groups
 from trainer.model.llama import Transformer
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.fsdp import apply_fsdp
@@ -41,6 +45,7 @@ class Phases:
     optimizer: float = 0.0
     comm_wait: float = 0.0
     checkpoint: float = 0.0
+    replay: float = 0.0
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -69,7 +74,10 @@ def lr_lambda(warmup: int, total: int):
 
 
 def train(cfg: TrainConfig) -> None:
+    launched_at = Timestamp()
+    launched_at.GetCurrentTime()
     rank, world, device = init_distributed()
+    cfg.faults.check_world(world)
     torch.use_deterministic_algorithms(True)
     dims = ParallelDims(world, dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard)
     mesh = dims.build_mesh(device.type)
@@ -90,8 +98,16 @@ def train(cfg: TrainConfig) -> None:
         corpus, cfg.seq_len, cfg.global_batch, dp_rank=rank, dp_size=dims.dp_size, seed=cfg.seed
     )
     reporter = Reporter(cfg.telemetry, cfg.run_id, rank)
-    if rank == 0:
-        reporter.register_run(cfg, world, dims.layout(), n_params, _hardware(device), corpus.sha256)
+    reporter.register_run(
+        cfg, world, dims.layout(), n_params, _hardware(device), corpus.sha256,
+        device=device, param_dtype=next(model.parameters()).dtype, launched_at=launched_at,
+    )  # fmt: skip
+    faults = FaultInjector(cfg.faults, rank, cfg.model.vocab_size, device)
+    guard = StepGuard(
+        cfg.health_policy, model, optimizer,
+        replica_groups=replica_groups(mesh.mesh, mesh.mesh_dim_names.index("dp_replicate")),
+        faults=faults, report=reporter.health_event, device=device,
+    )  # fmt: skip
     checkpointer = (
         Checkpointer(cfg.ckptd, cfg.run_id, model, optimizer, scheduler, loader)
         if cfg.ckptd
@@ -101,6 +117,7 @@ def train(cfg: TrainConfig) -> None:
     start_step = 0
     if cfg.resume:
         start_step = resume(cfg, checkpointer, reporter, loader, rank)
+        reporter.restarted(start_step)
 
     if rank == 0:
         print(
@@ -117,25 +134,31 @@ def train(cfg: TrainConfig) -> None:
         phases = Phases()
         t = time.perf_counter()
         inputs, targets = (x.to(device) for x in loader.next_batch())
+        inputs, targets = faults.corrupt_batch(step, inputs, targets)
         phases.data, t = _lap(t)
 
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        phases.forward, t = _lap(t)
-        loss.backward()
-        phases.backward, t = _lap(t)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for attempt in guard.attempts(step, phases):  # once; twice if the step is replayed
+            t = time.perf_counter()
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            phases.forward, t = _lap(t)
+            loss.backward()
+            attempt.gradients_ready()
+            phases.backward, t = _lap(t)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            phases.optimizer, t = _lap(t)
+
+            # The mean loss over ranks is what the run reports; its all-reduce is our comm wait.
+            loss_sum.copy_(loss.detach())
+            dist.all_reduce(loss_sum)
+            phases.comm_wait, t = _lap(t)
+            attempt.finished(loss.detach(), loss_sum, _full(grad_norm))
+        t = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
-        phases.optimizer, t = _lap(t)
-
-        # The mean loss over ranks is what the run reports; its all-reduce is our comm wait.
-        loss_sum.copy_(loss.detach())
-        dist.all_reduce(loss_sum)
         global_loss = loss_sum.item() / world
-        phases.comm_wait, t = _lap(t)
 
         saved = None
         if checkpointer and cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps):
@@ -153,6 +176,8 @@ def train(cfg: TrainConfig) -> None:
             lr=lr,
             offset=loader.offset(),
             device=device,
+            compute_seconds=guard.compute_s,
+            state_checksum=guard.state_checksum if guard.enabled else None,
         )
         if saved is not None and rank == 0:
             reporter.checkpoint_saved(step, saved.seconds, saved.info)
