@@ -63,8 +63,8 @@ def test_a_value_that_is_not_finite_always_spikes_and_nothing_spikes_before_enou
 
 def test_a_rise_must_exceed_the_minimum_relative_rise_when_the_signal_is_flat() -> None:
     flat = warmed([2.0] * 20)
-    assert flat.spike(2.4) is None
-    assert flat.spike(2.6) is not None
+    assert flat.spike(2.2) is None
+    assert flat.spike(2.4) is not None
 
 
 def test_a_step_whose_all_reduced_values_disagree_names_the_odd_rank() -> None:

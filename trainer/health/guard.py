@@ -47,8 +47,9 @@ from trainer.health.snapshot import StateSnapshot, checksum, local
 from trainer.health.stats import RollingSignal, SpikeRule
 
 POLICIES = ("rollback", "skip", "alert", "off")
-# A loss 25% above its recent median is a spike; a gradient norm must triple.
-LOSS_RULE = SpikeRule(min_rise=0.25)
+# A loss 15% above its recent median (and well above its noise) is a spike; a gradient norm must
+# triple.
+LOSS_RULE = SpikeRule()
 GRAD_NORM_RULE = SpikeRule(min_rise=2.0)
 
 # report(kind, step, rank, message, attributes): an event for telemetry ("sdc", "replay", ...).

@@ -25,7 +25,7 @@ class SpikeRule:
     or is not finite. Only rises count."""
 
     z: float = 6.0
-    min_rise: float = 0.25
+    min_rise: float = 0.15
     recent: int = 5
     window: int = 50
     # Values needed before anything counts as a spike.
