@@ -6,8 +6,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from trainer import health
 from trainer.health.faults import FaultPlan
-from trainer.health.guard import POLICIES
 from trainer.model.llama import ModelArgs
 
 
@@ -48,9 +48,9 @@ class TrainConfig:
             )
         if not self.run_id or "/" in self.run_id or self.run_id.startswith("."):
             raise ValueError(f"--run-id {self.run_id!r} must be a non-empty name without '/'")
-        if self.health_policy not in POLICIES:
+        if self.health_policy not in health.POLICIES:
             raise ValueError(
-                f"--health-policy {self.health_policy!r}: use one of {', '.join(POLICIES)}"
+                f"--health-policy {self.health_policy!r}: use one of {', '.join(health.POLICIES)}"
             )
         if self.peak_flops is not None and not self.peak_flops > 0:
             raise ValueError(
@@ -83,33 +83,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--n-heads", type=int, default=ModelArgs.n_heads)
     p.add_argument("--n-kv-heads", type=int, default=ModelArgs.n_kv_heads)
     p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
-    p.add_argument(
-        "--health-policy",
-        default=TrainConfig.health_policy,
-        help=f"on a suspicious step: {' | '.join(POLICIES)} (default rollback)",
-    )
-    p.add_argument("--peak-flops", type=float, help="dense peak FLOP/s of one device, for MFU")
-    p.add_argument(
-        "--inject-sdc",
-        action="append",
-        default=[],
-        metavar="step=K,rank=R[,target=grad|param][,bit=B]",
-        help="flip a bit of a gradient or parameter (repeatable)",
-    )
-    p.add_argument(
-        "--inject-straggler",
-        action="append",
-        default=[],
-        metavar="rank=R,delay=SECONDS",
-        help="make a rank slower in every step (repeatable)",
-    )
-    p.add_argument(
-        "--inject-loss-spike",
-        action="append",
-        default=[],
-        metavar="step=K",
-        help="train step K on a bad batch (repeatable)",
-    )
+    health.add_arguments(p)
     return p
 
 
@@ -133,7 +107,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         dp_shard=args.dp_shard,
         log_every=args.log_every,
         model=model,
-        health_policy=args.health_policy,
+        health_policy=args.health_policy or TrainConfig.health_policy,
         peak_flops=args.peak_flops,
         faults=FaultPlan.parse(args.inject_sdc, args.inject_straggler, args.inject_loss_spike),
     )

@@ -27,8 +27,8 @@ from trainer.checkpoint.digest import state_sha256
 from trainer.config import TrainConfig
 from trainer.data.corpus import stdlib_corpus
 from trainer.data.loader import DeterministicLoader
-from trainer.health.faults import FaultInjector
 from trainer.health.guard import StepGuard, replica_groups
+from trainer.health.inject import FaultInjector
 from trainer.model.llama import Transformer
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.fsdp import apply_fsdp

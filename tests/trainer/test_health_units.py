@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from trainer.health.faults import FaultInjector, FaultPlan, LossSpikeFault, SdcFault
+from trainer.health.faults import FaultPlan, LossSpikeFault, SdcFault
+from trainer.health.inject import FaultInjector
 from trainer.health.sdc import RankStats, check, classify, float_bits, minority
 from trainer.health.snapshot import StateSnapshot, checksum
 from trainer.health.stats import RollingSignal, SpikeRule

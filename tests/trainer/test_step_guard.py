@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainer.health.faults import FaultInjector, FaultPlan
+from trainer.health.faults import FaultPlan
 from trainer.health.guard import StepGuard, replica_groups
+from trainer.health.inject import FaultInjector
 from trainer.health.snapshot import checksum
 
 STEPS = 16

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from trainer.health.faults import FaultInjector
+from trainer.health.inject import FaultInjector
 from trainer.health.sdc import (
     RankStats,
     Suspicion,
@@ -46,7 +46,6 @@ from trainer.health.sdc import (
 from trainer.health.snapshot import StateSnapshot, checksum, local
 from trainer.health.stats import RollingSignal, SpikeRule
 
-POLICIES = ("rollback", "skip", "alert", "off")
 # A loss 15% above its recent median (and well above its noise) is a spike; a gradient norm must
 # triple.
 LOSS_RULE = SpikeRule()
@@ -61,7 +60,8 @@ class HasReplayPhase(Protocol):
 
 
 class StepGuard:
-    """Guards the steps of one rank; every rank of the job runs one with the same policy."""
+    """Guards the steps of one rank; every rank of the job runs one with the same policy (one of
+    trainer.health.POLICIES, which TrainConfig checks)."""
 
     def __init__(
         self,
@@ -74,8 +74,6 @@ class StepGuard:
         report: Report,
         device: torch.device,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"--health-policy {policy!r}: use one of {', '.join(POLICIES)}")
         self.policy = policy
         self._model, self._optimizer = model, optimizer
         self._params = list(model.parameters())
