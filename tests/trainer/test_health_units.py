@@ -178,12 +178,13 @@ def test_a_gradient_flip_hits_the_largest_element_whose_top_exponent_bit_is_clea
     assert weights.grad[1] == -0.75 * 2.0**128
 
 
-def test_a_snapshot_restores_parameters_and_optimizer_state_bit_for_bit() -> None:
+def test_a_snapshot_sees_any_change_at_rest_and_restores_state_bit_for_bit() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     snapshot = StateSnapshot(model, optimizer)
-    before = snapshot.capture()  # no optimizer state yet
+    snapshot.capture()  # no optimizer state yet
+    before = snapshot.before_checksum()
 
     def train_step() -> None:
         model(torch.ones(2, 4)).square().sum().backward()
@@ -191,15 +192,41 @@ def test_a_snapshot_restores_parameters_and_optimizer_state_bit_for_bit() -> Non
         optimizer.zero_grad()
 
     train_step()
-    assert snapshot.live_checksum() != before
+    assert not snapshot.unchanged()
     snapshot.restore()
-    assert snapshot.live_checksum() == before and optimizer.state == {}
+    assert snapshot.unchanged() and optimizer.state == {}
+    assert snapshot.stage() == before
 
     train_step()
-    after_one = snapshot.capture()
-    train_step()
+    after_one = snapshot.stage()
+    snapshot.commit()
+    with torch.no_grad():
+        model.bias.view(torch.int32)[1] ^= 1  # the lowest mantissa bit
+    assert not snapshot.unchanged()
     snapshot.restore()
-    assert snapshot.live_checksum() == after_one
+    assert snapshot.unchanged() and snapshot.stage() == after_one
+
+
+def test_a_held_step_result_survives_a_replay_and_can_be_put_back() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    snapshot = StateSnapshot(model, optimizer)
+    snapshot.capture()
+
+    def train_step(scale: float) -> None:
+        (scale * model(torch.ones(2, 4))).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    train_step(1.0)
+    result = snapshot.stage()
+    snapshot.hold()
+    snapshot.restore()
+    train_step(2.0)  # a replay that came out differently
+    assert snapshot.stage() != result
+    snapshot.restore_held()
+    assert snapshot.stage() == result
 
 
 def test_a_checksum_sees_a_single_flipped_bit_anywhere() -> None:

@@ -18,8 +18,9 @@ Policies, for a suspicious step:
                       as rollback.
   alert               record and alert, change nothing: the corrupted result is kept.
   off                 no checks, no copy, no replay.
-Costs per step: one copy and three checksums of the rank's state and gradients, one tiny all_gather,
-and one more copy of the state in memory.
+Costs per step: the rank's state gathered twice into a flat buffer (to verify it and to checksum
+it), a checksum of its gradients, one all_gather of a few integers; in memory, two copies of the
+rank's parameters and optimizer state (see `trainer.health.snapshot`).
 """
 
 from __future__ import annotations
@@ -83,9 +84,6 @@ class StepGuard:
         self._device = device
         self._rank = dist.get_rank()
         self._snapshot = StateSnapshot(model, optimizer)
-        self._captured = False
-        # Only the alert policy needs the corrupted result back after a replay.
-        self._original = StateSnapshot(model, optimizer) if policy == "alert" else None
         self._loss = RollingSignal(LOSS_RULE)
         self._grad_norm = RollingSignal(GRAD_NORM_RULE)
         # Of the latest step: this rank's own work in seconds (CPU time on a CPU rank) and the
@@ -107,54 +105,59 @@ class StepGuard:
             if first.suspicion is None:
                 self._loss.add(first.loss)
                 self._grad_norm.add(first.grad_norm)
-                self.state_checksum = self._snapshot.capture(first.state)
+                self._snapshot.commit()
+                self.state_checksum = first.state
             else:
                 yield from self._replay(step, first, phases)
-                self.state_checksum = self._snapshot.capture()
         self._faults.flip_parameter(step, self._params)
 
     def _replay(self, step: int, first: Attempt, phases: HasReplayPhase) -> Iterator[Attempt]:
         """Replay the step body from the state before it; classify; apply the policy."""
         started = time.perf_counter()
         kept = dataclasses.replace(phases)  # type: ignore[type-var]
-        if self._original is not None:
-            self._original.capture()
+        if self.policy == "alert":
+            self._snapshot.hold()
         self._snapshot.restore()
         second = Attempt(self, step, replay=True, at_rest_ok=True)
         yield second
         verdict = classify(first.stats, second.stats, self._replicas)
-        action = self._apply(verdict)
-        if action == "replayed":
-            # The step redone on healthy hardware is normal training; a spike from the data is
-            # not, and stays out of the statistics it would widen.
-            self._loss.add(second.loss)
-            self._grad_norm.add(second.grad_norm)
+        action = self._apply(verdict, first, second)
         for name, value in vars(kept).items():
             setattr(phases, name, value)
         phases.replay = time.perf_counter() - started
         assert first.suspicion is not None
         self._report_verdict(step, first.suspicion, verdict, action, phases.replay)
 
-    def _apply(self, verdict: Verdict) -> str:
-        """Put the state the policy wants in place; return what was done with the step."""
-        if verdict.corrupted:
-            if self._original is not None:
-                self._original.restore()
-                return "kept corrupted"
-            return "replayed"
-        if self.policy == "skip":
+    def _apply(self, verdict: Verdict, first: Attempt, second: Attempt) -> str:
+        """Put the state the policy wants in place, make it the next step's starting point, and
+        return what was done with the step."""
+        if verdict.corrupted and self.policy == "alert":
+            self._snapshot.restore_held()
+            self._snapshot.capture()
+            self.state_checksum = first.state
+            return "kept corrupted"
+        if not verdict.corrupted and self.policy == "skip":
             self._snapshot.restore()
+            self.state_checksum = self._snapshot.before_checksum()
             return "skipped"
+        # The replay's result: the step redone on healthy hardware, or the same result again.
+        self._snapshot.commit()
+        self.state_checksum = second.state
+        if verdict.corrupted:
+            # Normal training, unlike a spike that the data caused, which stays out of the
+            # statistics it would widen.
+            self._loss.add(second.loss)
+            self._grad_norm.add(second.grad_norm)
+            return "replayed"
         return "kept"
 
     def _verify_at_rest(self) -> bool:
-        """Whether the live state still matches the copy taken after the previous step; a state
-        changed in memory is restored from the copy (except under the alert policy)."""
-        if not self._captured:
+        """Whether the live state still is what the previous step left; a state changed in memory
+        is restored from the copy (except under the alert policy)."""
+        if not self._snapshot.captured:
             self._snapshot.capture()
-            self._captured = True
             return True
-        if self._snapshot.live_checksum() == self._snapshot.checksum:
+        if self._snapshot.unchanged():
             return True
         if self.policy != "alert":
             self._snapshot.restore()
@@ -278,7 +281,7 @@ class Attempt:
             guard.compute_s = self._clock() - self._clock_started - self._overhead
         if not guard.enabled:
             return
-        self.state = guard._snapshot.live_checksum()
+        self.state = guard._snapshot.stage()
         mine = RankStats(
             global_loss=float_bits(float(loss_sum) / dist.get_world_size()),
             grad_norm=float_bits(float(grad_norm)),
