@@ -41,6 +41,14 @@ class RankView:
     scores: Scores | None = None
 
 
+# What a run's registration says that its figures need; RegisterRunRequest and the runs table both
+# have these attributes.
+_DESCRIPTION = (
+    "run_id", "world_size", "model_params", "hardware", "precision", "peak_flops",
+    "peak_flops_source", "recompute_fraction",
+)  # fmt: skip
+
+
 @dataclass
 class RunView:
     """A run's current figures, as of its latest complete step."""
@@ -63,6 +71,11 @@ class RunView:
     records: int = 0
     events: Counter[str] = field(default_factory=Counter)
     ranks: dict[int, RankView] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, description: telemetry_pb2.RegisterRunRequest | Run, attempt: int) -> RunView:
+        """The view of a run as registered (a request, or its row in the runs table)."""
+        return cls(**{name: getattr(description, name) for name in _DESCRIPTION}, attempt=attempt)
 
 
 @dataclass
@@ -95,19 +108,8 @@ class LiveRuns:
 
     def registered(self, request: telemetry_pb2.RegisterRunRequest, attempt: int) -> None:
         """A run (re)registered: start its view afresh with the new description."""
-        view = RunView(
-            run_id=request.run_id,
-            world_size=request.world_size,
-            model_params=request.model_params,
-            hardware=request.hardware,
-            precision=request.precision,
-            peak_flops=request.peak_flops,
-            peak_flops_source=request.peak_flops_source,
-            recompute_fraction=request.recompute_fraction,
-            attempt=attempt,
-        )
         with self._lock:
-            self._add(view)
+            self._add(RunView.of(request, attempt))
 
     def observe_steps(self, records: Sequence[telemetry_pb2.RankStep]) -> list[telemetry_pb2.Event]:
         """Take stored records; return the straggler events of the steps they completed."""
@@ -158,19 +160,7 @@ class LiveRuns:
             run = self._describe(run_id)
         except NotFound:
             return None
-        return self._add(
-            RunView(
-                run_id=run.run_id,
-                world_size=run.world_size,
-                model_params=run.model_params,
-                hardware=run.hardware,
-                precision=run.precision,
-                peak_flops=run.peak_flops,
-                peak_flops_source=run.peak_flops_source,
-                recompute_fraction=run.recompute_fraction,
-                attempt=run.attempt,
-            )
-        )
+        return self._add(RunView.of(run, run.attempt))
 
     def _add(self, view: RunView) -> _RunState:
         state = _RunState(view=view, detector=StragglerDetector(self._policy))

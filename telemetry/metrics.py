@@ -38,19 +38,18 @@ class RunCollector(Collector):
             "A run this service receives; labels describe how its MFU is computed",
             labels=[*_RUN, "hardware", "precision", "peak_flops_source"],
         )
-        gauges = {
-            name: GaugeMetricFamily(f"scaletrain_{name}", doc, labels=_RUN)
-            for name, doc in (
-                ("step", "Latest step every rank has reported"),
-                ("attempt", "Restart generation of the run"),
-                ("loss", "Mean loss over ranks at the latest complete step"),
-                ("grad_norm", "Gradient norm at the latest complete step"),
-                ("tokens_per_second", "Tokens of all ranks over the step's wall time"),
-                ("mfu", "Model FLOPs utilisation at the latest complete step (0-1)"),
-                ("hfu", "Hardware FLOPs utilisation, counting recomputation (0-1)"),
-                ("peak_flops", "Dense peak FLOP/s of one device that MFU divides by"),
-            )
-        }
+        gauges = _gauges(
+            "scaletrain_",
+            _RUN,
+            step="Latest step every rank has reported",
+            attempt="Restart generation of the run",
+            loss="Mean loss over ranks at the latest complete step",
+            grad_norm="Gradient norm at the latest complete step",
+            tokens_per_second="Tokens of all ranks over the step's wall time",
+            mfu="Model FLOPs utilisation at the latest complete step (0-1)",
+            hfu="Hardware FLOPs utilisation, counting recomputation (0-1)",
+            peak_flops="Dense peak FLOP/s of one device that MFU divides by",
+        )
         records = CounterMetricFamily(
             "scaletrain_records", "Rank-step records received", labels=_RUN
         )
@@ -68,15 +67,14 @@ class RunCollector(Collector):
             "(vs the rank's own best); 1 is typical, lower is slower",
             labels=[*_RANK, "score"],
         )
-        per_rank = {
-            name: GaugeMetricFamily(f"scaletrain_rank_{name}", doc, labels=_RANK)
-            for name, doc in (
-                ("loss", "The rank's loss at its latest complete step"),
-                ("memory_bytes", "Accelerator memory allocated"),
-                ("peak_memory_bytes", "Peak accelerator memory allocated"),
-                ("dropped_records", "Records the rank's telemetry client dropped (queue full)"),
-            )
-        }
+        per_rank = _gauges(
+            "scaletrain_rank_",
+            _RANK,
+            loss="The rank's loss at its latest complete step",
+            memory_bytes="Accelerator memory allocated",
+            peak_memory_bytes="Peak accelerator memory allocated",
+            dropped_records="Records the rank's telemetry client dropped (queue full)",
+        )
         for run in runs:
             labels = [run.run_id]
             info.add_metric([*labels, run.hardware, run.precision, run.peak_flops_source], 1.0)
@@ -114,6 +112,13 @@ class RunCollector(Collector):
         yield phases
         yield scores
         yield from per_rank.values()
+
+
+def _gauges(prefix: str, labels: list[str], **docs: str) -> dict[str, GaugeMetricFamily]:
+    """Gauge families named prefix + each keyword, documented by its value."""
+    return {
+        name: GaugeMetricFamily(f"{prefix}{name}", doc, labels=labels) for name, doc in docs.items()
+    }
 
 
 @dataclass

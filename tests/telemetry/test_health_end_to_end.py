@@ -56,14 +56,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
         with tempfile.TemporaryDirectory(prefix="health-e2e-") as tmp:
             yield f"sqlite:///{Path(tmp) / 'telemetry.db'}"
         return
-    admin: Engine = request.getfixturevalue("pg_admin")
-    schema = f"health_e2e_{os.getpid()}"
-    with admin.begin() as connection:
-        connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    url = admin.url.update_query_dict({"options": f"-csearch_path={schema}"})
-    yield url.render_as_string(hide_password=False)
-    with admin.begin() as connection:
-        connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+    yield request.getfixturevalue("pg_module_schema_url")
 
 
 def trainer(run_id: str, address: str, *args: str) -> subprocess.Popen[str]:
