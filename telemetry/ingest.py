@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -195,3 +196,75 @@ def _raise_problem(index: int, record: telemetry_pb2.RankStep) -> None:
     stamp = record.time
     if not (_MIN_SECONDS <= stamp.seconds <= _MAX_SECONDS and 0 <= stamp.nanos < 1_000_000_000):
         raise bad(f"time is not a valid time ({stamp.seconds} s, {stamp.nanos} ns)")
+
+
+class _Submission:
+    """One caller's rows, and what became of them."""
+
+    def __init__(self, rows: Sequence[tuple[Any, ...]]) -> None:
+        self.rows = rows
+        self.done = threading.Event()
+        self.accepted = 0
+        self.error: BaseException | None = None
+
+    def outcome(self) -> int:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.accepted
+
+
+class GroupCommit:
+    """Writes the rows of concurrent callers together: one transaction for all that are waiting.
+
+    Each rank's client streams its own batches, so a service receives many small batches at once;
+    one transaction per batch would spend more on transactions (and, on SQLite, on taking turns
+    for the single write lock) than on rows. The first caller to arrive writes what every caller
+    submitted meanwhile, until none is left; the others wait for it. When a group's transaction
+    fails, each submission is tried alone, so that one caller's bad rows fail only that caller.
+    `write(submissions)` writes the rows of each submission in one transaction and returns how
+    many rows of each were new.
+    """
+
+    def __init__(self, write: Callable[[list[Sequence[tuple[Any, ...]]]], list[int]]) -> None:
+        self._write = write
+        self._lock = threading.Lock()
+        self._pending: list[_Submission] = []
+        self._writing = False
+
+    def submit(self, rows: Sequence[tuple[Any, ...]]) -> int:
+        """Write `rows` (with whatever else is waiting); return how many were new."""
+        mine = _Submission(rows)
+        with self._lock:
+            self._pending.append(mine)
+            if self._writing:
+                leader = False
+            else:
+                self._writing = leader = True
+        if leader:
+            self._lead()
+        return mine.outcome()
+
+    def _lead(self) -> None:
+        while True:
+            with self._lock:
+                group, self._pending = self._pending, []
+                if not group:
+                    self._writing = False
+                    return
+            self._write_group(group)
+
+    def _write_group(self, group: list[_Submission]) -> None:
+        try:
+            counts = self._write([submission.rows for submission in group])
+        except BaseException as exc:
+            if len(group) == 1:
+                group[0].error = exc
+                group[0].done.set()
+                return
+            for submission in group:
+                self._write_group([submission])
+            return
+        for submission, accepted in zip(group, counts, strict=True):
+            submission.accepted = accepted
+            submission.done.set()

@@ -115,8 +115,12 @@ class LiveRuns:
         """Take stored records; return the straggler events of the steps they completed."""
         flagged: list[telemetry_pb2.Event] = []
         with self._lock:
+            run_id, state = None, None
             for record in records:
-                state = self._state(record.run_id)
+                # A batch comes from one rank's client: nearly always one run throughout.
+                if record.run_id != run_id:
+                    run_id = record.run_id
+                    state = self._state(run_id)
                 if state is None:
                     continue
                 state.view.records += 1

@@ -23,7 +23,14 @@ from sqlalchemy.orm import Session
 from scaletrain.errors import InvalidArgument, NotFound, Unavailable
 from scaletrain.v1 import common_pb2, telemetry_pb2
 from telemetry.db import sessions
-from telemetry.ingest import RANK, RUN_ID, insert_steps, step_values, time_format
+from telemetry.ingest import (
+    RANK,
+    RUN_ID,
+    GroupCommit,
+    insert_steps,
+    step_values,
+    time_format,
+)
 from telemetry.models import TRAINER_TIER, Checkpoint, Event, Rank, RankStep, Run
 
 # "EVENT_KIND_CHECKPOINT_COMMITTED" is stored as "checkpoint_committed"; "TIER_SSD" as "ssd".
@@ -59,7 +66,8 @@ _LAYOUT_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 class TelemetryStore:
     """Runs, per-rank step records and events in one SQL database (made by `telemetry.db`).
 
-    Safe to share between threads: every call opens its own short transaction.
+    Safe to share between threads: every call opens its own short transaction, except that
+    records arriving at once from several callers are written in one (see GroupCommit).
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -70,6 +78,10 @@ class TelemetryStore:
         self._turns: AbstractContextManager[Any] = (
             threading.Lock() if self._dialect == "sqlite" else nullcontext()
         )
+        self._steps = GroupCommit(self._insert_step_groups)
+        # World size of each run seen, so that a batch of records costs no query; registering
+        # here updates it, a rank outside it makes the store look again.
+        self._world_size_of: dict[str, int] = {}
 
     def register_run(
         self, request: telemetry_pb2.RegisterRunRequest
@@ -142,6 +154,7 @@ class TelemetryStore:
                         },
                     )
                 )
+        self._world_size_of[run_id] = request.world_size
         return telemetry_pb2.RegisterRunResponse(created=created, attempt=attempt)
 
     def add_steps(self, records: Sequence[telemetry_pb2.RankStep]) -> tuple[int, int]:
@@ -155,16 +168,24 @@ class TelemetryStore:
             return 0, 0
         to_stored = time_format(self._dialect)
         rows = [step_values(index, record, to_stored) for index, record in enumerate(records)]
-        with self._transaction() as session:
-            world_sizes = self._world_sizes(session, {row[RUN_ID] for row in rows})
-            for index, row in enumerate(rows):
+        world_sizes = self._known_world_sizes({row[RUN_ID] for row in rows})
+        for index, row in enumerate(rows):
+            if row[RANK] >= world_sizes[row[RUN_ID]]:
+                # Registered again elsewhere with more ranks? Ask the database before refusing.
+                world_sizes = self._known_world_sizes({row[RUN_ID]}, refresh=True)
                 if row[RANK] >= world_sizes[row[RUN_ID]]:
                     raise InvalidArgument(
                         f"record {index}: rank {row[RANK]} is outside run {row[RUN_ID]!r} "
                         f"of world size {world_sizes[row[RUN_ID]]}"
                     )
-            accepted = insert_steps(session.connection(), rows)
+        accepted = self._steps.submit(rows)
         return accepted, len(rows) - accepted
+
+    def _insert_step_groups(self, groups: list[Sequence[tuple[Any, ...]]]) -> list[int]:
+        """Insert groups of rows in one transaction; how many rows of each were new."""
+        with self._transaction() as session:
+            connection = session.connection()
+            return [insert_steps(connection, rows) for rows in groups]
 
     def add_events(self, events: Sequence[telemetry_pb2.Event]) -> int:
         """Store events; return how many were new.
@@ -303,6 +324,14 @@ class TelemetryStore:
             raise Unavailable(f"telemetry database unavailable: {_reason(exc)}") from exc
         except DataError as exc:
             raise InvalidArgument(f"the database refused the data: {_reason(exc)}") from exc
+
+    def _known_world_sizes(self, run_ids: set[str], *, refresh: bool = False) -> dict[str, int]:
+        """World size of each run, from memory when known; NotFound for an unregistered run."""
+        unknown = run_ids if refresh else run_ids - self._world_size_of.keys()
+        if unknown:
+            with self._transaction() as session:
+                self._world_size_of.update(self._world_sizes(session, unknown))
+        return {run_id: self._world_size_of[run_id] for run_id in run_ids}
 
     @staticmethod
     def _world_sizes(session: Session, run_ids: set[str]) -> dict[str, int]:
