@@ -76,7 +76,6 @@ class StepGuard:
         device: torch.device,
     ) -> None:
         self.policy = policy
-        self._model, self._optimizer = model, optimizer
         self._params = list(model.parameters())
         self._replicas = [list(group) for group in replica_groups if len(group) > 1]
         self._faults = faults
@@ -275,7 +274,8 @@ class Attempt:
     def finished(self, loss: torch.Tensor, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """After the optimizer step and the loss all-reduce: gather, check (first attempt)."""
         guard = self._guard
-        if not self._cpu and guard._device.type == "cuda":
+        if guard._device.type == "cuda":
+            # Kernels run asynchronously: the step's compute is done only once they are.
             torch.cuda.synchronize(guard._device)
         if not self.replay:
             guard.compute_s = self._clock() - self._clock_started - self._overhead
