@@ -53,7 +53,7 @@ def main() -> None:
     inputs = torch.randint(0, 256, (4, 128))
     device = torch.device("cpu")
     with tempfile.TemporaryDirectory(prefix="telemetry-client-") as tmp:
-        with service(f"sqlite:///{Path(tmp) / 'telemetry.db'}") as address:
+        with service(f"sqlite:///{Path(tmp) / 'telemetry.db'}") as (address, _):
             reporter = Reporter(address, "bench", 0)
             assert reporter.client is not None
             reporter.client.register_run(

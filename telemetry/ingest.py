@@ -1,5 +1,5 @@
-"""The bulk path of rank-step records: validated protobuf -> row tuples -> the driver's fastest
-idempotent insert.
+"""The bulk path of rank-step records: validated records or columns -> row tuples -> the driver's
+fastest idempotent insert.
 
 Rank-step records are nearly all that telemetry stores (one per rank per step, thousands per second
 on a large job), so they skip SQLAlchemy's per-row parameter processing, which alone costs more than
@@ -7,53 +7,54 @@ the database's own work: SQLite gets one `executemany` of tuples, PostgreSQL a `
 temporary table and one `INSERT ... SELECT ... ON CONFLICT DO NOTHING`. The rows keep the storage
 conventions of `telemetry.models` exactly (naive UTC text times on SQLite, NaN stored as NULL), so
 the ORM and the queries read them back as if SQLAlchemy had written them; the store's tests check
-that on both databases.
+that on both databases. Columns (`telemetry.columns`, what the client sends) are checked and
+turned into rows a column at a time; only a batch that fails a check is examined record by record,
+to name the record and the field.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection
 
 from scaletrain.errors import InvalidArgument
 from scaletrain.v1 import telemetry_pb2
+from telemetry.columns import COLUMN_NAMES, PHASES, READ, records_of
 
-PHASES = (
-    "step", "data", "forward", "backward", "optimizer", "comm_wait", "checkpoint", "compute",
-    "replay",
-)  # fmt: skip
 _COUNTS = ("step", "rank", "attempt", "tokens", "memory_bytes", "peak_memory_bytes")
 _OFFSETS = ("global_sample", "rank_sample", "epoch")
-# Column order of the tuples `step_values` returns; the positions below index into it.
+# Column order of the row tuples; the positions below index into it. The same as COLUMN_NAMES,
+# with the time's two columns made one.
 STEP_COLUMNS = (
     "run_id", "step", "rank", "attempt", "loss", "grad_norm", "tokens",
     *(f"{phase}_s" for phase in PHASES),
     "memory_bytes", "peak_memory_bytes", "lr", "time", "param_checksum",
     "global_sample", "rank_sample", "epoch", "dropped_records",
 )  # fmt: skip
-RUN_ID, RANK = STEP_COLUMNS.index("run_id"), STEP_COLUMNS.index("rank")
+RUN_ID, STEP, RANK, ATTEMPT, LOSS, GRAD_NORM, TOKENS, TIME = (
+    STEP_COLUMNS.index(name)
+    for name in ("run_id", "step", "rank", "attempt", "loss", "grad_norm", "tokens", "time")
+)
+MEMORY, PEAK_MEMORY, DROPPED = (
+    STEP_COLUMNS.index(name) for name in ("memory_bytes", "peak_memory_bytes", "dropped_records")
+)
+PHASE = {phase: STEP_COLUMNS.index(f"{phase}_s") for phase in PHASES}
 # Seconds of 0001-01-01 and 9999-12-31T23:59:59 since the epoch: the range a datetime can hold.
 _MIN_SECONDS, _MAX_SECONDS = -62_135_596_800, 253_402_300_799
 _TEMP_TABLE = "rank_steps_incoming"
-# Every field of a RankStep that a row needs, read in one call (the loop runs in C).
-_READ = operator.attrgetter(
-    "run_id", "step", "rank", "attempt", "loss", "grad_norm", "tokens",
-    *(f"times.{phase}" for phase in PHASES),
-    "memory_bytes", "peak_memory_bytes", "lr", "time.seconds", "time.nanos", "param_checksum",
-    "data_offset.global_sample", "data_offset.rank_sample", "data_offset.epoch",
-    "dropped_records",
-)  # fmt: skip
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _NAIVE_EPOCH = _EPOCH.replace(tzinfo=None)
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 # A record's time as the driver stores it, from the Timestamp's seconds and microseconds.
 TimeFormat = Callable[[int, int], Any]
@@ -101,7 +102,7 @@ def step_values(
         step_s, data_s, forward_s, backward_s, optimizer_s, comm_wait_s, checkpoint_s, compute_s,
         replay_s, memory_bytes, peak_memory_bytes, lr, seconds, nanos, param_checksum,
         global_sample, rank_sample, epoch, dropped_records,
-    ) = _READ(record)  # fmt: skip
+    ) = READ(record)  # fmt: skip
     phase_seconds = (
         step_s, data_s, forward_s, backward_s, optimizer_s, comm_wait_s, checkpoint_s, compute_s,
         replay_s,
@@ -121,14 +122,83 @@ def step_values(
     if seconds or nanos or record.HasField("time"):
         stored_time = time_format(seconds, nanos // 1000)
     else:
-        now = time.time_ns() // 1000
-        stored_time = time_format(now // 1_000_000, now % 1_000_000)
+        stored_time = _now(time_format)
     return (
         run_id, step, rank, attempt,
         None if loss != loss else loss, None if grad_norm != grad_norm else grad_norm,
         tokens, *phase_seconds, memory_bytes, peak_memory_bytes, lr, stored_time,
         param_checksum, global_sample, rank_sample, epoch, dropped_records,
     )  # fmt: skip
+
+
+def column_rows(
+    columns: telemetry_pb2.StepColumns, time_format: TimeFormat = aware_time
+) -> list[tuple[Any, ...]]:
+    """The rows of a batch of columns, or InvalidArgument naming the bad record and field.
+
+    Every check runs over a whole column at once (min, max, sum in C); a batch that fails one is
+    examined record by record, which names the record.
+    """
+    values = [list(getattr(columns, name)) for name in COLUMN_NAMES]
+    count = len(values[0])
+    uneven = [
+        name for name, column in zip(COLUMN_NAMES, values, strict=True) if len(column) != count
+    ]
+    if uneven:
+        raise InvalidArgument(
+            f"columns: {uneven[0]} has {len(getattr(columns, uneven[0]))} values, "
+            f"run_id has {count}: every column needs one value per record"
+        )
+    if not count:
+        return []
+    (
+        run_id, step, rank, attempt, loss, grad_norm, tokens,
+        step_s, data_s, forward_s, backward_s, optimizer_s, comm_wait_s, checkpoint_s, compute_s,
+        replay_s, memory_bytes, peak_memory_bytes, lr, seconds, nanos, param_checksum,
+        global_sample, rank_sample, epoch, dropped_records,
+    ) = values  # fmt: skip
+    phase_seconds = (
+        step_s, data_s, forward_s, backward_s, optimizer_s, comm_wait_s, checkpoint_s, compute_s,
+        replay_s, lr,
+    )  # fmt: skip
+    counts = (
+        step, rank, attempt, tokens, memory_bytes, peak_memory_bytes, dropped_records,
+        global_sample, rank_sample, epoch,
+    )  # fmt: skip
+    if not (
+        all(run_id)
+        and all(math.isfinite(sum(column)) and min(column) >= 0 for column in phase_seconds)
+        and all(min(column) >= 0 for column in counts)
+        and not any(norm < 0 for norm in grad_norm)
+        and max(map(len, param_checksum)) <= 128
+        and min(seconds) >= _MIN_SECONDS
+        and max(seconds) <= _MAX_SECONDS
+        and min(nanos) >= 0
+        and max(nanos) < 1_000_000_000
+    ):
+        return [
+            step_values(index, record, time_format)
+            for index, record in enumerate(records_of(columns))
+        ]
+    times = [
+        time_format(s, ns // 1000) if s or ns else _now(time_format)
+        for s, ns in zip(seconds, nanos, strict=True)
+    ]
+    return list(
+        zip(
+            run_id, step, rank, attempt,
+            [None if x != x else x for x in loss], [None if x != x else x for x in grad_norm],
+            tokens, *phase_seconds[:-1], memory_bytes, peak_memory_bytes, lr, times,
+            param_checksum, global_sample, rank_sample, epoch, dropped_records,
+            strict=True,
+        )
+    )  # fmt: skip
+
+
+def _now(time_format: TimeFormat) -> Any:
+    """Now, as `time_format` stores it: the time of a record nobody stamped."""
+    now = time.time_ns() // 1000
+    return time_format(now // 1_000_000, now % 1_000_000)
 
 
 def insert_steps(connection: Connection, rows: Sequence[tuple[Any, ...]]) -> int:
@@ -204,49 +274,49 @@ def _raise_problem(index: int, record: telemetry_pb2.RankStep) -> None:
         raise bad(f"time is not a valid time ({stamp.seconds} s, {stamp.nanos} ns)")
 
 
-class _Submission:
-    """One caller's rows, and what became of them."""
+class _Submission(Generic[T, R]):
+    """One caller's item, and what became of it."""
 
-    def __init__(self, rows: Sequence[tuple[Any, ...]]) -> None:
-        self.rows = rows
+    def __init__(self, item: T) -> None:
+        self.item = item
         self.done = threading.Event()
-        self.accepted = 0
+        self.result: R | None = None
         self.error: BaseException | None = None
 
-    def outcome(self) -> int:
+    def outcome(self) -> R:
         self.done.wait()
         if self.error is not None:
             raise self.error
-        return self.accepted
+        return self.result  # type: ignore[return-value]
 
 
-class GroupCommit:
-    """Writes the rows of concurrent callers together: one transaction for all that are waiting.
+class GroupCommit(Generic[T, R]):
+    """Handles the items of concurrent callers together, one caller's thread at a time.
 
-    Each rank's client streams its own batches, so a service receives many small batches at once;
-    one transaction per batch would spend more on transactions (and, on SQLite, on taking turns
-    for the single write lock) than on rows. The first caller to arrive writes what every caller
-    submitted meanwhile, until none is left; the others wait for it. When a group's transaction
-    fails, each submission is tried alone, so that one caller's bad rows fail only that caller.
-    `write(submissions)` writes the rows of each submission in one transaction and returns how
-    many rows of each were new.
+    Every rank's client streams its own small batches, so a service receives many at once; a
+    transaction per batch costs more than its rows (and on SQLite the writers queue for the single
+    write lock anyway), and threads taking turns at Python work contend for the interpreter. So the
+    first caller to arrive handles, in one call of `handle`, what every caller submitted
+    meanwhile, until none is left; the others wait, idle. When `handle` fails on a group, each item
+    is tried alone, so that one caller's bad batch fails only that caller.
+    `handle(items)` returns one result per item, in order.
     """
 
-    def __init__(self, write: Callable[[list[Sequence[tuple[Any, ...]]]], list[int]]) -> None:
-        self._write = write
+    def __init__(self, handle: Callable[[list[T]], list[R]]) -> None:
+        self._handle = handle
         self._lock = threading.Lock()
-        self._pending: list[_Submission] = []
-        self._writing = False
+        self._pending: list[_Submission[T, R]] = []
+        self._handling = False
 
-    def submit(self, rows: Sequence[tuple[Any, ...]]) -> int:
-        """Write `rows` (with whatever else is waiting); return how many were new."""
-        mine = _Submission(rows)
+    def submit(self, item: T) -> R:
+        """Handle `item` (with whatever else is waiting); return its result or raise its error."""
+        mine: _Submission[T, R] = _Submission(item)
         with self._lock:
             self._pending.append(mine)
-            if self._writing:
+            if self._handling:
                 leader = False
             else:
-                self._writing = leader = True
+                self._handling = leader = True
         if leader:
             self._lead()
         return mine.outcome()
@@ -256,21 +326,21 @@ class GroupCommit:
             with self._lock:
                 group, self._pending = self._pending, []
                 if not group:
-                    self._writing = False
+                    self._handling = False
                     return
-            self._write_group(group)
+            self._handle_group(group)
 
-    def _write_group(self, group: list[_Submission]) -> None:
+    def _handle_group(self, group: list[_Submission[T, R]]) -> None:
         try:
-            counts = self._write([submission.rows for submission in group])
+            results = self._handle([submission.item for submission in group])
         except BaseException as exc:
             if len(group) == 1:
                 group[0].error = exc
                 group[0].done.set()
                 return
             for submission in group:
-                self._write_group([submission])
+                self._handle_group([submission])
             return
-        for submission, accepted in zip(group, counts, strict=True):
-            submission.accepted = accepted
+        for submission, result in zip(group, results, strict=True):
+            submission.result = result
             submission.done.set()

@@ -1,6 +1,7 @@
 """What the service knows about the runs reporting to it now, kept in memory as records arrive.
 
-The servicer passes every stored batch here. Records are grouped by step; once every rank of a run
+The servicer passes the rows of every stored batch here (tuples in STEP_COLUMNS order, whatever
+form the records came in). Rows are grouped by step; once every rank of a run
 has reported a step, the step is complete: the straggler detector scores its ranks (and the service
 stores the flags as events), and the run's current figures (loss, tokens/s, MFU, per-rank times and
 scores) are updated for the Prometheus endpoint. Nothing here is durable: the database is the
@@ -14,14 +15,31 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
 
 from scaletrain.errors import NotFound
 from scaletrain.v1 import telemetry_pb2
 from telemetry import mfu
 from telemetry.detect import Scores, StragglerDetector, StragglerFlag, StragglerPolicy
-from telemetry.ingest import PHASES
+from telemetry.ingest import (
+    ATTEMPT,
+    DROPPED,
+    GRAD_NORM,
+    LOSS,
+    MEMORY,
+    PEAK_MEMORY,
+    PHASE,
+    RANK,
+    RUN_ID,
+    STEP,
+    TIME,
+    TOKENS,
+)  # fmt: skip
 from telemetry.models import Run
 
+# A stored rank-step record as a row tuple (telemetry.ingest.STEP_COLUMNS).
+Row = tuple[Any, ...]
 # Steps of a run awaiting their last rank; older incomplete steps are dropped beyond this many
 # (records lost to a full client queue never arrive).
 _MAX_PENDING_STEPS = 64
@@ -70,6 +88,7 @@ class RunView:
     hfu: float = math.nan
     records: int = 0
     events: Counter[str] = field(default_factory=Counter)
+    # Filled in by LiveRuns.views.
     ranks: dict[int, RankView] = field(default_factory=dict)
 
     @classmethod
@@ -82,9 +101,11 @@ class RunView:
 class _RunState:
     view: RunView
     detector: StragglerDetector
-    pending: dict[tuple[int, int], dict[int, telemetry_pb2.RankStep]] = field(default_factory=dict)
+    pending: dict[tuple[int, int], dict[int, Row]] = field(default_factory=dict)
     # (attempt, step) of the latest complete step: records of it or earlier are resent copies.
     done: tuple[int, int] = (-1, -1)
+    # The rows of that step, per rank: the per-rank figures are made from them when asked for.
+    latest: dict[int, Row] = field(default_factory=dict)
 
 
 class LiveRuns:
@@ -111,24 +132,24 @@ class LiveRuns:
         with self._lock:
             self._add(RunView.of(request, attempt))
 
-    def observe_steps(self, records: Sequence[telemetry_pb2.RankStep]) -> list[telemetry_pb2.Event]:
-        """Take stored records; return the straggler events of the steps they completed."""
+    def observe_steps(self, rows: Sequence[Row]) -> list[telemetry_pb2.Event]:
+        """Take stored rows; return the straggler events of the steps they completed."""
         flagged: list[telemetry_pb2.Event] = []
         with self._lock:
             run_id, state = None, None
-            for record in records:
+            for row in rows:
                 # A batch comes from one rank's client: nearly always one run throughout.
-                if record.run_id != run_id:
-                    run_id = record.run_id
+                if row[RUN_ID] != run_id:
+                    run_id = row[RUN_ID]
                     state = self._state(run_id)
                 if state is None:
                     continue
                 state.view.records += 1
-                key = (record.attempt, record.step)
+                key = (row[ATTEMPT], row[STEP])
                 if key <= state.done:
                     continue
                 ranks = state.pending.setdefault(key, {})
-                ranks[record.rank] = record
+                ranks[row[RANK]] = row
                 if len(ranks) == state.view.world_size:
                     flagged.extend(self._complete(state, key))
         return flagged
@@ -150,7 +171,7 @@ class LiveRuns:
                     **{
                         **vars(state.view),
                         "events": Counter(state.view.events),
-                        "ranks": dict(state.view.ranks),
+                        "ranks": _rank_views(state),
                     }
                 )
                 for state in self._runs.values()
@@ -177,7 +198,7 @@ class LiveRuns:
 
     def _complete(self, state: _RunState, key: tuple[int, int]) -> list[telemetry_pb2.Event]:
         """Score the complete step `key`, update the run's figures, forget older pending steps."""
-        records = state.pending.pop(key)
+        rows = state.pending.pop(key)
         for older in [pending for pending in state.pending if pending < key]:
             del state.pending[older]
         while len(state.pending) > _MAX_PENDING_STEPS:
@@ -188,22 +209,20 @@ class LiveRuns:
             state.detector = StragglerDetector(self._policy)
         state.done = key
         flags = state.detector.observe(
-            step, {rank: _compute_seconds(record) for rank, record in records.items()}
+            step, {rank: _compute_seconds(row) for rank, row in rows.items()}
         )
-        self._update_view(state, step, attempt, records)
-        return [_straggler_event(records[flag.rank], flag) for flag in flags]
+        self._update_view(state, step, attempt, rows)
+        return [_straggler_event(rows[flag.rank], flag) for flag in flags]
 
     @staticmethod
-    def _update_view(
-        state: _RunState, step: int, attempt: int, records: dict[int, telemetry_pb2.RankStep]
-    ) -> None:
+    def _update_view(state: _RunState, step: int, attempt: int, rows: dict[int, Row]) -> None:
         view = state.view
-        losses = [record.loss for record in records.values() if math.isfinite(record.loss)]
-        wall = max(record.times.step for record in records.values())
-        tokens = sum(record.tokens for record in records.values())
+        losses = [row[LOSS] for row in rows.values() if row[LOSS] is not None]
+        wall = max(row[PHASE["step"]] for row in rows.values())
+        tokens = sum(row[TOKENS] for row in rows.values())
         view.step, view.attempt = step, attempt
         view.loss = sum(losses) / len(losses) if losses else math.nan
-        view.grad_norm = records[min(records)].grad_norm
+        view.grad_norm = _float(rows[min(rows)][GRAD_NORM])
         view.tokens_per_s = tokens / wall if wall > 0 else math.nan
         view.mfu = mfu.utilization(
             mfu.model_flops_per_token(view.model_params),
@@ -217,34 +236,46 @@ class LiveRuns:
             view.world_size,
             view.peak_flops,
         )
-        for rank, record in records.items():
-            view.ranks[rank] = RankView(
-                step=step,
-                loss=record.loss,
-                grad_norm=record.grad_norm,
-                phases={phase: getattr(record.times, phase) for phase in PHASES},
-                memory_bytes=record.memory_bytes,
-                peak_memory_bytes=record.peak_memory_bytes,
-                dropped_records=record.dropped_records,
-                scores=state.detector.latest.get(rank),
-            )
+        state.latest = rows
 
 
-def _compute_seconds(record: telemetry_pb2.RankStep) -> float:
+def _rank_views(state: _RunState) -> dict[int, RankView]:
+    """Each rank's figures at the run's latest complete step."""
+    return {
+        rank: RankView(
+            step=row[STEP],
+            loss=_float(row[LOSS]),
+            grad_norm=_float(row[GRAD_NORM]),
+            phases={phase: row[index] for phase, index in PHASE.items()},
+            memory_bytes=row[MEMORY],
+            peak_memory_bytes=row[PEAK_MEMORY],
+            dropped_records=row[DROPPED],
+            scores=state.detector.latest.get(rank),
+        )
+        for rank, row in state.latest.items()
+    }
+
+
+def _compute_seconds(row: Row) -> float:
     """The rank's own work in the step: `compute` when the reporter measured it, else the step
     time without the phases that are not the rank's own work (waits, data, checkpoint, replay)."""
-    times = record.times
-    if times.compute > 0:
-        return times.compute
-    return times.step - times.comm_wait - times.data - times.checkpoint - times.replay
+    if row[PHASE["compute"]] > 0:
+        return row[PHASE["compute"]]
+    others = ("comm_wait", "data", "checkpoint", "replay")
+    return row[PHASE["step"]] - sum(row[PHASE[phase]] for phase in others)
 
 
-def _straggler_event(record: telemetry_pb2.RankStep, flag: StragglerFlag) -> telemetry_pb2.Event:
+def _float(value: float | None) -> float:
+    """A stored loss or gradient norm: None (NULL) stands for NaN."""
+    return math.nan if value is None else value
+
+
+def _straggler_event(row: Row, flag: StragglerFlag) -> telemetry_pb2.Event:
     """The event of a flag, stamped with the time of the rank's record that completed the flag, so
     a flag raised again from resent records is recognised as the same event."""
     scores = flag.scores
     event = telemetry_pb2.Event(
-        run_id=record.run_id,
+        run_id=row[RUN_ID],
         step=flag.step,
         rank=flag.rank,
         kind=telemetry_pb2.EVENT_KIND_STRAGGLER,
@@ -258,8 +289,15 @@ def _straggler_event(record: telemetry_pb2.RankStep, flag: StragglerFlag) -> tel
             "individual_score": f"{scores.individual:.3f}",
             "compute_s": f"{scores.compute_s:.6f}",
             "peers_s": f"{scores.peers_s:.6f}",
-            "attempt": str(record.attempt),
+            "attempt": str(row[ATTEMPT]),
         },
     )
-    event.time.CopyFrom(record.time)
+    event.time.FromDatetime(_as_datetime(row[TIME]))
     return event
+
+
+def _as_datetime(stored: datetime | str) -> datetime:
+    """A row's time, stored as text (SQLite) or as an aware datetime (PostgreSQL)."""
+    if isinstance(stored, datetime):
+        return stored
+    return datetime.fromisoformat(stored).replace(tzinfo=UTC)

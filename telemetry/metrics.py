@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from scaletrain.errors import UserError
-from telemetry.ingest import PHASES
+from telemetry.columns import PHASES
 from telemetry.live import LiveRuns
 
 _RUN = ["run_id"]

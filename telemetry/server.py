@@ -22,6 +22,7 @@ from scaletrain.rpc import add_health, bind, make_server, maps_errors
 from scaletrain.v1 import telemetry_pb2, telemetry_pb2_grpc
 from telemetry.config import TelemetryConfig
 from telemetry.db import connect, migrate
+from telemetry.ingest import GroupCommit
 from telemetry.live import LiveRuns
 from telemetry.metrics import MetricsServer, serve_metrics
 from telemetry.store import TelemetryStore
@@ -36,6 +37,9 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
     def __init__(self, store: TelemetryStore, live: LiveRuns) -> None:
         self._store = store
         self._live = live
+        self._batches: GroupCommit[telemetry_pb2.StepBatch, tuple[int, int]] = GroupCommit(
+            self._store_batches
+        )
 
     @maps_errors
     def RegisterRun(
@@ -49,14 +53,14 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
     def ReportSteps(
         self, request_iterator: Iterator[telemetry_pb2.StepBatch], context: grpc.ServicerContext
     ) -> telemetry_pb2.ReportStepsResponse:
-        # Each batch is stored as it arrives, in its own transaction: a long stream holds no lock,
-        # and a batch stored before a later one fails is simply a duplicate when resent.
+        # Each batch is stored as it arrives (with the batches of other streams that arrived at the
+        # same time): a long stream holds no lock, and a batch stored before a later one fails is
+        # simply a duplicate when resent.
         accepted = duplicates = 0
         for batch in request_iterator:
-            stored, repeated = self._store.add_steps(batch.records)
+            stored, repeated = self._batches.submit(batch)
             accepted += stored
             duplicates += repeated
-            self._store_flags(self._live.observe_steps(batch.records))
         return telemetry_pb2.ReportStepsResponse(accepted=accepted, duplicates=duplicates)
 
     @maps_errors
@@ -66,6 +70,13 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
         accepted = self._store.add_events(request.events)
         self._live.observe_events(request.events)
         return telemetry_pb2.ReportEventsResponse(accepted=accepted)
+
+    def _store_batches(self, batches: list[telemetry_pb2.StepBatch]) -> list[tuple[int, int]]:
+        """Store batches that arrived together, then let the detectors see their rows."""
+        results = self._store.add_step_batches(batches)
+        for _, _, rows in results:
+            self._store_flags(self._live.observe_steps(rows))
+        return [(accepted, duplicates) for accepted, duplicates, _ in results]
 
     def _store_flags(self, flags: list[telemetry_pb2.Event]) -> None:
         """Store what the detectors flagged; best effort: the records that raised the flags are

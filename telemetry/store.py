@@ -26,7 +26,7 @@ from telemetry.db import sessions
 from telemetry.ingest import (
     RANK,
     RUN_ID,
-    GroupCommit,
+    column_rows,
     insert_steps,
     step_values,
     time_format,
@@ -66,8 +66,7 @@ _LAYOUT_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
 class TelemetryStore:
     """Runs, per-rank step records and events in one SQL database (made by `telemetry.db`).
 
-    Safe to share between threads: every call opens its own short transaction, except that
-    records arriving at once from several callers are written in one (see GroupCommit).
+    Safe to share between threads: every call opens its own short transaction.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -78,7 +77,6 @@ class TelemetryStore:
         self._turns: AbstractContextManager[Any] = (
             threading.Lock() if self._dialect == "sqlite" else nullcontext()
         )
-        self._steps = GroupCommit(self._insert_step_groups)
         # World size of each run seen, so that a batch of records costs no query; registering
         # here updates it, a rank outside it makes the store look again.
         self._world_size_of: dict[str, int] = {}
@@ -158,16 +156,43 @@ class TelemetryStore:
         return telemetry_pb2.RegisterRunResponse(created=created, attempt=attempt)
 
     def add_steps(self, records: Sequence[telemetry_pb2.RankStep]) -> tuple[int, int]:
-        """Store step records; return (accepted, duplicates).
+        """Store step records; return (accepted, duplicates). See `add_step_batches`."""
+        ((accepted, duplicates, _),) = self.add_step_batches(
+            [telemetry_pb2.StepBatch(records=records)]
+        )
+        return accepted, duplicates
+
+    def add_step_batches(
+        self, batches: Sequence[telemetry_pb2.StepBatch]
+    ) -> list[tuple[int, int, list[tuple[Any, ...]]]]:
+        """Store the records of several batches (records and columns) in one transaction; return
+        per batch (accepted, duplicates, its rows in STEP_COLUMNS order).
 
         A record whose (run, step, rank, attempt) is stored already counts as a duplicate and
         changes nothing, so a client may resend a batch it is unsure about. One bad record rejects
-        the whole batch (InvalidArgument naming it); an unregistered run gives NotFound.
+        everything (InvalidArgument naming it and the field); an unregistered run gives NotFound.
         """
-        if not records:
-            return 0, 0
         to_stored = time_format(self._dialect)
-        rows = [step_values(index, record, to_stored) for index, record in enumerate(records)]
+        rows = [self._checked_rows(batch, to_stored) for batch in batches]
+        if not any(rows):
+            return [(0, 0, batch_rows) for batch_rows in rows]
+        with self._transaction() as session:
+            connection = session.connection()
+            accepted = [insert_steps(connection, batch_rows) for batch_rows in rows]
+        return [
+            (new, len(batch_rows) - new, batch_rows)
+            for new, batch_rows in zip(accepted, rows, strict=True)
+        ]
+
+    def _checked_rows(
+        self, batch: telemetry_pb2.StepBatch, to_stored: Any
+    ) -> list[tuple[Any, ...]]:
+        """The rows of a batch's records and columns, every rank checked against its run."""
+        rows = [step_values(index, record, to_stored) for index, record in enumerate(batch.records)]
+        if batch.HasField("columns"):
+            rows += column_rows(batch.columns, to_stored)
+        if not rows:
+            return rows
         world_sizes = self._known_world_sizes({row[RUN_ID] for row in rows})
         for index, row in enumerate(rows):
             if row[RANK] >= world_sizes[row[RUN_ID]]:
@@ -178,14 +203,7 @@ class TelemetryStore:
                         f"record {index}: rank {row[RANK]} is outside run {row[RUN_ID]!r} "
                         f"of world size {world_sizes[row[RUN_ID]]}"
                     )
-        accepted = self._steps.submit(rows)
-        return accepted, len(rows) - accepted
-
-    def _insert_step_groups(self, groups: list[Sequence[tuple[Any, ...]]]) -> list[int]:
-        """Insert groups of rows in one transaction; how many rows of each were new."""
-        with self._transaction() as session:
-            connection = session.connection()
-            return [insert_steps(connection, rows) for rows in groups]
+        return rows
 
     def add_events(self, events: Sequence[telemetry_pb2.Event]) -> int:
         """Store events; return how many were new.

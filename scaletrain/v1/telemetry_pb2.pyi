@@ -157,10 +157,68 @@ class RankStep(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., times: _Optional[_Union[PhaseTimes, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., data_offset: _Optional[_Union[DataLoaderOffset, _Mapping]] = ..., lr: _Optional[float] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., param_checksum: _Optional[str] = ..., attempt: _Optional[int] = ..., dropped_records: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("records",)
+    __slots__ = ("records", "columns")
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     records: _containers.RepeatedCompositeFieldContainer[RankStep]
-    def __init__(self, records: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ...) -> None: ...
+    columns: StepColumns
+    def __init__(self, records: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ..., columns: _Optional[_Union[StepColumns, _Mapping]] = ...) -> None: ...
+
+class StepColumns(_message.Message):
+    __slots__ = ("run_id", "step", "rank", "attempt", "loss", "grad_norm", "tokens", "step_s", "data_s", "forward_s", "backward_s", "optimizer_s", "comm_wait_s", "checkpoint_s", "compute_s", "replay_s", "memory_bytes", "peak_memory_bytes", "lr", "time_seconds", "time_nanos", "param_checksum", "global_sample", "rank_sample", "epoch", "dropped_records")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    DATA_S_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_S_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_S_FIELD_NUMBER: _ClassVar[int]
+    COMM_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_S_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_NANOS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    RANK_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: _containers.RepeatedScalarFieldContainer[str]
+    step: _containers.RepeatedScalarFieldContainer[int]
+    rank: _containers.RepeatedScalarFieldContainer[int]
+    attempt: _containers.RepeatedScalarFieldContainer[int]
+    loss: _containers.RepeatedScalarFieldContainer[float]
+    grad_norm: _containers.RepeatedScalarFieldContainer[float]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    step_s: _containers.RepeatedScalarFieldContainer[float]
+    data_s: _containers.RepeatedScalarFieldContainer[float]
+    forward_s: _containers.RepeatedScalarFieldContainer[float]
+    backward_s: _containers.RepeatedScalarFieldContainer[float]
+    optimizer_s: _containers.RepeatedScalarFieldContainer[float]
+    comm_wait_s: _containers.RepeatedScalarFieldContainer[float]
+    checkpoint_s: _containers.RepeatedScalarFieldContainer[float]
+    compute_s: _containers.RepeatedScalarFieldContainer[float]
+    replay_s: _containers.RepeatedScalarFieldContainer[float]
+    memory_bytes: _containers.RepeatedScalarFieldContainer[int]
+    peak_memory_bytes: _containers.RepeatedScalarFieldContainer[int]
+    lr: _containers.RepeatedScalarFieldContainer[float]
+    time_seconds: _containers.RepeatedScalarFieldContainer[int]
+    time_nanos: _containers.RepeatedScalarFieldContainer[int]
+    param_checksum: _containers.RepeatedScalarFieldContainer[str]
+    global_sample: _containers.RepeatedScalarFieldContainer[int]
+    rank_sample: _containers.RepeatedScalarFieldContainer[int]
+    epoch: _containers.RepeatedScalarFieldContainer[int]
+    dropped_records: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[_Iterable[str]] = ..., step: _Optional[_Iterable[int]] = ..., rank: _Optional[_Iterable[int]] = ..., attempt: _Optional[_Iterable[int]] = ..., loss: _Optional[_Iterable[float]] = ..., grad_norm: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[int]] = ..., step_s: _Optional[_Iterable[float]] = ..., data_s: _Optional[_Iterable[float]] = ..., forward_s: _Optional[_Iterable[float]] = ..., backward_s: _Optional[_Iterable[float]] = ..., optimizer_s: _Optional[_Iterable[float]] = ..., comm_wait_s: _Optional[_Iterable[float]] = ..., checkpoint_s: _Optional[_Iterable[float]] = ..., compute_s: _Optional[_Iterable[float]] = ..., replay_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[_Iterable[int]] = ..., peak_memory_bytes: _Optional[_Iterable[int]] = ..., lr: _Optional[_Iterable[float]] = ..., time_seconds: _Optional[_Iterable[int]] = ..., time_nanos: _Optional[_Iterable[int]] = ..., param_checksum: _Optional[_Iterable[str]] = ..., global_sample: _Optional[_Iterable[int]] = ..., rank_sample: _Optional[_Iterable[int]] = ..., epoch: _Optional[_Iterable[int]] = ..., dropped_records: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportStepsResponse(_message.Message):
     __slots__ = ("accepted", "duplicates")
