@@ -23,6 +23,8 @@ from typing import NoReturn
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from scaletrain.errors import ScaletrainError, UserError
+from trainer import health
+from trainer.health.faults import FaultPlan
 
 DEFAULT_WORKDIR = Path(".scaletrain")
 
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
             trainer.add_argument(flag, action="store_true", default=None)
         else:
             trainer.add_argument(flag, type=kind)
+    health.add_arguments(run)
 
     ckptd = sub.add_parser("ckptd", help="serve the checkpoint daemon")
     ckptd.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT")
@@ -114,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     tel = sub.add_parser("telemetry", help="serve the telemetry service")
     tel.add_argument("--listen", default="127.0.0.1:50052", help="HOST:PORT")
     tel.add_argument("--db", help="database URL (default: $SCALETRAIN_DB_URL or ./telemetry.db)")
+    tel.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics of the runs here (default: $SCALETRAIN_METRICS_LISTEN)",
+    )
 
     ui = sub.add_parser("ui", help="open the run-health UI")
     _workdir_arg(ui)
@@ -166,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("scaletrain: interrupted; every child process was stopped", file=sys.stderr)
         return 130
-    except (UserError, ScaletrainError) as exc:
+    except (UserError, ScaletrainError, ValueError) as exc:
         print(f"scaletrain {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except ModuleNotFoundError as exc:
@@ -198,6 +206,18 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             trainer_args += [flag] if kind is bool else [flag, str(value)]
+    for flag in ("--health-policy", "--peak-flops"):
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value is not None:
+            trainer_args += [flag, str(value)]
+    faults = {
+        flag: getattr(args, flag.removeprefix("--").replace("-", "_"))
+        for flag in health.FAULT_FLAGS
+    }
+    # Refuse a bad flag now, in one line, rather than after the whole stack has started.
+    FaultPlan.parse(*faults.values())
+    for flag, values in faults.items():
+        trainer_args += [x for value in values for x in (flag, value)]
     options = RunOptions(
         workdir=Workdir(args.workdir),
         ranks=args.ranks,
@@ -226,10 +246,23 @@ def _print_summary(s) -> None:
     print(f"tokens/s     {fmt(s.tokens_per_s, ',.0f')}")
     print(f"params       sha256 {s.params_sha256}")
     print(f"wall time    {s.wall_s:.1f} s")
+    print(f"mfu          {s.mfu_label}")
+    print(f"goodput      {fmt(s.goodput, '.1%')}  badput: {_badput(s.badput_s)}")
+    print(f"health       {_findings(s.health_events)}")
     print(f"checkpoints  {len(s.checkpoints)} committed")
     for c in s.checkpoints:
         print(f"  step {c['step']:>6}  {c['bytes'] / 1e6:8.2f} MB  tiers: {', '.join(c['tiers'])}")
     print(f"open the UI  {s.ui_command}")
+
+
+def _badput(seconds: dict[str, float]) -> str:
+    shown = [f"{cause} {value:.1f}s" for cause, value in seconds.items() if value >= 0.05]
+    return ", ".join(shown) or "none"
+
+
+def _findings(counts: dict[str, int]) -> str:
+    shown = [f"{count} {kind}" for kind, count in counts.items() if count]
+    return ", ".join(shown) or "no straggler, loss spike or silent data corruption"
 
 
 def _ckptd(args: argparse.Namespace) -> int:
@@ -273,7 +306,8 @@ def _telemetry(args: argparse.Namespace) -> int:
     from telemetry.server import serve
 
     db = args.db or os.environ.get("SCALETRAIN_DB_URL") or "sqlite:///telemetry.db"
-    serve(TelemetryConfig(db_url=db, listen=args.listen))
+    metrics = args.metrics or os.environ.get("SCALETRAIN_METRICS_LISTEN") or None
+    serve(TelemetryConfig(db_url=db, listen=args.listen, metrics_listen=metrics))
     return 0
 
 

@@ -20,6 +20,7 @@ from scaletrain.stack import Stack, Workdir
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 from telemetry import queries
 from telemetry.db import connect
+from telemetry.health import run_health
 
 TIER_NAMES = {
     common_pb2.TIER_MEMORY: "memory",
@@ -54,6 +55,13 @@ class RunSummary:
     wall_s: float
     checkpoints: list[dict[str, object]]
     ui_command: str
+    # Run health from telemetry: MFU and what it is relative to, goodput and badput by cause,
+    # and how many events of each health kind (straggler, loss_spike, sdc, ...) were recorded.
+    mfu: float | None = None
+    mfu_label: str = ""
+    goodput: float | None = None
+    badput_s: dict[str, float] = field(default_factory=dict)
+    health_events: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -144,6 +152,7 @@ def _summary(
     engine = connect(workdir.db_url)
     try:
         stats = queries.run_summary(engine, run_id)
+        health = run_health(engine, run_id)
     finally:
         engine.dispose()
     return RunSummary(
@@ -161,6 +170,11 @@ def _summary(
             for c in sorted(checkpoints, key=lambda c: c.ref.step)
         ],
         ui_command=f"scaletrain ui --workdir {workdir.root}",
+        mfu=_finite(health.mfu.mfu),
+        mfu_label=health.mfu.label,
+        goodput=_finite(health.goodput.goodput),
+        badput_s={cause: round(s, 3) for cause, s in health.goodput.badput_s.items()},
+        health_events=health.event_counts,
     )
 
 

@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 
 from scaletrain.rpc import describe_rpc_error, error_from_rpc, make_channel
 from scaletrain.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
+from telemetry.columns import columns_of
 
 _log = logging.getLogger(__name__)
 
@@ -168,8 +169,9 @@ class TelemetryClient:
 
     def register_run(
         self, request: telemetry_pb2.RegisterRunRequest, *, timeout_s: float = 30.0
-    ) -> bool:
-        """Register the run (again, when resuming); True when it is new. Retries until timeout_s.
+    ) -> telemetry_pb2.RegisterRunResponse:
+        """Register the run (again, when resuming): whether it is new, and its attempt (restart
+        generation) to stamp on records. Retries until timeout_s.
 
         Call it before reporting: reports of an unregistered run are rejected. An unset
         `started_at` becomes now.
@@ -179,8 +181,7 @@ class TelemetryClient:
             stamped.CopyFrom(request)
             stamped.started_at.FromDatetime(_now())
             request = stamped
-        reply = self._call("register run", self._stub.RegisterRun, request, timeout_s)
-        return reply.created
+        return self._call("register run", self._stub.RegisterRun, request, timeout_s)
 
     def resume_point(
         self, run_id: str, step: int | None = None, *, timeout_s: float = 30.0
@@ -337,9 +338,11 @@ class TelemetryClient:
         return True
 
     def _send_steps(self, records: list[telemetry_pb2.RankStep]) -> None:
+        # As columns: the service then reads a column at a time instead of every field of every
+        # record; this thread, which has one rank's records to turn, has time to spare.
         size = self._batch_size
         batches: Iterable[telemetry_pb2.StepBatch] = (
-            telemetry_pb2.StepBatch(records=records[start : start + size])
+            telemetry_pb2.StepBatch(columns=columns_of(records[start : start + size]))
             for start in range(0, len(records), size)
         )
         self._stub.ReportSteps(batches, timeout=_SEND_TIMEOUT_S)
@@ -391,6 +394,7 @@ def rank_step(
     peak_memory_bytes: int = 0,
     param_checksum: str = "",
     attempt: int = 0,
+    dropped_records: int = 0,
 ) -> telemetry_pb2.RankStep:
     """A step record in one call, stamped with the current time.
 
@@ -413,6 +417,7 @@ def rank_step(
         peak_memory_bytes=peak_memory_bytes,
         param_checksum=param_checksum,
         attempt=attempt,
+        dropped_records=dropped_records,
     )
     if offset is not None:
         global_sample, rank_sample, epoch = offset
@@ -439,7 +444,8 @@ def event(
 ) -> telemetry_pb2.Event:
     """An event stamped with the current time; `kind` as "checkpoint_committed" or an EventKind.
 
-    Giving `tier` ("memory", "ssd", "s3" or a Tier) makes it a checkpoint event with bytes/seconds.
+    Giving `tier` ("memory", "ssd", "s3" or a Tier), `bytes` or `seconds` makes it a checkpoint
+    event; without a tier it describes the save as the trainer saw it.
     """
     if isinstance(kind, str):
         kind = telemetry_pb2.EventKind.Value(f"EVENT_KIND_{kind.upper()}")
@@ -451,11 +457,13 @@ def event(
         message=message,
         attributes=dict(attributes or {}),
     )
-    if tier is not None:
+    if tier is not None or bytes or seconds:
         if isinstance(tier, str):
             tier = common_pb2.Tier.Value(f"TIER_{tier.upper()}")
         result.checkpoint.CopyFrom(
-            telemetry_pb2.CheckpointEvent(tier=tier, bytes=bytes, seconds=seconds)
+            telemetry_pb2.CheckpointEvent(
+                tier=tier or common_pb2.TIER_UNSPECIFIED, bytes=bytes, seconds=seconds
+            )
         )
     result.time.FromDatetime(_now())
     return result

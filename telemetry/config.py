@@ -12,7 +12,9 @@ class TelemetryConfig:
     `db_url` is an SQLAlchemy URL: `sqlite:///path/telemetry.db` for one machine, or
     `postgresql+psycopg://user@host/db` when several services or a UI elsewhere share it.
     Port 0 in `listen` picks a free port; `RunningTelemetry.address` tells which one.
+    `metrics_listen` (HOST:PORT) serves Prometheus metrics of the runs over HTTP; None: no endpoint.
     """
 
     db_url: str
     listen: str = "127.0.0.1:0"
+    metrics_listen: str | None = None

@@ -1,4 +1,4 @@
-"""The telemetry schema: runs, their ranks, per-rank step records and events.
+"""The telemetry schema: runs, their ranks, per-rank step records, checkpoints and events.
 
 Migrations in `telemetry/migrations` create exactly this schema (a test compares them), so a change
 here needs a new Alembic revision. Times are timezone-aware UTC on both SQLite and PostgreSQL.
@@ -29,6 +29,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 RUN_STATUSES = ("running", "finished", "failed")
+# The `tier` of a checkpoint row that describes the save as the trainer saw it.
+TRAINER_TIER = "trainer"
 
 # Deterministic constraint names, so that later migrations can name what they alter.
 NAMING_CONVENTION = {
@@ -110,6 +112,15 @@ class Run(Base):
     started_at: Mapped[datetime] = mapped_column(UTCDateTime)
     status: Mapped[str] = mapped_column(String(16), default="running")
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # What MFU divides by: the precision of the matrix multiplications, the dense peak FLOP/s of
+    # one device in it (0: unknown) and where that figure comes from (datasheet, calibration GEMM).
+    precision: Mapped[str] = mapped_column(String(16), default="", server_default="")
+    peak_flops: Mapped[float] = mapped_column(Double, default=0.0, server_default="0")
+    peak_flops_source: Mapped[str] = mapped_column(String(128), default="", server_default="")
+    # Fraction of the forward pass recomputed in backward (activation checkpointing), for HFU.
+    recompute_fraction: Mapped[float] = mapped_column(Double, default=0.0, server_default="0")
+    # Restart generation: 0 when created, one more at every registration after that.
+    attempt: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Rank(Base):
@@ -151,6 +162,10 @@ class RankStep(Base):
     optimizer_s: Mapped[float] = mapped_column(Double, default=0.0)
     comm_wait_s: Mapped[float] = mapped_column(Double, default=0.0)
     checkpoint_s: Mapped[float] = mapped_column(Double, default=0.0)
+    # The rank's own work without waits for other ranks (what stragglers are scored on), and the
+    # time spent replaying a suspicious step.
+    compute_s: Mapped[float] = mapped_column(Double, default=0.0, server_default="0")
+    replay_s: Mapped[float] = mapped_column(Double, default=0.0, server_default="0")
     memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     peak_memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     lr: Mapped[float] = mapped_column(Double, default=0.0)
@@ -159,6 +174,31 @@ class RankStep(Base):
     global_sample: Mapped[int] = mapped_column(BigInteger, default=0)
     rank_sample: Mapped[int] = mapped_column(BigInteger, default=0)
     epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Records the rank's telemetry client had dropped (queue overflow) when it made this record.
+    dropped_records: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+
+class Checkpoint(Base):
+    """The life of one checkpoint on one tier, kept up to date from checkpoint events.
+
+    `tier` is "memory", "ssd" or "s3" for ckptd's tiers, or TRAINER_TIER for the save as the trainer
+    saw it: `started_at` when it began, `staged_at` when training resumed, and `seconds` the time
+    training was blocked. On a storage tier, `seconds` is what the commit there took.
+    """
+
+    __tablename__ = "checkpoints"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    tier: Mapped[str] = mapped_column(String(16), primary_key=True)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    staged_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    committed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    seconds: Mapped[float] = mapped_column(Double, default=0.0)
 
 
 class Event(Base):

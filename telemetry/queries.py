@@ -9,7 +9,7 @@ counts. A NaN loss is stored as NULL and is left out of means, minima and maxima
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +18,8 @@ import pandas as pd
 from sqlalchemy import Connection, Engine, Select, exists, func, select
 from sqlalchemy.orm import Session, aliased
 
-from scaletrain.errors import NotFound
-from telemetry.models import Event, RankStep, Run
+from scaletrain.errors import InvalidArgument, NotFound
+from telemetry.models import Checkpoint, Event, RankStep, Run
 
 Bind = Engine | Connection | Session
 
@@ -47,9 +47,19 @@ EVENT_COLUMNS = [
     "attributes",
 ]
 
+HEATMAP_COLUMNS = ["step", "rank", "value", "relative"]
+# What a per-rank heatmap can show: the rank-step columns that are per-rank figures.
+HEATMAP_METRICS = (
+    "step_s", "data_s", "forward_s", "backward_s", "optimizer_s", "comm_wait_s", "checkpoint_s",
+    "compute_s", "replay_s", "loss", "grad_norm", "memory_bytes", "peak_memory_bytes",
+)  # fmt: skip
+CHECKPOINT_COLUMNS = [
+    "step", "tier", "started_at", "staged_at", "committed_at", "failed_at", "bytes", "seconds",
+]  # fmt: skip
+
 _newer = aliased(RankStep)
 # True for a record that no later attempt of the same run, step and rank replaced.
-_LATEST_ATTEMPT = ~exists().where(
+LATEST_ATTEMPT = ~exists().where(
     _newer.run_id == RankStep.run_id,
     _newer.step == RankStep.step,
     _newer.rank == RankStep.rank,
@@ -77,7 +87,7 @@ def runs_overview(bind: Bind, *, window: int = 20) -> pd.DataFrame:
             func.max(RankStep.step_s).label("step_s"),
         )
         .join(last, last.c.run_id == RankStep.run_id)
-        .where(RankStep.step > last.c.last_step - window, _LATEST_ATTEMPT)
+        .where(RankStep.step > last.c.last_step - window, LATEST_ATTEMPT)
         .group_by(RankStep.run_id, RankStep.step)
     )
     runs = select(
@@ -88,7 +98,7 @@ def runs_overview(bind: Bind, *, window: int = 20) -> pd.DataFrame:
         last.c.last_step,
         Run.started_at,
     ).outerjoin(last, last.c.run_id == Run.run_id)
-    with _connection(bind) as connection:
+    with connection_of(bind) as connection:
         run_rows = connection.execute(runs.order_by(Run.started_at.desc())).all()
         step_rows = connection.execute(per_step).all()
     steps = pd.DataFrame(step_rows, columns=["run_id", "step", "loss", "tokens", "step_s"])
@@ -120,7 +130,7 @@ def loss_curve(bind: Bind, run_id: str, *, max_points: int = 1000) -> pd.DataFra
     Long runs are downsampled into buckets of consecutive steps; a row then stands for its bucket
     (`step` is the bucket's last step) with the mean, min and max loss in it, so spikes show.
     """
-    with _connection(bind) as connection:
+    with connection_of(bind) as connection:
         bucket = _step_bucket(connection, run_id, max_points)
         if bucket is None:
             return pd.DataFrame(columns=LOSS_COLUMNS)
@@ -131,7 +141,7 @@ def loss_curve(bind: Bind, run_id: str, *, max_points: int = 1000) -> pd.DataFra
                 func.min(RankStep.loss),
                 func.max(RankStep.loss),
             )
-            .where(RankStep.run_id == run_id, _LATEST_ATTEMPT)
+            .where(RankStep.run_id == run_id, LATEST_ATTEMPT)
             .group_by(bucket)
             .order_by(bucket)
         )
@@ -146,13 +156,13 @@ def rank_step_times(bind: Bind, run_id: str, *, max_steps: int = 300) -> pd.Data
     Downsampled like `loss_curve`: `step_s` is a rank's mean step time in a bucket of steps, which
     keeps a persistently slow rank (a straggler) visible.
     """
-    with _connection(bind) as connection:
+    with connection_of(bind) as connection:
         bucket = _step_bucket(connection, run_id, max_steps)
         if bucket is None:
             return pd.DataFrame(columns=STEP_TIME_COLUMNS)
         statement = (
             select(func.max(RankStep.step), RankStep.rank, func.avg(RankStep.step_s))
-            .where(RankStep.run_id == run_id, _LATEST_ATTEMPT)
+            .where(RankStep.run_id == run_id, LATEST_ATTEMPT)
             .group_by(bucket, RankStep.rank)
             .order_by(bucket, RankStep.rank)
         )
@@ -160,8 +170,57 @@ def rank_step_times(bind: Bind, run_id: str, *, max_steps: int = 300) -> pd.Data
     return pd.DataFrame(rows, columns=STEP_TIME_COLUMNS).astype({"step_s": float})
 
 
-def events(bind: Bind, run_id: str, *, limit: int = 500) -> pd.DataFrame:
-    """The latest `limit` events of `run_id`, newest first: EVENT_COLUMNS."""
+def rank_heatmap(
+    bind: Bind, run_id: str, *, metric: str = "compute_s", max_steps: int = 300
+) -> pd.DataFrame:
+    """A ranks x steps grid of one per-rank figure of `run_id`: HEATMAP_COLUMNS.
+
+    `metric` is one of HEATMAP_METRICS; `value` is a rank's mean of it in a bucket of steps (at
+    most `max_steps` buckets, as in `loss_curve`), `relative` that value over the median of all
+    ranks in the bucket: 1 is typical, 2 twice the others' (a straggler, when the metric is
+    compute_s). InvalidArgument names the metrics when `metric` is not one of them.
+    """
+    if metric not in HEATMAP_METRICS:
+        raise InvalidArgument(f"unknown metric {metric!r}: use one of {', '.join(HEATMAP_METRICS)}")
+    column = getattr(RankStep, metric)
+    with connection_of(bind) as connection:
+        bucket = _step_bucket(connection, run_id, max_steps)
+        if bucket is None:
+            return pd.DataFrame(columns=HEATMAP_COLUMNS)
+        statement = (
+            select(bucket, func.max(RankStep.step), RankStep.rank, func.avg(column))
+            .where(RankStep.run_id == run_id, LATEST_ATTEMPT)
+            .group_by(bucket, RankStep.rank)
+            .order_by(bucket, RankStep.rank)
+        )
+        rows = connection.execute(statement).all()
+    frame = pd.DataFrame(rows, columns=["bucket", *HEATMAP_COLUMNS[:3]]).astype({"value": float})
+    median = frame.groupby("bucket")["value"].transform("median")
+    frame["relative"] = frame["value"] / median.where(median != 0)
+    return frame[HEATMAP_COLUMNS]
+
+
+def checkpoints(bind: Bind, run_id: str) -> pd.DataFrame:
+    """Every checkpoint of `run_id` on every tier, by step then tier: CHECKPOINT_COLUMNS.
+
+    Tier "trainer" is the save as the trainer saw it (seconds: how long training was blocked);
+    the storage tiers say when the checkpoint was committed there and how long that took.
+    """
+    statement = (
+        select(*(getattr(Checkpoint, column) for column in CHECKPOINT_COLUMNS))
+        .where(Checkpoint.run_id == run_id)
+        .order_by(Checkpoint.step, Checkpoint.tier)
+    )
+    with connection_of(bind) as connection:
+        rows = connection.execute(statement).all()
+    return pd.DataFrame(rows, columns=CHECKPOINT_COLUMNS)
+
+
+def events(
+    bind: Bind, run_id: str, *, kinds: Sequence[str] | None = None, limit: int = 500
+) -> pd.DataFrame:
+    """The latest `limit` events of `run_id`, newest first: EVENT_COLUMNS; only `kinds` (e.g.
+    ["straggler", "sdc"]) when given."""
     statement: Select[Any] = (
         select(
             Event.time,
@@ -178,7 +237,9 @@ def events(bind: Bind, run_id: str, *, limit: int = 500) -> pd.DataFrame:
         .order_by(Event.time.desc(), Event.id.desc())
         .limit(limit)
     )
-    with _connection(bind) as connection:
+    if kinds is not None:
+        statement = statement.where(Event.kind.in_(list(kinds)))
+    with connection_of(bind) as connection:
         rows = connection.execute(statement).all()
     return pd.DataFrame(rows, columns=EVENT_COLUMNS)
 
@@ -209,11 +270,11 @@ def run_summary(bind: Bind, run_id: str) -> RunSummary:
             func.sum(RankStep.tokens).label("tokens"),
             func.max(RankStep.step_s).label("step_s"),
         )
-        .where(RankStep.run_id == run_id, _LATEST_ATTEMPT)
+        .where(RankStep.run_id == run_id, LATEST_ATTEMPT)
         .group_by(RankStep.step)
         .subquery()
     )
-    with _connection(bind) as connection:
+    with connection_of(bind) as connection:
         status = connection.execute(select(Run.status).where(Run.run_id == run_id)).scalar()
         if status is None:
             raise NotFound(f"run {run_id!r} is not registered")
@@ -250,7 +311,7 @@ def run_summary(bind: Bind, run_id: str) -> RunSummary:
 
 
 @contextmanager
-def _connection(bind: Bind) -> Iterator[Connection | Session]:
+def connection_of(bind: Bind) -> Iterator[Connection | Session]:
     """A connection from an engine (closed afterwards), or the caller's connection or session."""
     if isinstance(bind, Engine):
         with bind.connect() as connection:

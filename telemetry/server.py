@@ -1,11 +1,13 @@
-"""The telemetry gRPC service: unpacks requests and delegates to `TelemetryStore`.
+"""The telemetry gRPC service: unpacks requests and delegates to `TelemetryStore` and `LiveRuns`.
 
-No rule lives here: validation, idempotence and resume points are the store's, so they are the same
-whether a rank reports over the network or a test calls the store directly.
+No rule lives here: validation, idempotence and resume points are the store's, detection and live
+figures are `LiveRuns`'s, so they are the same whether a rank reports over the network or a test
+calls them directly. What the detectors flag is stored as events like any other.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -15,36 +17,48 @@ from types import FrameType
 import grpc
 from sqlalchemy import Engine
 
+from scaletrain.errors import ScaletrainError
 from scaletrain.rpc import add_health, bind, make_server, maps_errors
 from scaletrain.v1 import telemetry_pb2, telemetry_pb2_grpc
 from telemetry.config import TelemetryConfig
 from telemetry.db import connect, migrate
+from telemetry.ingest import GroupCommit
+from telemetry.live import LiveRuns
+from telemetry.metrics import MetricsServer, serve_metrics
 from telemetry.store import TelemetryStore
 
+_log = logging.getLogger(__name__)
 SERVICE_NAME = "scaletrain.v1.TelemetryService"
 
 
 class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
     """TelemetryService over a store; store errors become gRPC status codes via maps_errors."""
 
-    def __init__(self, store: TelemetryStore) -> None:
+    def __init__(self, store: TelemetryStore, live: LiveRuns) -> None:
         self._store = store
+        self._live = live
+        self._batches: GroupCommit[telemetry_pb2.StepBatch, tuple[int, int]] = GroupCommit(
+            self._store_batches
+        )
 
     @maps_errors
     def RegisterRun(
         self, request: telemetry_pb2.RegisterRunRequest, context: grpc.ServicerContext
     ) -> telemetry_pb2.RegisterRunResponse:
-        return telemetry_pb2.RegisterRunResponse(created=self._store.register_run(request))
+        reply = self._store.register_run(request)
+        self._live.registered(request, reply.attempt)
+        return reply
 
     @maps_errors
     def ReportSteps(
         self, request_iterator: Iterator[telemetry_pb2.StepBatch], context: grpc.ServicerContext
     ) -> telemetry_pb2.ReportStepsResponse:
-        # Each batch is stored as it arrives, in its own transaction: a long stream holds no lock,
-        # and a batch stored before a later one fails is simply a duplicate when resent.
+        # Each batch is stored as it arrives (with the batches of other streams that arrived at the
+        # same time): a long stream holds no lock, and a batch stored before a later one fails is
+        # simply a duplicate when resent.
         accepted = duplicates = 0
         for batch in request_iterator:
-            stored, repeated = self._store.add_steps(batch.records)
+            stored, repeated = self._batches.submit(batch)
             accepted += stored
             duplicates += repeated
         return telemetry_pb2.ReportStepsResponse(accepted=accepted, duplicates=duplicates)
@@ -53,7 +67,28 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
     def ReportEvents(
         self, request: telemetry_pb2.EventBatch, context: grpc.ServicerContext
     ) -> telemetry_pb2.ReportEventsResponse:
-        return telemetry_pb2.ReportEventsResponse(accepted=self._store.add_events(request.events))
+        accepted = self._store.add_events(request.events)
+        self._live.observe_events(request.events)
+        return telemetry_pb2.ReportEventsResponse(accepted=accepted)
+
+    def _store_batches(self, batches: list[telemetry_pb2.StepBatch]) -> list[tuple[int, int]]:
+        """Store batches that arrived together, then let the detectors see their rows."""
+        results = self._store.add_step_batches(batches)
+        for _, _, rows in results:
+            self._store_flags(self._live.observe_steps(rows))
+        return [(accepted, duplicates) for accepted, duplicates, _ in results]
+
+    def _store_flags(self, flags: list[telemetry_pb2.Event]) -> None:
+        """Store what the detectors flagged; best effort: the records that raised the flags are
+        stored already, and failing their report now would only get them resent."""
+        if not flags:
+            return
+        try:
+            self._store.add_events(flags)
+        except ScaletrainError as exc:
+            _log.warning("telemetry: could not store %d detector events: %s", len(flags), exc)
+            return
+        self._live.observe_events(flags)
 
     @maps_errors
     def GetResumePoint(
@@ -71,9 +106,14 @@ class RunningTelemetry:
     engine: Engine
     address: str
     port: int
+    live: LiveRuns
+    # The Prometheus endpoint, when the config asked for one.
+    metrics: MetricsServer | None = None
 
     def stop(self, grace: float | None = None) -> None:
         """Stop accepting calls, let running ones finish for `grace` seconds, then close."""
+        if self.metrics is not None:
+            self.metrics.stop()
         self.server.stop(grace).wait()
         self.engine.dispose()
 
@@ -84,27 +124,43 @@ def start(config: TelemetryConfig) -> RunningTelemetry:
     Raises UserError (one line) when the database URL is bad or the address cannot be bound.
     """
     engine = connect(config.db_url)
+    server: grpc.Server | None = None
+    metrics = None
     try:
         migrate(engine)
+        store = TelemetryStore(engine)
+        live = LiveRuns(store.run_info)
         server = make_server()
         telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(
-            TelemetryServicer(TelemetryStore(engine)), server
+            TelemetryServicer(store, live), server
         )
         add_health(server, SERVICE_NAME)
         port = bind(server, config.listen)
+        if config.metrics_listen is not None:
+            metrics = serve_metrics(live, config.metrics_listen)
     except BaseException:
+        if server is not None:
+            server.stop(None)
         engine.dispose()
         raise
     server.start()
     host = config.listen.rpartition(":")[0]
-    return RunningTelemetry(server=server, engine=engine, address=f"{host}:{port}", port=port)
+    return RunningTelemetry(
+        server=server,
+        engine=engine,
+        address=f"{host}:{port}",
+        port=port,
+        live=live,
+        metrics=metrics,
+    )
 
 
 def serve(config: TelemetryConfig) -> None:
     """Run the service in the foreground until SIGTERM or SIGINT, then stop cleanly.
 
     Prints one line, `telemetry listening on HOST:PORT`, once it accepts calls, so a parent
-    process (or a person) can learn the port that `listen` with port 0 picked.
+    process (or a person) can learn the port that `listen` with port 0 picked; with a metrics
+    endpoint, a second line `metrics on http://HOST:PORT/metrics`.
     """
     running = start(config)
     stopping = threading.Event()
@@ -115,6 +171,8 @@ def serve(config: TelemetryConfig) -> None:
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         print(f"telemetry listening on {running.address}", flush=True)
+        if running.metrics is not None:
+            print(f"metrics on http://{running.metrics.address}/metrics", flush=True)
         stopping.wait()
     finally:
         running.stop(grace=5.0)

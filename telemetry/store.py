@@ -8,13 +8,14 @@ delegates here, so every rule is tested against SQLite and PostgreSQL without a 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from datetime import UTC, datetime
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from google.protobuf.message import Message
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, func, literal, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session
@@ -22,7 +23,15 @@ from sqlalchemy.orm import Session
 from scaletrain.errors import InvalidArgument, NotFound, Unavailable
 from scaletrain.v1 import common_pb2, telemetry_pb2
 from telemetry.db import sessions
-from telemetry.models import Event, Rank, RankStep, Run
+from telemetry.ingest import (
+    RANK,
+    RUN_ID,
+    column_rows,
+    insert_steps,
+    step_values,
+    time_format,
+)
+from telemetry.models import TRAINER_TIER, Checkpoint, Event, Rank, RankStep, Run
 
 # "EVENT_KIND_CHECKPOINT_COMMITTED" is stored as "checkpoint_committed"; "TIER_SSD" as "ssd".
 EVENT_KIND_NAMES: dict[int, str] = {
@@ -36,6 +45,13 @@ TIER_NAMES: dict[int, str] = {
     if value != common_pb2.TIER_UNSPECIFIED
 }
 CHECKPOINT_COMMITTED = EVENT_KIND_NAMES[telemetry_pb2.EVENT_KIND_CHECKPOINT_COMMITTED]
+# The column of the checkpoints table that each checkpoint event stamps with its time.
+_CHECKPOINT_TIME_COLUMN = {
+    EVENT_KIND_NAMES[telemetry_pb2.EVENT_KIND_CHECKPOINT_STARTED]: "started_at",
+    EVENT_KIND_NAMES[telemetry_pb2.EVENT_KIND_CHECKPOINT_STAGED]: "staged_at",
+    CHECKPOINT_COMMITTED: "committed_at",
+    EVENT_KIND_NAMES[telemetry_pb2.EVENT_KIND_CHECKPOINT_FAILED]: "failed_at",
+}
 # Events that end a run, and the status they give it.
 _FINAL_STATUS = {
     EVENT_KIND_NAMES[telemetry_pb2.EVENT_KIND_RUN_FINISHED]: "finished",
@@ -55,11 +71,23 @@ class TelemetryStore:
 
     def __init__(self, engine: Engine) -> None:
         self._sessions = sessions(engine)
+        self._dialect = engine.dialect.name
+        # SQLite has one writer at a time, and a writer that finds the lock taken sleeps for
+        # milliseconds; taking turns in this process first costs nothing. PostgreSQL needs no turns.
+        self._turns: AbstractContextManager[Any] = (
+            threading.Lock() if self._dialect == "sqlite" else nullcontext()
+        )
+        # World size of each run seen, so that a batch of records costs no query; registering
+        # here updates it, a rank outside it makes the store look again.
+        self._world_size_of: dict[str, int] = {}
 
-    def register_run(self, request: telemetry_pb2.RegisterRunRequest) -> bool:
+    def register_run(
+        self, request: telemetry_pb2.RegisterRunRequest
+    ) -> telemetry_pb2.RegisterRunResponse:
         """Create the run, or describe an existing one anew (a resumed run registers again).
 
-        Returns True when the run is new. Registering again sets the run running, replaces its
+        The reply says whether the run is new and its attempt (restart generation): 0 when new, one
+        more at every later registration. Registering again sets the run running, replaces its
         description (a resumed run may have a new world size or layout), keeps its start time and
         adds or updates the ranks it lists. Race-free when several ranks register at once.
         """
@@ -71,6 +99,14 @@ class TelemetryStore:
             raise InvalidArgument(f"model_params must not be negative, got {request.model_params}")
         _check_length(request.name, "name", 256)
         _check_length(request.hardware, "hardware", 128)
+        _check_length(request.precision, "precision", 16)
+        _check_length(request.peak_flops_source, "peak_flops_source", 128)
+        if not (math.isfinite(request.peak_flops) and request.peak_flops >= 0):
+            raise InvalidArgument(f"peak_flops must be finite and >= 0, got {request.peak_flops}")
+        if not 0 <= request.recompute_fraction <= 1:
+            raise InvalidArgument(
+                f"recompute_fraction must be between 0 and 1, got {request.recompute_fraction}"
+            )
         ranks = _rank_rows(run_id, request)
         description: dict[str, Any] = {
             "name": request.name,
@@ -79,6 +115,10 @@ class TelemetryStore:
             **layout,
             "model_params": request.model_params,
             "hardware": request.hardware,
+            "precision": request.precision,
+            "peak_flops": request.peak_flops,
+            "peak_flops_source": request.peak_flops_source,
+            "recompute_fraction": request.recompute_fraction,
             "status": "running",
             "finished_at": None,
         }
@@ -93,8 +133,14 @@ class TelemetryStore:
                 ).first()
                 is not None
             )
+            attempt = 0
             if not created:
-                session.execute(update(Run).where(Run.run_id == run_id).values(**description))
+                attempt = session.execute(
+                    update(Run)
+                    .where(Run.run_id == run_id)
+                    .values(**description, attempt=Run.attempt + 1)
+                    .returning(Run.attempt)
+                ).scalar_one()
             if ranks:
                 insert_ranks = _insert(session, Rank).values(ranks)
                 session.execute(
@@ -106,37 +152,58 @@ class TelemetryStore:
                         },
                     )
                 )
-        return created
+        self._world_size_of[run_id] = request.world_size
+        return telemetry_pb2.RegisterRunResponse(created=created, attempt=attempt)
 
     def add_steps(self, records: Sequence[telemetry_pb2.RankStep]) -> tuple[int, int]:
-        """Store step records; return (accepted, duplicates).
+        """Store step records; return (accepted, duplicates). See `add_step_batches`."""
+        ((accepted, duplicates, _),) = self.add_step_batches(
+            [telemetry_pb2.StepBatch(records=records)]
+        )
+        return accepted, duplicates
+
+    def add_step_batches(
+        self, batches: Sequence[telemetry_pb2.StepBatch]
+    ) -> list[tuple[int, int, list[tuple[Any, ...]]]]:
+        """Store the records of several batches (records and columns) in one transaction; return
+        per batch (accepted, duplicates, its rows in STEP_COLUMNS order).
 
         A record whose (run, step, rank, attempt) is stored already counts as a duplicate and
         changes nothing, so a client may resend a batch it is unsure about. One bad record rejects
-        the whole batch (InvalidArgument naming it); an unregistered run gives NotFound.
+        everything (InvalidArgument naming it and the field); an unregistered run gives NotFound.
         """
-        if not records:
-            return 0, 0
-        rows = [_step_row(index, record) for index, record in enumerate(records)]
-        accepted = 0
+        to_stored = time_format(self._dialect)
+        rows = [self._checked_rows(batch, to_stored) for batch in batches]
+        if not any(rows):
+            return [(0, 0, batch_rows) for batch_rows in rows]
         with self._transaction() as session:
-            world_sizes = self._world_sizes(session, {row["run_id"] for row in rows})
-            for index, row in enumerate(rows):
-                if row["rank"] >= world_sizes[row["run_id"]]:
+            connection = session.connection()
+            accepted = [insert_steps(connection, batch_rows) for batch_rows in rows]
+        return [
+            (new, len(batch_rows) - new, batch_rows)
+            for new, batch_rows in zip(accepted, rows, strict=True)
+        ]
+
+    def _checked_rows(
+        self, batch: telemetry_pb2.StepBatch, to_stored: Any
+    ) -> list[tuple[Any, ...]]:
+        """The rows of a batch's records and columns, every rank checked against its run."""
+        rows = [step_values(index, record, to_stored) for index, record in enumerate(batch.records)]
+        if batch.HasField("columns"):
+            rows += column_rows(batch.columns, to_stored)
+        if not rows:
+            return rows
+        world_sizes = self._known_world_sizes({row[RUN_ID] for row in rows})
+        for index, row in enumerate(rows):
+            if row[RANK] >= world_sizes[row[RUN_ID]]:
+                # Registered again elsewhere with more ranks? Ask the database before refusing.
+                world_sizes = self._known_world_sizes({row[RUN_ID]}, refresh=True)
+                if row[RANK] >= world_sizes[row[RUN_ID]]:
                     raise InvalidArgument(
-                        f"record {index}: rank {row['rank']} is outside run {row['run_id']!r} "
-                        f"of world size {world_sizes[row['run_id']]}"
+                        f"record {index}: rank {row[RANK]} is outside run {row[RUN_ID]!r} "
+                        f"of world size {world_sizes[row[RUN_ID]]}"
                     )
-            for start in range(0, len(rows), _ROWS_PER_INSERT):
-                chunk = rows[start : start + _ROWS_PER_INSERT]
-                inserted = session.execute(
-                    _insert(session, RankStep)
-                    .values(chunk)
-                    .on_conflict_do_nothing()
-                    .returning(RankStep.rank)
-                )
-                accepted += len(inserted.all())
-        return accepted, len(rows) - accepted
+        return rows
 
     def add_events(self, events: Sequence[telemetry_pb2.Event]) -> int:
         """Store events; return how many were new.
@@ -171,7 +238,21 @@ class TelemetryStore:
                         .where(Run.run_id == run_id)
                         .values(status=_FINAL_STATUS[kind], finished_at=time)
                     )
+            new = {(row.run_id, row.kind, row.time) for row in inserted}
+            for row in rows:
+                if row["kind"] in _CHECKPOINT_TIME_COLUMN and (
+                    (row["run_id"], row["kind"], row["time"]) in new
+                ):
+                    self._record_checkpoint(session, row)
         return len(inserted)
+
+    def run_info(self, run_id: str) -> Run:
+        """The run's registered description (world size, model size, peak); NotFound if none."""
+        with self._transaction() as session:
+            run = session.get(Run, run_id)
+            if run is None:
+                raise NotFound(f"run {run_id!r} is not registered: call RegisterRun first")
+            return run
 
     def resume_point(self, run_id: str, step: int | None = None) -> telemetry_pb2.ResumePoint:
         """Where to resume `run_id`: `step`, or the latest step committed on some tier.
@@ -216,6 +297,36 @@ class TelemetryStore:
             ],
         )
 
+    @staticmethod
+    def _record_checkpoint(session: Session, event: dict[str, Any]) -> None:
+        """Stamp the checkpoint row of the event's step and tier with the event's time.
+
+        Bytes and seconds are kept unless the event carries them. A staged event of a save whose
+        start was never reported sets `started_at` to the staging time minus the blocked seconds.
+        """
+        column = _CHECKPOINT_TIME_COLUMN[event["kind"]]
+        values: dict[str, Any] = {
+            "run_id": event["run_id"],
+            "step": event["step"],
+            "tier": event["tier"] or TRAINER_TIER,
+            column: event["time"],
+            "bytes": event["bytes"] or 0,
+            "seconds": event["seconds"] or 0.0,
+        }
+        changes: dict[str, Any] = {column: event["time"]}
+        if event["bytes"]:
+            changes["bytes"] = event["bytes"]
+        if event["seconds"]:
+            changes["seconds"] = event["seconds"]
+        if column == "staged_at":
+            values["started_at"] = event["time"] - timedelta(seconds=event["seconds"] or 0.0)
+            started = literal(values["started_at"], Checkpoint.__table__.c.started_at.type)
+            changes["started_at"] = func.coalesce(Checkpoint.started_at, started)
+        statement = _insert(session, Checkpoint).values(values)
+        session.execute(
+            statement.on_conflict_do_update(index_elements=["run_id", "step", "tier"], set_=changes)
+        )
+
     @contextmanager
     def _transaction(self) -> Iterator[Session]:
         """One transaction, with database errors turned into what a client should do about them.
@@ -225,12 +336,20 @@ class TelemetryStore:
         client that retried it forever would block every record queued behind it.
         """
         try:
-            with self._sessions.begin() as session:
+            with self._turns, self._sessions.begin() as session:
                 yield session
         except OperationalError as exc:
             raise Unavailable(f"telemetry database unavailable: {_reason(exc)}") from exc
         except DataError as exc:
             raise InvalidArgument(f"the database refused the data: {_reason(exc)}") from exc
+
+    def _known_world_sizes(self, run_ids: set[str], *, refresh: bool = False) -> dict[str, int]:
+        """World size of each run, from memory when known; NotFound for an unregistered run."""
+        unknown = run_ids if refresh else run_ids - self._world_size_of.keys()
+        if unknown:
+            with self._transaction() as session:
+                self._world_size_of.update(self._world_sizes(session, unknown))
+        return {run_id: self._world_size_of[run_id] for run_id in run_ids}
 
     @staticmethod
     def _world_sizes(session: Session, run_ids: set[str]) -> dict[str, int]:
@@ -321,61 +440,6 @@ def _rank_rows(run_id: str, request: telemetry_pb2.RegisterRunRequest) -> list[d
             "device": info.device,
         }
     return list(rows.values())
-
-
-def _step_row(index: int, record: telemetry_pb2.RankStep) -> dict[str, Any]:
-    """The row of one step record, or InvalidArgument naming the record and the field."""
-
-    def bad(problem: str) -> InvalidArgument:
-        return InvalidArgument(
-            f"record {index} (step {record.step}, rank {record.rank}): {problem}"
-        )
-
-    if not record.run_id:
-        raise bad("run_id is empty")
-    for field in ("step", "rank", "attempt", "tokens", "memory_bytes", "peak_memory_bytes"):
-        if getattr(record, field) < 0:
-            raise bad(f"{field} must not be negative, got {getattr(record, field)}")
-    offset = record.data_offset
-    for field in ("global_sample", "rank_sample", "epoch"):
-        if getattr(offset, field) < 0:
-            raise bad(f"data_offset.{field} must not be negative, got {getattr(offset, field)}")
-    times = {
-        f"{phase}_s": getattr(record.times, phase)
-        for phase in ("step", "data", "forward", "backward", "optimizer", "comm_wait", "checkpoint")
-    }
-    for column, seconds in times.items():
-        if not (math.isfinite(seconds) and seconds >= 0):
-            raise bad(f"times.{column.removesuffix('_s')} must be finite and >= 0, got {seconds}")
-    if not (math.isfinite(record.lr) and record.lr >= 0):
-        raise bad(f"lr must be finite and >= 0, got {record.lr}")
-    # A NaN or infinite loss or gradient norm is a real observation (divergence, overflow, SDC).
-    if record.grad_norm < 0:
-        raise bad(f"grad_norm must not be negative, got {record.grad_norm}")
-    if len(record.param_checksum) > 128:
-        raise bad("param_checksum is longer than 128 characters")
-    try:
-        time = _time(record, "time")
-    except InvalidArgument as exc:
-        raise bad(str(exc)) from None
-    return {
-        "run_id": record.run_id,
-        "step": record.step,
-        "rank": record.rank,
-        "attempt": record.attempt,
-        "loss": record.loss,
-        "grad_norm": record.grad_norm,
-        "tokens": record.tokens,
-        **times,
-        "memory_bytes": record.memory_bytes,
-        "peak_memory_bytes": record.peak_memory_bytes,
-        "lr": record.lr,
-        "time": time,
-        "param_checksum": record.param_checksum,
-        "global_sample": offset.global_sample,
-        "rank_sample": offset.rank_sample,
-        "epoch": offset.epoch,
-    }
 
 
 def _event_row(index: int, event: telemetry_pb2.Event) -> dict[str, Any]:

@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from trainer import health
+from trainer.health.faults import FaultPlan
 from trainer.model.llama import ModelArgs
 from trainer.model.moe import BALANCE_MODES, MoEArgs
 from trainer.parallel.pipeline import SCHEDULES
@@ -54,6 +56,11 @@ class TrainConfig:
     corpus_bytes: int = 4 << 20
     log_every: int = 10
     model: ModelArgs = field(default_factory=ModelArgs)
+    # What the step guard does with a suspicious step (see trainer.health.guard).
+    health_policy: str = "rollback"
+    # Dense peak FLOP/s of one device for MFU; None: the datasheet table, or calibration on CPU.
+    peak_flops: float | None = None
+    faults: FaultPlan = field(default_factory=FaultPlan)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -68,6 +75,14 @@ class TrainConfig:
             )
         if not self.run_id or "/" in self.run_id or self.run_id.startswith("."):
             raise ValueError(f"--run-id {self.run_id!r} must be a non-empty name without '/'")
+        if self.health_policy not in health.POLICIES:
+            raise ValueError(
+                f"--health-policy {self.health_policy!r}: use one of {', '.join(health.POLICIES)}"
+            )
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            raise ValueError(
+                f"--peak-flops must be a positive FLOP/s figure, got {self.peak_flops}"
+            )
 
     def to_json_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -120,6 +135,7 @@ def parser() -> argparse.ArgumentParser:
     par.add_argument("--pp-stages-per-rank", type=int, default=defaults.pp_stages_per_rank)
     par.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 reduce")
     par.add_argument("--activation-checkpointing", action="store_true")
+    health.add_arguments(p)
     return p
 
 
@@ -161,4 +177,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         parallel=parallel,
         log_every=args.log_every,
         model=model,
+        health_policy=args.health_policy or TrainConfig.health_policy,
+        peak_flops=args.peak_flops,
+        faults=FaultPlan.parse(args.inject_sdc, args.inject_straggler, args.inject_loss_spike),
     )

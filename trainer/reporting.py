@@ -1,8 +1,8 @@
 """What the trainer tells telemetry: the run, one record per rank and step, and its events.
 
-Every call returns at once: the telemetry client queues records and sends them in the background,
-so a slow or restarting telemetry service never stalls a training step. Without a telemetry
-address the reporter does nothing.
+Every call but `register_run` returns at once: the telemetry client queues records and sends them in
+the background, so a slow or restarting telemetry service never stalls a training step. Without a
+telemetry address the reporter does nothing.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from scaletrain.v1 import common_pb2, telemetry_pb2
 from telemetry.client import TelemetryClient
 from trainer.data.loader import LoaderOffset
+from trainer.health.peak import resolve_peak, training_precision
 
 if TYPE_CHECKING:
     from trainer.checkpoint.checkpointer import SaveDone, SaveStarted
@@ -31,9 +33,11 @@ def _now() -> Timestamp:
 
 
 class Reporter:
-    def __init__(self, address: str | None, run_id: str, rank: int, attempt: int) -> None:
-        self.run_id, self.rank, self.attempt = run_id, rank, attempt
+    def __init__(self, address: str | None, run_id: str, rank: int) -> None:
+        self.run_id, self.rank = run_id, rank
         self.client = TelemetryClient(address) if address else None
+        # Restart generation of this job, stamped on every record (see RegisterRunResponse).
+        self.attempt = 0
 
     def register_run(
         self,
@@ -43,27 +47,57 @@ class Reporter:
         n_params: int,
         hardware: str,
         corpus_sha256: str,
+        *,
+        device: torch.device,
+        param_dtype: torch.dtype,
+        launched_at: Timestamp,
     ) -> None:
+        """Register the run from rank 0 (with what MFU needs: precision, dense peak) and share its
+        attempt with every rank; call it on every rank. `launched_at` is when the job started,
+        which is where the run's wall time (and start-up badput) begins."""
         if self.client is None:
             return
-        config = cfg.to_json_dict() | {"corpus_sha256": corpus_sha256}
-        self.client.register_run(
-            telemetry_pb2.RegisterRunRequest(
-                run_id=self.run_id,
-                name=self.run_id,
-                config_json=json.dumps(config, sort_keys=True),
-                world_size=world,
-                layout=common_pb2.ParallelLayout(**layout),
-                model_params=n_params,
-                hardware=hardware,
-                started_at=_now(),
+        if self.rank == 0:
+            precision = training_precision(param_dtype, device)
+            peak, source = resolve_peak(device, precision, cfg.peak_flops)
+            config = cfg.to_json_dict() | {"corpus_sha256": corpus_sha256}
+            reply = self.client.register_run(
+                telemetry_pb2.RegisterRunRequest(
+                    run_id=self.run_id,
+                    name=self.run_id,
+                    config_json=json.dumps(config, sort_keys=True),
+                    world_size=world,
+                    layout=common_pb2.ParallelLayout(**layout),
+                    model_params=n_params,
+                    hardware=hardware,
+                    started_at=launched_at,
+                    precision=precision,
+                    peak_flops=peak,
+                    peak_flops_source=source,
+                    # Activation checkpointing recomputes every block's forward once.
+                    recompute_fraction=1.0 if cfg.parallel.activation_checkpointing else 0.0,
+                )
             )
-        )
-        self._event(
-            telemetry_pb2.EVENT_KIND_RUN_STARTED,
-            0,
-            "run started" if not cfg.resume else "run resumed",
-        )
+            self.attempt = reply.attempt
+            self._event(
+                telemetry_pb2.EVENT_KIND_RUN_STARTED,
+                0,
+                "run started" if not cfg.resume else "run resumed",
+            )
+        if world > 1:
+            shared = [self.attempt]
+            dist.broadcast_object_list(shared, src=0)
+            self.attempt = shared[0]
+
+    def restarted(self, step: int) -> None:
+        """The job resumed at `step` after an earlier attempt stopped (rank 0 reports it)."""
+        if self.rank == 0 and self.attempt > 0:
+            self._event(
+                telemetry_pb2.EVENT_KIND_RESTART,
+                step,
+                f"attempt {self.attempt} resumed from step {step}",
+                attributes={"attempt": str(self.attempt)},
+            )
 
     def step(
         self,
@@ -77,7 +111,11 @@ class Reporter:
         lr: float,
         offset: LoaderOffset,
         device: torch.device,
+        compute_seconds: float,
+        state_checksum: int | None,
     ) -> None:
+        """Queue this rank's record of `step`; `state_checksum` (None: not computed) is the
+        checksum of its parameters and optimizer state after the step."""
         if self.client is None:
             return
         memory = peak = 0
@@ -92,7 +130,9 @@ class Reporter:
                 loss=loss,
                 grad_norm=grad_norm,
                 tokens=tokens,
-                times=telemetry_pb2.PhaseTimes(step=step_seconds, **vars(phases)),
+                times=telemetry_pb2.PhaseTimes(
+                    step=step_seconds, compute=compute_seconds, **vars(phases)
+                ),
                 memory_bytes=memory,
                 peak_memory_bytes=peak,
                 data_offset=telemetry_pb2.DataLoaderOffset(
@@ -102,8 +142,24 @@ class Reporter:
                 ),
                 lr=lr,
                 time=_now(),
+                param_checksum=""
+                if state_checksum is None
+                else f"{state_checksum & 0xFFFF_FFFF_FFFF_FFFF:016x}",
                 attempt=self.attempt,
+                dropped_records=self.client.dropped,
             )
+        )
+
+    def health_event(
+        self, kind: str, step: int, rank: int, message: str, attributes: dict[str, str]
+    ) -> None:
+        """An event of the step guard ("sdc", "loss_spike", "replay", "alert") about `rank`."""
+        self._event(
+            telemetry_pb2.EventKind.Value(f"EVENT_KIND_{kind.upper()}"),
+            step,
+            message,
+            rank=rank,
+            attributes=attributes,
         )
 
     def save_started(self, started: SaveStarted) -> None:
@@ -174,14 +230,16 @@ class Reporter:
         if self.client is not None:
             self.client.close()
 
-    def _event(self, kind: int, step: int, message: str, **fields: object) -> None:
+    def _event(
+        self, kind: int, step: int, message: str, *, rank: int = -1, **fields: object
+    ) -> None:
         if self.client is None:
             return
         self.client.report_event(
             telemetry_pb2.Event(
                 run_id=self.run_id,
                 step=step,
-                rank=-1,
+                rank=rank,
                 kind=kind,
                 message=message,
                 time=_now(),

@@ -1,8 +1,9 @@
 """The training loop, readable top to bottom.
 
 One process per rank (torchrun). Gloo on CPU, NCCL on CUDA, the same code otherwise. Each step:
-read this rank's slice of the global batch, forward, backward, clip, optimizer step, report the
-step's record to telemetry; every `ckpt_every` steps save the whole state to ckptd through DCP.
+read this rank's slice of the global batch, forward, backward, clip, optimizer step (under the step
+guard, which replays the step when it looks corrupted), report the step's record to telemetry; every
+`ckpt_every` steps save the whole state to ckptd through DCP.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from scaletrain.errors import ScaletrainError, UserError
 from trainer.checkpoint.checkpointer import Checkpointer, SaveDone, SavePolicy, SaveStarted
@@ -23,8 +25,10 @@ from trainer.checkpoint.digest import probe_logits_sha256, state_sha256
 from trainer.config import TrainConfig
 from trainer.data.corpus import stdlib_corpus
 from trainer.data.loader import DeterministicLoader, LoaderOffset
+from trainer.health.guard import StepGuard, replica_groups
+from trainer.health.inject import FaultInjector
 from trainer.model.llama import Transformer
-from trainer.parallel.dims import validate_layout
+from trainer.parallel.dims import MESH_DIMS, validate_layout
 from trainer.parallel.parallelize import parallelize
 from trainer.reporting import Reporter
 
@@ -39,6 +43,7 @@ class Phases:
     optimizer: float = 0.0
     comm_wait: float = 0.0
     checkpoint: float = 0.0
+    replay: float = 0.0
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -67,9 +72,12 @@ def lr_lambda(warmup: int, total: int):
 
 
 def train(cfg: TrainConfig) -> None:
+    launched_at = Timestamp()
+    launched_at.GetCurrentTime()
     # The layout is checked against the model and data before any process group exists.
     dims = validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     rank, world, device = init_distributed()
+    cfg.faults.check_world(world)
     torch.use_deterministic_algorithms(True)
     mesh = dims.build_mesh(device.type)
 
@@ -88,9 +96,17 @@ def train(cfg: TrainConfig) -> None:
     loader = DeterministicLoader(
         corpus, cfg.seq_len, cfg.global_batch, mesh.dp_rank, dims.dp_size, seed=cfg.seed
     )
-    reporter = Reporter(cfg.telemetry, cfg.run_id, rank, attempt=_attempt(device))
-    if rank == 0:
-        reporter.register_run(cfg, world, dims.layout(), n_params, _hardware(device), corpus.sha256)
+    reporter = Reporter(cfg.telemetry, cfg.run_id, rank)
+    reporter.register_run(
+        cfg, world, dims.layout(), n_params, _hardware(device), corpus.sha256,
+        device=device, param_dtype=next(model.parameters()).dtype, launched_at=launched_at,
+    )  # fmt: skip
+    faults = FaultInjector(cfg.faults, rank, cfg.model.vocab_size, device)
+    guard = StepGuard(
+        cfg.health_policy, model, optimizer,
+        replica_groups=replica_groups(mesh.world.mesh, MESH_DIMS.index("dp_replicate")),
+        faults=faults, report=reporter.health_event, device=device,
+    )  # fmt: skip
     checkpointer = (
         Checkpointer(
             cfg.ckptd, cfg.run_id, model, optimizer, scheduler, loader, SavePolicy(cfg.ckpt_policy)
@@ -102,6 +118,7 @@ def train(cfg: TrainConfig) -> None:
     start_step = 0
     if cfg.resume:
         start_step = resume(cfg, checkpointer, reporter, loader, rank)
+        reporter.restarted(start_step)
 
     if rank == 0:
         print(
@@ -118,24 +135,30 @@ def train(cfg: TrainConfig) -> None:
         phases = Phases()
         t = time.perf_counter()
         inputs, targets = (x.to(device) for x in loader.next_batch())
+        inputs, targets = faults.corrupt_batch(step, inputs, targets)
         phases.data, t = _lap(t)
 
-        # Under pipeline parallelism forward runs the whole schedule, backward included.
-        loss = parallel.forward(inputs, targets)
-        phases.forward, t = _lap(t)
-        parallel.backward(loss)
-        phases.backward, t = _lap(t)
-        grad_norm = parallel.clip_grad_norm_(cfg.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for attempt in guard.attempts(step, phases):  # once; twice if the step is replayed
+            t = time.perf_counter()
+            # Under pipeline parallelism forward runs the whole schedule, backward included.
+            loss = parallel.forward(inputs, targets)
+            phases.forward, t = _lap(t)
+            parallel.backward(loss)
+            attempt.gradients_ready()
+            phases.backward, t = _lap(t)
+            grad_norm = parallel.clip_grad_norm_(cfg.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            phases.optimizer, t = _lap(t)
+
+            # The mean loss over ranks is what the run reports; its all-reduce is our comm wait.
+            global_loss = parallel.mean_loss(loss)
+            phases.comm_wait, t = _lap(t)
+            attempt.finished(global_loss if loss is None else float(loss), global_loss, grad_norm)
+        t = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         expert_load = parallel.after_optimizer_step()
-        phases.optimizer, t = _lap(t)
-
-        # The mean loss over ranks is what the run reports; its all-reduce is our comm wait.
-        global_loss = parallel.mean_loss(loss)
-        phases.comm_wait, t = _lap(t)
 
         saved = None
         if checkpointer:
@@ -158,6 +181,8 @@ def train(cfg: TrainConfig) -> None:
             lr=lr,
             offset=loader.offset(),
             device=device,
+            compute_seconds=guard.compute_s,
+            state_checksum=guard.state_checksum if guard.enabled else None,
         )
         if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps or saved):
             elapsed = time.perf_counter() - run_start
@@ -220,17 +245,6 @@ def _report_saves(done: list[SaveDone], reporter: Reporter, rank: int) -> None:
             )
         if rank == 0:
             reporter.save_done(save)
-
-
-def _attempt(device: torch.device) -> int:
-    """This job's generation: rank 0's clock in seconds since 2023-11-14, shared by every rank.
-
-    Telemetry keeps the records of each (step, rank) per attempt, and reads the latest: a step
-    replayed after a restart or a resume supersedes the lost attempt's record of it.
-    """
-    stamp = torch.tensor([int(time.time()) - 1_700_000_000], device=device)
-    dist.broadcast(stamp, src=0)
-    return int(stamp.item())
 
 
 def resume(

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from scaletrain.v1 import common_pb2 as scaletrain_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dscaletrain/v1/telemetry.proto\x12\rscaletrain.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1ascaletrain/v1/common.proto\"\x8a\x02\n\x12RegisterRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12-\n\x06layout\x18\x05 \x01(\x0b\x32\x1d.scaletrain.v1.ParallelLayout\x12\x14\n\x0cmodel_params\x18\x06 \x01(\x03\x12\x10\n\x08hardware\x18\x07 \x01(\t\x12.\n\nstarted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12&\n\x05ranks\x18\t \x03(\x0b\x32\x17.scaletrain.v1.RankInfo\"6\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"&\n\x13RegisterRunResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\"\x85\x01\n\nPhaseTimes\x12\x0c\n\x04step\x18\x01 \x01(\x01\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x01\x12\x0f\n\x07\x66orward\x18\x03 \x01(\x01\x12\x10\n\x08\x62\x61\x63kward\x18\x04 \x01(\x01\x12\x11\n\toptimizer\x18\x05 \x01(\x01\x12\x11\n\tcomm_wait\x18\x06 \x01(\x01\x12\x12\n\ncheckpoint\x18\x07 \x01(\x01\"M\n\x10\x44\x61taLoaderOffset\x12\x15\n\rglobal_sample\x18\x01 \x01(\x03\x12\x13\n\x0brank_sample\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\"\xd7\x02\n\x08RankStep\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x11\n\tgrad_norm\x18\x05 \x01(\x01\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12(\n\x05times\x18\x07 \x01(\x0b\x32\x19.scaletrain.v1.PhaseTimes\x12\x14\n\x0cmemory_bytes\x18\x08 \x01(\x03\x12\x19\n\x11peak_memory_bytes\x18\t \x01(\x03\x12\x34\n\x0b\x64\x61ta_offset\x18\n \x01(\x0b\x32\x1f.scaletrain.v1.DataLoaderOffset\x12\n\n\x02lr\x18\x0b \x01(\x01\x12(\n\x04time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0eparam_checksum\x18\r \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x0e \x01(\x05\"5\n\tStepBatch\x12(\n\x07records\x18\x01 \x03(\x0b\x32\x17.scaletrain.v1.RankStep\";\n\x13ReportStepsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x03\x12\x12\n\nduplicates\x18\x02 \x01(\x03\"T\n\x0f\x43heckpointEvent\x12!\n\x04tier\x18\x01 \x01(\x0e\x32\x13.scaletrain.v1.Tier\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\xb7\x02\n\x05\x45vent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12&\n\x04kind\x18\x04 \x01(\x0e\x32\x18.scaletrain.v1.EventKind\x12\x0f\n\x07message\x18\x05 \x01(\t\x12(\n\x04time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x38\n\nattributes\x18\x07 \x03(\x0b\x32$.scaletrain.v1.Event.AttributesEntry\x12\x32\n\ncheckpoint\x18\x08 \x01(\x0b\x32\x1e.scaletrain.v1.CheckpointEvent\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"2\n\nEventBatch\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.scaletrain.v1.Event\"(\n\x14ReportEventsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x03\"C\n\x15GetResumePointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\x04step\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_step\"K\n\nRankOffset\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12/\n\x06offset\x18\x02 \x01(\x0b\x32\x1f.scaletrain.v1.DataLoaderOffset\"V\n\x0bResumePoint\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12*\n\x07offsets\x18\x03 \x03(\x0b\x32\x19.scaletrain.v1.RankOffset*\xd9\x03\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45VENT_KIND_RUN_STARTED\x10\x01\x12\x1b\n\x17\x45VENT_KIND_RUN_FINISHED\x10\x02\x12\x19\n\x15\x45VENT_KIND_RUN_FAILED\x10\x03\x12!\n\x1d\x45VENT_KIND_CHECKPOINT_STARTED\x10\x04\x12 \n\x1c\x45VENT_KIND_CHECKPOINT_STAGED\x10\x05\x12#\n\x1f\x45VENT_KIND_CHECKPOINT_COMMITTED\x10\x06\x12 \n\x1c\x45VENT_KIND_CHECKPOINT_FAILED\x10\x07\x12\x16\n\x12\x45VENT_KIND_RESTART\x10\x08\x12\x14\n\x10\x45VENT_KIND_ALERT\x10\t\x12\x18\n\x14\x45VENT_KIND_STRAGGLER\x10\n\x12\x19\n\x15\x45VENT_KIND_LOSS_SPIKE\x10\x0b\x12\x12\n\x0e\x45VENT_KIND_SDC\x10\x0c\x12\x15\n\x11\x45VENT_KIND_REPLAY\x10\r\x12\x1f\n\x1b\x45VENT_KIND_CHECKPOINT_SAVED\x10\x0e\x12!\n\x1d\x45VENT_KIND_CHECKPOINT_SKIPPED\x10\x0f\x32\xdb\x02\n\x10TelemetryService\x12T\n\x0bRegisterRun\x12!.scaletrain.v1.RegisterRunRequest\x1a\".scaletrain.v1.RegisterRunResponse\x12M\n\x0bReportSteps\x12\x18.scaletrain.v1.StepBatch\x1a\".scaletrain.v1.ReportStepsResponse(\x01\x12N\n\x0cReportEvents\x12\x19.scaletrain.v1.EventBatch\x1a#.scaletrain.v1.ReportEventsResponse\x12R\n\x0eGetResumePoint\x12$.scaletrain.v1.GetResumePointRequest\x1a\x1a.scaletrain.v1.ResumePointb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dscaletrain/v1/telemetry.proto\x12\rscaletrain.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1ascaletrain/v1/common.proto\"\xe8\x02\n\x12RegisterRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12-\n\x06layout\x18\x05 \x01(\x0b\x32\x1d.scaletrain.v1.ParallelLayout\x12\x14\n\x0cmodel_params\x18\x06 \x01(\x03\x12\x10\n\x08hardware\x18\x07 \x01(\t\x12.\n\nstarted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12&\n\x05ranks\x18\t \x03(\x0b\x32\x17.scaletrain.v1.RankInfo\x12\x11\n\tprecision\x18\n \x01(\t\x12\x12\n\npeak_flops\x18\x0b \x01(\x01\x12\x19\n\x11peak_flops_source\x18\x0c \x01(\t\x12\x1a\n\x12recompute_fraction\x18\r \x01(\x01\"6\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"7\n\x13RegisterRunResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\"\xa6\x01\n\nPhaseTimes\x12\x0c\n\x04step\x18\x01 \x01(\x01\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x01\x12\x0f\n\x07\x66orward\x18\x03 \x01(\x01\x12\x10\n\x08\x62\x61\x63kward\x18\x04 \x01(\x01\x12\x11\n\toptimizer\x18\x05 \x01(\x01\x12\x11\n\tcomm_wait\x18\x06 \x01(\x01\x12\x12\n\ncheckpoint\x18\x07 \x01(\x01\x12\x0f\n\x07\x63ompute\x18\x08 \x01(\x01\x12\x0e\n\x06replay\x18\t \x01(\x01\"M\n\x10\x44\x61taLoaderOffset\x12\x15\n\rglobal_sample\x18\x01 \x01(\x03\x12\x13\n\x0brank_sample\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\"\xf0\x02\n\x08RankStep\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x11\n\tgrad_norm\x18\x05 \x01(\x01\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12(\n\x05times\x18\x07 \x01(\x0b\x32\x19.scaletrain.v1.PhaseTimes\x12\x14\n\x0cmemory_bytes\x18\x08 \x01(\x03\x12\x19\n\x11peak_memory_bytes\x18\t \x01(\x03\x12\x34\n\x0b\x64\x61ta_offset\x18\n \x01(\x0b\x32\x1f.scaletrain.v1.DataLoaderOffset\x12\n\n\x02lr\x18\x0b \x01(\x01\x12(\n\x04time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0eparam_checksum\x18\r \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x0e \x01(\x05\x12\x17\n\x0f\x64ropped_records\x18\x0f \x01(\x03\"b\n\tStepBatch\x12(\n\x07records\x18\x01 \x03(\x0b\x32\x17.scaletrain.v1.RankStep\x12+\n\x07\x63olumns\x18\x02 \x01(\x0b\x32\x1a.scaletrain.v1.StepColumns\"\xfa\x03\n\x0bStepColumns\x12\x0e\n\x06run_id\x18\x01 \x03(\t\x12\x0c\n\x04step\x18\x02 \x03(\x03\x12\x0c\n\x04rank\x18\x03 \x03(\x05\x12\x0f\n\x07\x61ttempt\x18\x04 \x03(\x05\x12\x0c\n\x04loss\x18\x05 \x03(\x01\x12\x11\n\tgrad_norm\x18\x06 \x03(\x01\x12\x0e\n\x06tokens\x18\x07 \x03(\x03\x12\x0e\n\x06step_s\x18\x08 \x03(\x01\x12\x0e\n\x06\x64\x61ta_s\x18\t \x03(\x01\x12\x11\n\tforward_s\x18\n \x03(\x01\x12\x12\n\nbackward_s\x18\x0b \x03(\x01\x12\x13\n\x0boptimizer_s\x18\x0c \x03(\x01\x12\x13\n\x0b\x63omm_wait_s\x18\r \x03(\x01\x12\x14\n\x0c\x63heckpoint_s\x18\x0e \x03(\x01\x12\x11\n\tcompute_s\x18\x0f \x03(\x01\x12\x10\n\x08replay_s\x18\x10 \x03(\x01\x12\x14\n\x0cmemory_bytes\x18\x11 \x03(\x03\x12\x19\n\x11peak_memory_bytes\x18\x12 \x03(\x03\x12\n\n\x02lr\x18\x13 \x03(\x01\x12\x14\n\x0ctime_seconds\x18\x14 \x03(\x03\x12\x12\n\ntime_nanos\x18\x15 \x03(\x05\x12\x16\n\x0eparam_checksum\x18\x16 \x03(\t\x12\x15\n\rglobal_sample\x18\x17 \x03(\x03\x12\x13\n\x0brank_sample\x18\x18 \x03(\x03\x12\r\n\x05\x65poch\x18\x19 \x03(\x03\x12\x17\n\x0f\x64ropped_records\x18\x1a \x03(\x03\";\n\x13ReportStepsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x03\x12\x12\n\nduplicates\x18\x02 \x01(\x03\"T\n\x0f\x43heckpointEvent\x12!\n\x04tier\x18\x01 \x01(\x0e\x32\x13.scaletrain.v1.Tier\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\xb7\x02\n\x05\x45vent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12&\n\x04kind\x18\x04 \x01(\x0e\x32\x18.scaletrain.v1.EventKind\x12\x0f\n\x07message\x18\x05 \x01(\t\x12(\n\x04time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x38\n\nattributes\x18\x07 \x03(\x0b\x32$.scaletrain.v1.Event.AttributesEntry\x12\x32\n\ncheckpoint\x18\x08 \x01(\x0b\x32\x1e.scaletrain.v1.CheckpointEvent\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"2\n\nEventBatch\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.scaletrain.v1.Event\"(\n\x14ReportEventsResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x03\"C\n\x15GetResumePointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\x04step\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_step\"K\n\nRankOffset\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12/\n\x06offset\x18\x02 \x01(\x0b\x32\x1f.scaletrain.v1.DataLoaderOffset\"V\n\x0bResumePoint\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12*\n\x07offsets\x18\x03 \x03(\x0b\x32\x19.scaletrain.v1.RankOffset*\xd9\x03\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45VENT_KIND_RUN_STARTED\x10\x01\x12\x1b\n\x17\x45VENT_KIND_RUN_FINISHED\x10\x02\x12\x19\n\x15\x45VENT_KIND_RUN_FAILED\x10\x03\x12!\n\x1d\x45VENT_KIND_CHECKPOINT_STARTED\x10\x04\x12 \n\x1c\x45VENT_KIND_CHECKPOINT_STAGED\x10\x05\x12#\n\x1f\x45VENT_KIND_CHECKPOINT_COMMITTED\x10\x06\x12 \n\x1c\x45VENT_KIND_CHECKPOINT_FAILED\x10\x07\x12\x16\n\x12\x45VENT_KIND_RESTART\x10\x08\x12\x14\n\x10\x45VENT_KIND_ALERT\x10\t\x12\x18\n\x14\x45VENT_KIND_STRAGGLER\x10\n\x12\x19\n\x15\x45VENT_KIND_LOSS_SPIKE\x10\x0b\x12\x12\n\x0e\x45VENT_KIND_SDC\x10\x0c\x12\x15\n\x11\x45VENT_KIND_REPLAY\x10\r\x12\x1f\n\x1b\x45VENT_KIND_CHECKPOINT_SAVED\x10\x0e\x12!\n\x1d\x45VENT_KIND_CHECKPOINT_SKIPPED\x10\x0f\x32\xdb\x02\n\x10TelemetryService\x12T\n\x0bRegisterRun\x12!.scaletrain.v1.RegisterRunRequest\x1a\".scaletrain.v1.RegisterRunResponse\x12M\n\x0bReportSteps\x12\x18.scaletrain.v1.StepBatch\x1a\".scaletrain.v1.ReportStepsResponse(\x01\x12N\n\x0cReportEvents\x12\x19.scaletrain.v1.EventBatch\x1a#.scaletrain.v1.ReportEventsResponse\x12R\n\x0eGetResumePoint\x12$.scaletrain.v1.GetResumePointRequest\x1a\x1a.scaletrain.v1.ResumePointb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,40 +35,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EVENT_ATTRIBUTESENTRY']._loaded_options = None
   _globals['_EVENT_ATTRIBUTESENTRY']._serialized_options = b'8\001'
-  _globals['_EVENTKIND']._serialized_start=1880
-  _globals['_EVENTKIND']._serialized_end=2353
+  _globals['_EVENTKIND']._serialized_start=2603
+  _globals['_EVENTKIND']._serialized_end=3076
   _globals['_REGISTERRUNREQUEST']._serialized_start=110
-  _globals['_REGISTERRUNREQUEST']._serialized_end=376
-  _globals['_RANKINFO']._serialized_start=378
-  _globals['_RANKINFO']._serialized_end=432
-  _globals['_REGISTERRUNRESPONSE']._serialized_start=434
-  _globals['_REGISTERRUNRESPONSE']._serialized_end=472
-  _globals['_PHASETIMES']._serialized_start=475
-  _globals['_PHASETIMES']._serialized_end=608
-  _globals['_DATALOADEROFFSET']._serialized_start=610
-  _globals['_DATALOADEROFFSET']._serialized_end=687
-  _globals['_RANKSTEP']._serialized_start=690
-  _globals['_RANKSTEP']._serialized_end=1033
-  _globals['_STEPBATCH']._serialized_start=1035
-  _globals['_STEPBATCH']._serialized_end=1088
-  _globals['_REPORTSTEPSRESPONSE']._serialized_start=1090
-  _globals['_REPORTSTEPSRESPONSE']._serialized_end=1149
-  _globals['_CHECKPOINTEVENT']._serialized_start=1151
-  _globals['_CHECKPOINTEVENT']._serialized_end=1235
-  _globals['_EVENT']._serialized_start=1238
-  _globals['_EVENT']._serialized_end=1549
-  _globals['_EVENT_ATTRIBUTESENTRY']._serialized_start=1500
-  _globals['_EVENT_ATTRIBUTESENTRY']._serialized_end=1549
-  _globals['_EVENTBATCH']._serialized_start=1551
-  _globals['_EVENTBATCH']._serialized_end=1601
-  _globals['_REPORTEVENTSRESPONSE']._serialized_start=1603
-  _globals['_REPORTEVENTSRESPONSE']._serialized_end=1643
-  _globals['_GETRESUMEPOINTREQUEST']._serialized_start=1645
-  _globals['_GETRESUMEPOINTREQUEST']._serialized_end=1712
-  _globals['_RANKOFFSET']._serialized_start=1714
-  _globals['_RANKOFFSET']._serialized_end=1789
-  _globals['_RESUMEPOINT']._serialized_start=1791
-  _globals['_RESUMEPOINT']._serialized_end=1877
-  _globals['_TELEMETRYSERVICE']._serialized_start=2356
-  _globals['_TELEMETRYSERVICE']._serialized_end=2703
+  _globals['_REGISTERRUNREQUEST']._serialized_end=470
+  _globals['_RANKINFO']._serialized_start=472
+  _globals['_RANKINFO']._serialized_end=526
+  _globals['_REGISTERRUNRESPONSE']._serialized_start=528
+  _globals['_REGISTERRUNRESPONSE']._serialized_end=583
+  _globals['_PHASETIMES']._serialized_start=586
+  _globals['_PHASETIMES']._serialized_end=752
+  _globals['_DATALOADEROFFSET']._serialized_start=754
+  _globals['_DATALOADEROFFSET']._serialized_end=831
+  _globals['_RANKSTEP']._serialized_start=834
+  _globals['_RANKSTEP']._serialized_end=1202
+  _globals['_STEPBATCH']._serialized_start=1204
+  _globals['_STEPBATCH']._serialized_end=1302
+  _globals['_STEPCOLUMNS']._serialized_start=1305
+  _globals['_STEPCOLUMNS']._serialized_end=1811
+  _globals['_REPORTSTEPSRESPONSE']._serialized_start=1813
+  _globals['_REPORTSTEPSRESPONSE']._serialized_end=1872
+  _globals['_CHECKPOINTEVENT']._serialized_start=1874
+  _globals['_CHECKPOINTEVENT']._serialized_end=1958
+  _globals['_EVENT']._serialized_start=1961
+  _globals['_EVENT']._serialized_end=2272
+  _globals['_EVENT_ATTRIBUTESENTRY']._serialized_start=2223
+  _globals['_EVENT_ATTRIBUTESENTRY']._serialized_end=2272
+  _globals['_EVENTBATCH']._serialized_start=2274
+  _globals['_EVENTBATCH']._serialized_end=2324
+  _globals['_REPORTEVENTSRESPONSE']._serialized_start=2326
+  _globals['_REPORTEVENTSRESPONSE']._serialized_end=2366
+  _globals['_GETRESUMEPOINTREQUEST']._serialized_start=2368
+  _globals['_GETRESUMEPOINTREQUEST']._serialized_end=2435
+  _globals['_RANKOFFSET']._serialized_start=2437
+  _globals['_RANKOFFSET']._serialized_end=2512
+  _globals['_RESUMEPOINT']._serialized_start=2514
+  _globals['_RESUMEPOINT']._serialized_end=2600
+  _globals['_TELEMETRYSERVICE']._serialized_start=3079
+  _globals['_TELEMETRYSERVICE']._serialized_end=3426
 # @@protoc_insertion_point(module_scope)

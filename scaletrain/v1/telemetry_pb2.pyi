@@ -47,7 +47,7 @@ EVENT_KIND_CHECKPOINT_SAVED: EventKind
 EVENT_KIND_CHECKPOINT_SKIPPED: EventKind
 
 class RegisterRunRequest(_message.Message):
-    __slots__ = ("run_id", "name", "config_json", "world_size", "layout", "model_params", "hardware", "started_at", "ranks")
+    __slots__ = ("run_id", "name", "config_json", "world_size", "layout", "model_params", "hardware", "started_at", "ranks", "precision", "peak_flops", "peak_flops_source", "recompute_fraction")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,10 @@ class RegisterRunRequest(_message.Message):
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    PEAK_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_FLOPS_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     name: str
     config_json: str
@@ -66,7 +70,11 @@ class RegisterRunRequest(_message.Message):
     hardware: str
     started_at: _timestamp_pb2.Timestamp
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
-    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., config_json: _Optional[str] = ..., world_size: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., model_params: _Optional[int] = ..., hardware: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...) -> None: ...
+    precision: str
+    peak_flops: float
+    peak_flops_source: str
+    recompute_fraction: float
+    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., config_json: _Optional[str] = ..., world_size: _Optional[int] = ..., layout: _Optional[_Union[_common_pb2.ParallelLayout, _Mapping]] = ..., model_params: _Optional[int] = ..., hardware: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., precision: _Optional[str] = ..., peak_flops: _Optional[float] = ..., peak_flops_source: _Optional[str] = ..., recompute_fraction: _Optional[float] = ...) -> None: ...
 
 class RankInfo(_message.Message):
     __slots__ = ("rank", "host", "device")
@@ -79,13 +87,15 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class RegisterRunResponse(_message.Message):
-    __slots__ = ("created",)
+    __slots__ = ("created", "attempt")
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     created: bool
-    def __init__(self, created: _Optional[bool] = ...) -> None: ...
+    attempt: int
+    def __init__(self, created: _Optional[bool] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class PhaseTimes(_message.Message):
-    __slots__ = ("step", "data", "forward", "backward", "optimizer", "comm_wait", "checkpoint")
+    __slots__ = ("step", "data", "forward", "backward", "optimizer", "comm_wait", "checkpoint", "compute", "replay")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     FORWARD_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +103,8 @@ class PhaseTimes(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     COMM_WAIT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
     step: float
     data: float
     forward: float
@@ -100,7 +112,9 @@ class PhaseTimes(_message.Message):
     optimizer: float
     comm_wait: float
     checkpoint: float
-    def __init__(self, step: _Optional[float] = ..., data: _Optional[float] = ..., forward: _Optional[float] = ..., backward: _Optional[float] = ..., optimizer: _Optional[float] = ..., comm_wait: _Optional[float] = ..., checkpoint: _Optional[float] = ...) -> None: ...
+    compute: float
+    replay: float
+    def __init__(self, step: _Optional[float] = ..., data: _Optional[float] = ..., forward: _Optional[float] = ..., backward: _Optional[float] = ..., optimizer: _Optional[float] = ..., comm_wait: _Optional[float] = ..., checkpoint: _Optional[float] = ..., compute: _Optional[float] = ..., replay: _Optional[float] = ...) -> None: ...
 
 class DataLoaderOffset(_message.Message):
     __slots__ = ("global_sample", "rank_sample", "epoch")
@@ -113,7 +127,7 @@ class DataLoaderOffset(_message.Message):
     def __init__(self, global_sample: _Optional[int] = ..., rank_sample: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RankStep(_message.Message):
-    __slots__ = ("run_id", "step", "rank", "loss", "grad_norm", "tokens", "times", "memory_bytes", "peak_memory_bytes", "data_offset", "lr", "time", "param_checksum", "attempt")
+    __slots__ = ("run_id", "step", "rank", "loss", "grad_norm", "tokens", "times", "memory_bytes", "peak_memory_bytes", "data_offset", "lr", "time", "param_checksum", "attempt", "dropped_records")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +142,7 @@ class RankStep(_message.Message):
     TIME_FIELD_NUMBER: _ClassVar[int]
     PARAM_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_RECORDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     rank: int
@@ -142,13 +157,72 @@ class RankStep(_message.Message):
     time: _timestamp_pb2.Timestamp
     param_checksum: str
     attempt: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., times: _Optional[_Union[PhaseTimes, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., data_offset: _Optional[_Union[DataLoaderOffset, _Mapping]] = ..., lr: _Optional[float] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., param_checksum: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    dropped_records: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens: _Optional[int] = ..., times: _Optional[_Union[PhaseTimes, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., peak_memory_bytes: _Optional[int] = ..., data_offset: _Optional[_Union[DataLoaderOffset, _Mapping]] = ..., lr: _Optional[float] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., param_checksum: _Optional[str] = ..., attempt: _Optional[int] = ..., dropped_records: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("records",)
+    __slots__ = ("records", "columns")
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     records: _containers.RepeatedCompositeFieldContainer[RankStep]
-    def __init__(self, records: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ...) -> None: ...
+    columns: StepColumns
+    def __init__(self, records: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ..., columns: _Optional[_Union[StepColumns, _Mapping]] = ...) -> None: ...
+
+class StepColumns(_message.Message):
+    __slots__ = ("run_id", "step", "rank", "attempt", "loss", "grad_norm", "tokens", "step_s", "data_s", "forward_s", "backward_s", "optimizer_s", "comm_wait_s", "checkpoint_s", "compute_s", "replay_s", "memory_bytes", "peak_memory_bytes", "lr", "time_seconds", "time_nanos", "param_checksum", "global_sample", "rank_sample", "epoch", "dropped_records")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    DATA_S_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_S_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_S_FIELD_NUMBER: _ClassVar[int]
+    COMM_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_S_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_NANOS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    RANK_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: _containers.RepeatedScalarFieldContainer[str]
+    step: _containers.RepeatedScalarFieldContainer[int]
+    rank: _containers.RepeatedScalarFieldContainer[int]
+    attempt: _containers.RepeatedScalarFieldContainer[int]
+    loss: _containers.RepeatedScalarFieldContainer[float]
+    grad_norm: _containers.RepeatedScalarFieldContainer[float]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    step_s: _containers.RepeatedScalarFieldContainer[float]
+    data_s: _containers.RepeatedScalarFieldContainer[float]
+    forward_s: _containers.RepeatedScalarFieldContainer[float]
+    backward_s: _containers.RepeatedScalarFieldContainer[float]
+    optimizer_s: _containers.RepeatedScalarFieldContainer[float]
+    comm_wait_s: _containers.RepeatedScalarFieldContainer[float]
+    checkpoint_s: _containers.RepeatedScalarFieldContainer[float]
+    compute_s: _containers.RepeatedScalarFieldContainer[float]
+    replay_s: _containers.RepeatedScalarFieldContainer[float]
+    memory_bytes: _containers.RepeatedScalarFieldContainer[int]
+    peak_memory_bytes: _containers.RepeatedScalarFieldContainer[int]
+    lr: _containers.RepeatedScalarFieldContainer[float]
+    time_seconds: _containers.RepeatedScalarFieldContainer[int]
+    time_nanos: _containers.RepeatedScalarFieldContainer[int]
+    param_checksum: _containers.RepeatedScalarFieldContainer[str]
+    global_sample: _containers.RepeatedScalarFieldContainer[int]
+    rank_sample: _containers.RepeatedScalarFieldContainer[int]
+    epoch: _containers.RepeatedScalarFieldContainer[int]
+    dropped_records: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[_Iterable[str]] = ..., step: _Optional[_Iterable[int]] = ..., rank: _Optional[_Iterable[int]] = ..., attempt: _Optional[_Iterable[int]] = ..., loss: _Optional[_Iterable[float]] = ..., grad_norm: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[int]] = ..., step_s: _Optional[_Iterable[float]] = ..., data_s: _Optional[_Iterable[float]] = ..., forward_s: _Optional[_Iterable[float]] = ..., backward_s: _Optional[_Iterable[float]] = ..., optimizer_s: _Optional[_Iterable[float]] = ..., comm_wait_s: _Optional[_Iterable[float]] = ..., checkpoint_s: _Optional[_Iterable[float]] = ..., compute_s: _Optional[_Iterable[float]] = ..., replay_s: _Optional[_Iterable[float]] = ..., memory_bytes: _Optional[_Iterable[int]] = ..., peak_memory_bytes: _Optional[_Iterable[int]] = ..., lr: _Optional[_Iterable[float]] = ..., time_seconds: _Optional[_Iterable[int]] = ..., time_nanos: _Optional[_Iterable[int]] = ..., param_checksum: _Optional[_Iterable[str]] = ..., global_sample: _Optional[_Iterable[int]] = ..., rank_sample: _Optional[_Iterable[int]] = ..., epoch: _Optional[_Iterable[int]] = ..., dropped_records: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportStepsResponse(_message.Message):
     __slots__ = ("accepted", "duplicates")

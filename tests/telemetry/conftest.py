@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,16 +28,33 @@ def pg_admin(pg_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
+@contextmanager
+def fresh_schema(admin: Engine, prefix: str) -> Iterator[str]:
+    """The URL of the test PostgreSQL database with a new schema first on its search_path; the
+    schema is dropped afterwards."""
+    schema = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with admin.begin() as connection:
+        connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    url = admin.url.update_query_dict({"options": f"-csearch_path={schema}"})
+    try:
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as connection:
+            connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+
+
 @pytest.fixture
 def pg_schema_url(pg_admin: Engine) -> Iterator[str]:
-    """The test PostgreSQL database with a fresh schema first on its search_path."""
-    schema = f"telemetry_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    with pg_admin.begin() as connection:
-        connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    url = pg_admin.url.update_query_dict({"options": f"-csearch_path={schema}"})
-    yield url.render_as_string(hide_password=False)
-    with pg_admin.begin() as connection:
-        connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+    """A fresh schema for one test."""
+    with fresh_schema(pg_admin, "telemetry_test") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def pg_module_schema_url(pg_admin: Engine) -> Iterator[str]:
+    """A fresh schema shared by the tests of one module (whose fixtures are costly to rebuild)."""
+    with fresh_schema(pg_admin, "telemetry_module") as url:
+        yield url
 
 
 @pytest.fixture(

@@ -29,7 +29,7 @@ def test_migrating_an_up_to_date_database_again_changes_nothing(engine: Engine) 
     migrate(engine)
     with engine.connect() as connection:
         versions = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).all()
-    assert versions == [("0001",)]
+    assert versions == [("0002",)]
 
 
 def test_a_read_only_engine_reads_but_refuses_to_write(engine: Engine, db_url: str) -> None:

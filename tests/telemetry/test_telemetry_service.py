@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +17,10 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from scaletrain.errors import InvalidArgument, NotFound
+from scaletrain.errors import InvalidArgument, NotFound, UserError
 from scaletrain.rpc import make_channel, wait_until_healthy
 from scaletrain.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
+from telemetry import queries
 from telemetry.client import TelemetryClient, event, rank_step
 from telemetry.config import TelemetryConfig
 from telemetry.db import connect, migrate
@@ -49,7 +51,8 @@ def stub(service: RunningTelemetry) -> Iterator[telemetry_pb2_grpc.TelemetryServ
 
 
 def register(client: TelemetryClient, run_id: str = "run-1") -> bool:
-    return client.register_run(
+    """Register the test run; True when it was new."""
+    reply = client.register_run(
         telemetry_pb2.RegisterRunRequest(
             run_id=run_id,
             world_size=RANKS,
@@ -60,6 +63,7 @@ def register(client: TelemetryClient, run_id: str = "run-1") -> bool:
             ],
         )
     )
+    return reply.created
 
 
 def step_record(step: int, rank: int, run_id: str = "run-1") -> telemetry_pb2.RankStep:
@@ -259,3 +263,48 @@ def test_serve_prints_its_address_and_stops_cleanly_on_sigterm(db_url: str) -> N
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_the_service_flags_a_rank_that_stays_slow_and_serves_the_runs_metrics(
+    db_url: str,
+) -> None:
+    running = start(TelemetryConfig(db_url=db_url, metrics_listen="127.0.0.1:0"))
+    try:
+        with TelemetryClient(running.address, flush_interval_s=0.05) as client:
+            register(client)
+            for step in range(1, 11):
+                for rank in range(RANKS):
+                    # Rank 2 computes 3x longer from step 4 on; every step waits for it.
+                    slow = rank == 2 and step >= 4
+                    times = {"step": 0.4, "compute": 0.3 if slow else 0.1}
+                    client.report_step(
+                        rank_step("run-1", step, rank, loss=2.0, tokens=100, times=times)
+                    )
+            assert client.flush(timeout_s=10)
+        engine = connect(db_url, read_only=True)
+        try:
+            flagged = queries.events(engine, "run-1", kinds=["straggler"])
+        finally:
+            engine.dispose()
+        # Slow at steps 4, 5 and 6: flagged at the third, once.
+        assert list(zip(flagged["step"], flagged["rank"], strict=True)) == [(6, 2)]
+        assert flagged.iloc[0]["attributes"]["relative_score"] == "0.333"
+
+        with urllib.request.urlopen(f"http://{running.metrics.address}/metrics") as reply:
+            metrics = reply.read().decode()
+        assert 'scaletrain_step{run_id="run-1"} 10.0' in metrics
+        assert 'scaletrain_tokens_per_second{run_id="run-1"} 1000.0' in metrics
+        assert 'scaletrain_events_total{kind="straggler",run_id="run-1"} 1.0' in metrics
+        relative = 'scaletrain_rank_straggler_score{rank="2",run_id="run-1",score="relative"}'
+        assert f"{relative} 0.333" in metrics
+    finally:
+        running.stop(grace=0)
+
+
+def test_a_metrics_address_that_is_taken_is_refused_with_one_line(db_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError, match=f"cannot serve metrics on 127.0.0.1:{port}: "):
+            start(TelemetryConfig(db_url=db_url, metrics_listen=f"127.0.0.1:{port}"))

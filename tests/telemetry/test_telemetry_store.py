@@ -43,7 +43,7 @@ def records(
 def test_registering_a_new_run_creates_it_with_its_ranks(
     store: TelemetryStore, engine: Engine, run_request: RegisterRun
 ) -> None:
-    assert store.register_run(run_request()) is True
+    assert store.register_run(run_request()).created is True
     with Session(engine) as session:
         run = session.get_one(Run, "run-1")
         assert (run.status, run.world_size, run.dp_shard, run.tp) == ("running", 4, 4, 1)
@@ -59,7 +59,7 @@ def test_registering_again_resumes_the_run_with_its_new_description(
     resumed = run_request(world_size=2)
     resumed.ranks[0].host = "other-node"
 
-    assert store.register_run(resumed) is False
+    assert store.register_run(resumed).created is False
     with Session(engine) as session:
         run = session.get_one(Run, "run-1")
         assert (run.status, run.finished_at, run.world_size) == ("running", None, 2)

@@ -1,0 +1,103 @@
+"""The health of one run in one call, for the UI, `scaletrain run`'s summary and users' scripts.
+
+Everything comes from the database (`telemetry.queries` and `telemetry.efficiency`): efficiency
+(MFU, goodput), what the detectors found (stragglers, loss spikes, silent data corruption, replays)
+and whether telemetry itself lost records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sqlalchemy import func, select
+
+from scaletrain.errors import NotFound
+from telemetry.efficiency import Goodput, Mfu, goodput, mfu
+from telemetry.models import Event, RankStep, Run
+from telemetry.queries import Bind, connection_of
+
+# Kinds of events that say something went wrong with the run's health.
+HEALTH_EVENT_KINDS = ("straggler", "loss_spike", "sdc", "replay", "alert", "restart")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One event a detector recorded: at `step`, on `rank` (-1: the whole run)."""
+
+    step: int
+    rank: int
+    kind: str
+    message: str
+    attributes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunHealth:
+    """How run `run_id` is doing, as of its latest records."""
+
+    run_id: str
+    status: str
+    attempt: int
+    # None while no step was recorded.
+    last_step: int | None
+    mfu: Mfu
+    goodput: Goodput
+    # Events per kind, for every kind in HEALTH_EVENT_KINDS (0 when none).
+    event_counts: dict[str, int]
+    # Ranks ever flagged as stragglers, and the detectors' findings in step order.
+    straggler_ranks: list[int]
+    findings: list[Finding]
+    # Records the ranks' telemetry clients dropped (their queues overflowed) and so never arrived.
+    dropped_records: int
+
+
+def run_health(bind: Bind, run_id: str, *, max_findings: int = 200) -> RunHealth:
+    """The health of `run_id`; NotFound when no such run was registered."""
+    with connection_of(bind) as connection:
+        run = connection.execute(
+            select(Run.status, Run.attempt).where(Run.run_id == run_id)
+        ).first()
+        if run is None:
+            raise NotFound(f"run {run_id!r} is not registered")
+        last_step = connection.execute(
+            select(func.max(RankStep.step)).where(RankStep.run_id == run_id)
+        ).scalar()
+        counts = dict(
+            connection.execute(
+                select(Event.kind, func.count())
+                .where(Event.run_id == run_id, Event.kind.in_(HEALTH_EVENT_KINDS))
+                .group_by(Event.kind)
+            ).all()
+        )
+        rows = connection.execute(
+            select(Event.step, Event.rank, Event.kind, Event.message, Event.attributes)
+            .where(Event.run_id == run_id, Event.kind.in_(HEALTH_EVENT_KINDS))
+            .order_by(Event.step, Event.time, Event.id)
+            .limit(max_findings)
+        ).all()
+        # Each client's count only grows: its latest record per rank and attempt has its total.
+        per_client = (
+            select(func.max(RankStep.dropped_records).label("dropped"))
+            .where(RankStep.run_id == run_id)
+            .group_by(RankStep.attempt, RankStep.rank)
+            .subquery()
+        )
+        dropped = connection.execute(select(func.sum(per_client.c.dropped))).scalar() or 0
+        efficiency = mfu(connection, run_id)
+        time_use = goodput(connection, run_id)
+    findings = [
+        Finding(step, rank, kind, message, dict(attributes or {}))
+        for step, rank, kind, message, attributes in rows
+    ]
+    return RunHealth(
+        run_id=run_id,
+        status=run.status,
+        attempt=run.attempt,
+        last_step=last_step,
+        mfu=efficiency,
+        goodput=time_use,
+        event_counts={kind: counts.get(kind, 0) for kind in HEALTH_EVENT_KINDS},
+        straggler_ranks=sorted({f.rank for f in findings if f.kind == "straggler"}),
+        findings=findings,
+        dropped_records=int(dropped),
+    )

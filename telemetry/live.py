@@ -1,0 +1,303 @@
+"""What the service knows about the runs reporting to it now, kept in memory as records arrive.
+
+The servicer passes the rows of every stored batch here (tuples in STEP_COLUMNS order, whatever
+form the records came in). Rows are grouped by step; once every rank of a run
+has reported a step, the step is complete: the straggler detector scores its ranks (and the service
+stores the flags as events), and the run's current figures (loss, tokens/s, MFU, per-rank times and
+scores) are updated for the Prometheus endpoint. Nothing here is durable: the database is the
+record; after a restart, detection starts afresh with the next complete step.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from scaletrain.errors import NotFound
+from scaletrain.v1 import telemetry_pb2
+from telemetry import mfu
+from telemetry.detect import Scores, StragglerDetector, StragglerFlag, StragglerPolicy
+from telemetry.ingest import (
+    ATTEMPT,
+    DROPPED,
+    GRAD_NORM,
+    LOSS,
+    MEMORY,
+    PEAK_MEMORY,
+    PHASE,
+    RANK,
+    RUN_ID,
+    STEP,
+    TIME,
+    TOKENS,
+)  # fmt: skip
+from telemetry.models import Run
+
+# A stored rank-step record as a row tuple (telemetry.ingest.STEP_COLUMNS).
+Row = tuple[Any, ...]
+# Steps of a run awaiting their last rank; older incomplete steps are dropped beyond this many
+# (records lost to a full client queue never arrive).
+_MAX_PENDING_STEPS = 64
+
+
+@dataclass
+class RankView:
+    """The latest complete step of one rank."""
+
+    step: int = 0
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    phases: dict[str, float] = field(default_factory=dict)
+    memory_bytes: int = 0
+    peak_memory_bytes: int = 0
+    dropped_records: int = 0
+    scores: Scores | None = None
+
+
+# What a run's registration says that its figures need; RegisterRunRequest and the runs table both
+# have these attributes.
+_DESCRIPTION = (
+    "run_id", "world_size", "model_params", "hardware", "precision", "peak_flops",
+    "peak_flops_source", "recompute_fraction",
+)  # fmt: skip
+
+
+@dataclass
+class RunView:
+    """A run's current figures, as of its latest complete step."""
+
+    run_id: str
+    world_size: int
+    model_params: int
+    hardware: str
+    precision: str
+    peak_flops: float
+    peak_flops_source: str
+    recompute_fraction: float
+    attempt: int = 0
+    step: int = 0
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    tokens_per_s: float = math.nan
+    mfu: float = math.nan
+    hfu: float = math.nan
+    records: int = 0
+    events: Counter[str] = field(default_factory=Counter)
+    # Filled in by LiveRuns.views.
+    ranks: dict[int, RankView] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, description: telemetry_pb2.RegisterRunRequest | Run, attempt: int) -> RunView:
+        """The view of a run as registered (a request, or its row in the runs table)."""
+        return cls(**{name: getattr(description, name) for name in _DESCRIPTION}, attempt=attempt)
+
+
+@dataclass
+class _RunState:
+    view: RunView
+    detector: StragglerDetector
+    pending: dict[tuple[int, int], dict[int, Row]] = field(default_factory=dict)
+    # (attempt, step) of the latest complete step: records of it or earlier are resent copies.
+    done: tuple[int, int] = (-1, -1)
+    # The rows of that step, per rank: the per-rank figures are made from them when asked for.
+    latest: dict[int, Row] = field(default_factory=dict)
+
+
+class LiveRuns:
+    """The live state of the runs one service receives; thread-safe.
+
+    `describe` returns a run's registered row (for runs registered before this service started);
+    it raises NotFound for unknown runs.
+    """
+
+    def __init__(
+        self,
+        describe: Callable[[str], Run],
+        policy: StragglerPolicy | None = None,
+        max_runs: int = 16,
+    ) -> None:
+        self._describe = describe
+        self._policy = policy or StragglerPolicy()
+        self._max_runs = max_runs
+        self._lock = threading.Lock()
+        self._runs: dict[str, _RunState] = {}
+
+    def registered(self, request: telemetry_pb2.RegisterRunRequest, attempt: int) -> None:
+        """A run (re)registered: start its view afresh with the new description."""
+        with self._lock:
+            self._add(RunView.of(request, attempt))
+
+    def observe_steps(self, rows: Sequence[Row]) -> list[telemetry_pb2.Event]:
+        """Take stored rows; return the straggler events of the steps they completed."""
+        flagged: list[telemetry_pb2.Event] = []
+        with self._lock:
+            run_id, state = None, None
+            for row in rows:
+                # A batch comes from one rank's client: nearly always one run throughout.
+                if row[RUN_ID] != run_id:
+                    run_id = row[RUN_ID]
+                    state = self._state(run_id)
+                if state is None:
+                    continue
+                state.view.records += 1
+                key = (row[ATTEMPT], row[STEP])
+                if key <= state.done:
+                    continue
+                ranks = state.pending.setdefault(key, {})
+                ranks[row[RANK]] = row
+                if len(ranks) == state.view.world_size:
+                    flagged.extend(self._complete(state, key))
+        return flagged
+
+    def observe_events(self, events: Sequence[telemetry_pb2.Event]) -> None:
+        """Count stored events by kind, per run."""
+        with self._lock:
+            for event in events:
+                state = self._state(event.run_id)
+                if state is not None:
+                    kind = telemetry_pb2.EventKind.Name(event.kind).removeprefix("EVENT_KIND_")
+                    state.view.events[kind.lower()] += 1
+
+    def views(self) -> list[RunView]:
+        """The current figures of every run this service follows (copies, safe to keep)."""
+        with self._lock:
+            return [
+                RunView(
+                    **{
+                        **vars(state.view),
+                        "events": Counter(state.view.events),
+                        "ranks": _rank_views(state),
+                    }
+                )
+                for state in self._runs.values()
+            ]
+
+    def _state(self, run_id: str) -> _RunState | None:
+        state = self._runs.get(run_id)
+        if state is not None:
+            return state
+        try:
+            run = self._describe(run_id)
+        except NotFound:
+            return None
+        return self._add(RunView.of(run, run.attempt))
+
+    def _add(self, view: RunView) -> _RunState:
+        state = _RunState(view=view, detector=StragglerDetector(self._policy))
+        self._runs.pop(view.run_id, None)
+        self._runs[view.run_id] = state
+        while len(self._runs) > self._max_runs:
+            # Dicts keep insertion order: the first is the run registered or seen longest ago.
+            self._runs.pop(next(iter(self._runs)))
+        return state
+
+    def _complete(self, state: _RunState, key: tuple[int, int]) -> list[telemetry_pb2.Event]:
+        """Score the complete step `key`, update the run's figures, forget older pending steps."""
+        rows = state.pending.pop(key)
+        for older in [pending for pending in state.pending if pending < key]:
+            del state.pending[older]
+        while len(state.pending) > _MAX_PENDING_STEPS:
+            del state.pending[min(state.pending)]
+        attempt, step = key
+        if attempt != state.done[0]:
+            # A restarted job may run on other machines: its ranks' best times start afresh.
+            state.detector = StragglerDetector(self._policy)
+        state.done = key
+        flags = state.detector.observe(
+            step, {rank: _compute_seconds(row) for rank, row in rows.items()}
+        )
+        self._update_view(state, step, attempt, rows)
+        return [_straggler_event(rows[flag.rank], flag) for flag in flags]
+
+    @staticmethod
+    def _update_view(state: _RunState, step: int, attempt: int, rows: dict[int, Row]) -> None:
+        view = state.view
+        losses = [row[LOSS] for row in rows.values() if row[LOSS] is not None]
+        wall = max(row[PHASE["step"]] for row in rows.values())
+        tokens = sum(row[TOKENS] for row in rows.values())
+        view.step, view.attempt = step, attempt
+        view.loss = sum(losses) / len(losses) if losses else math.nan
+        view.grad_norm = _float(rows[min(rows)][GRAD_NORM])
+        view.tokens_per_s = tokens / wall if wall > 0 else math.nan
+        view.mfu = mfu.utilization(
+            mfu.model_flops_per_token(view.model_params),
+            view.tokens_per_s,
+            view.world_size,
+            view.peak_flops,
+        )
+        view.hfu = mfu.utilization(
+            mfu.hardware_flops_per_token(view.model_params, view.recompute_fraction),
+            view.tokens_per_s,
+            view.world_size,
+            view.peak_flops,
+        )
+        state.latest = rows
+
+
+def _rank_views(state: _RunState) -> dict[int, RankView]:
+    """Each rank's figures at the run's latest complete step."""
+    return {
+        rank: RankView(
+            step=row[STEP],
+            loss=_float(row[LOSS]),
+            grad_norm=_float(row[GRAD_NORM]),
+            phases={phase: row[index] for phase, index in PHASE.items()},
+            memory_bytes=row[MEMORY],
+            peak_memory_bytes=row[PEAK_MEMORY],
+            dropped_records=row[DROPPED],
+            scores=state.detector.latest.get(rank),
+        )
+        for rank, row in state.latest.items()
+    }
+
+
+def _compute_seconds(row: Row) -> float:
+    """The rank's own work in the step: `compute` when the reporter measured it, else the step
+    time without the phases that are not the rank's own work (waits, data, checkpoint, replay)."""
+    if row[PHASE["compute"]] > 0:
+        return row[PHASE["compute"]]
+    others = ("comm_wait", "data", "checkpoint", "replay")
+    return row[PHASE["step"]] - sum(row[PHASE[phase]] for phase in others)
+
+
+def _float(value: float | None) -> float:
+    """A stored loss or gradient norm: None (NULL) stands for NaN."""
+    return math.nan if value is None else value
+
+
+def _straggler_event(row: Row, flag: StragglerFlag) -> telemetry_pb2.Event:
+    """The event of a flag, stamped with the time of the rank's record that completed the flag, so
+    a flag raised again from resent records is recognised as the same event."""
+    scores = flag.scores
+    event = telemetry_pb2.Event(
+        run_id=row[RUN_ID],
+        step=flag.step,
+        rank=flag.rank,
+        kind=telemetry_pb2.EVENT_KIND_STRAGGLER,
+        message=(
+            f"rank {flag.rank} computes {1 / scores.relative:.1f}x slower than the median of the "
+            f"other ranks since step {flag.since_step}"
+        ),
+        attributes={
+            "since_step": str(flag.since_step),
+            "relative_score": f"{scores.relative:.3f}",
+            "individual_score": f"{scores.individual:.3f}",
+            "compute_s": f"{scores.compute_s:.6f}",
+            "peers_s": f"{scores.peers_s:.6f}",
+            "attempt": str(row[ATTEMPT]),
+        },
+    )
+    event.time.FromDatetime(_as_datetime(row[TIME]))
+    return event
+
+
+def _as_datetime(stored: datetime | str) -> datetime:
+    """A row's time, stored as text (SQLite) or as an aware datetime (PostgreSQL)."""
+    if isinstance(stored, datetime):
+        return stored
+    return datetime.fromisoformat(stored).replace(tzinfo=UTC)
