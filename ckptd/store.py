@@ -515,7 +515,7 @@ class CheckpointStore:
     def write_file(
         self,
         header: checkpoint_pb2.FileHeader,
-        chunks: Iterable[checkpoint_pb2.FileChunk],
+        chunks: Iterable[checkpoint_pb2.FileChunk | Chunk],
         trailer: checkpoint_pb2.FileTrailer,
     ) -> FileRecord:
         """Receive a whole file: chunks in order, each CRC-checked, then size and SHA-256."""
