@@ -7,6 +7,7 @@ figures taken side by side means something.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import subprocess
@@ -33,6 +34,15 @@ MiB = 1 << 20
 def payload(mib: int) -> bytes:
     """`mib` MiB of random bytes (incompressible: nothing gets faster by compressing)."""
     return os.urandom(mib * MiB)
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every ckptd benchmark takes: the shard size and how many runs to take the
+    best of."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="shard size in MiB")
+    parser.add_argument("--runs", type=int, default=3, help="best of this many runs each")
+    return parser
 
 
 def best_of(runs: int, *measures: Callable[[], float]) -> list[float]:

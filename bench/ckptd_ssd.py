@@ -16,12 +16,11 @@ Run: `.venv/bin/python bench/ckptd_ssd.py [--mib 256] [--runs 3]`.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import tempfile
 from pathlib import Path
 
-from ckptd_common import MiB, best_of, chunked, line, payload, save_one_shard, timed
+from ckptd_common import MiB, bench_parser, best_of, chunked, line, payload, save_one_shard, timed
 
 from ckptd.config import CkptdConfig
 from ckptd.manifest import FileRecord, Manifest
@@ -49,9 +48,7 @@ def tier_commit(tier: SsdTier, step: int, shard: list[memoryview], size: int) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256, help="shard size in MiB")
-    parser.add_argument("--runs", type=int, default=3, help="best of this many runs each")
+    parser = bench_parser(__doc__)
     args = parser.parse_args()
     data = payload(args.mib)
     shard = chunked(data)
