@@ -7,6 +7,7 @@ figures taken side by side means something.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import subprocess
@@ -15,15 +16,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import google_crc32c
-
 from ckptd.store import CheckpointStore
+from ckptd.wire import Chunk, crc32c
 from scaletrain.rpc import CHUNK_BYTES
 from scaletrain.v1.checkpoint_pb2 import (
     FILE_KIND_METADATA,
     FILE_KIND_SHARD,
     CheckpointRef,
-    FileChunk,
     FileHeader,
     FileTrailer,
 )
@@ -35,6 +34,15 @@ MiB = 1 << 20
 def payload(mib: int) -> bytes:
     """`mib` MiB of random bytes (incompressible: nothing gets faster by compressing)."""
     return os.urandom(mib * MiB)
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every ckptd benchmark takes: the shard size and how many runs to take the
+    best of."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="shard size in MiB")
+    parser.add_argument("--runs", type=int, default=3, help="best of this many runs each")
+    return parser
 
 
 def best_of(runs: int, *measures: Callable[[], float]) -> list[float]:
@@ -84,13 +92,14 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def chunked(data: bytes) -> tuple[list[FileChunk], FileTrailer]:
-    """`data` as a client sends it: 4 MiB chunks with their CRC-32C, and its trailer."""
+def chunked(data: bytes) -> tuple[list[Chunk], FileTrailer]:
+    """`data` as ckptd's servicer hands it to the store: 4 MiB chunks (views, as `ckptd.wire`
+    decodes them) with their CRC-32C, and the file's trailer."""
     view = memoryview(data)
     chunks = []
     for offset in range(0, len(data), CHUNK_BYTES):
-        piece = bytes(view[offset : offset + CHUNK_BYTES])
-        chunks.append(FileChunk(offset=offset, data=piece, crc32c=google_crc32c.value(piece)))
+        piece = view[offset : offset + CHUNK_BYTES]
+        chunks.append(Chunk(offset, piece, crc32c(piece)))
     return chunks, FileTrailer(size=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 

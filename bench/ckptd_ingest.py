@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import grpc
-from ckptd_common import CkptdProcess, best_of, line, payload, timed
+from ckptd_common import CkptdProcess, bench_parser, best_of, line, payload, timed
 
 from ckptd.client import CkptdClient
 from scaletrain.rpc import CHUNK_BYTES, make_channel, make_server
@@ -75,9 +75,7 @@ def _child(*flag: str) -> tuple[subprocess.Popen[str], int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256, help="shard size in MiB")
-    parser.add_argument("--runs", type=int, default=3, help="best of this many runs each")
+    parser = bench_parser(__doc__)
     parser.add_argument("--serve-tcp", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-grpc", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -9,12 +9,11 @@ Run: `.venv/bin/python bench/ckptd_restore.py [--mib 256] [--runs 3]`.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import tempfile
 from pathlib import Path
 
-from ckptd_common import CkptdProcess, best_of, line, payload, timed
+from ckptd_common import CkptdProcess, bench_parser, best_of, line, payload, timed
 
 from ckptd.client import CkptdClient
 from scaletrain.v1 import checkpoint_pb2, common_pb2
@@ -29,9 +28,7 @@ def drop_page_cache() -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256, help="shard size in MiB")
-    parser.add_argument("--runs", type=int, default=3, help="best of this many runs each")
+    parser = bench_parser(__doc__)
     args = parser.parse_args()
     data = payload(args.mib)
     with tempfile.TemporaryDirectory(prefix="ckptd-bench-") as tmp:

@@ -12,7 +12,6 @@ Run: `.venv/bin/python bench/ckptd_s3.py [--mib 256] [--runs 3]`.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import boto3
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from ckptd_common import MiB, best_of, chunked, line, payload, save_one_shard, timed
+from ckptd_common import MiB, bench_parser, best_of, chunked, line, payload, save_one_shard, timed
 
 from ckptd.config import CkptdConfig, S3Config
 from ckptd.retention import RetentionPolicy
@@ -34,9 +33,7 @@ COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256, help="shard size in MiB")
-    parser.add_argument("--runs", type=int, default=3, help="best of this many runs each")
+    parser = bench_parser(__doc__)
     args = parser.parse_args()
     data = payload(args.mib)
     shard = chunked(data)

@@ -313,6 +313,12 @@ class Catalog:
         rows = self._query("SELECT run, step FROM deletions ORDER BY queued_at")
         return [CheckpointKey(run, step) for run, step in rows]
 
+    def deleting(self, key: CheckpointKey) -> bool:
+        """Whether `key`'s S3 objects are queued for removal."""
+        return bool(
+            self._query("SELECT 1 FROM deletions WHERE run = ? AND step = ?", (key.run, key.step))
+        )
+
     def deletion_done(self, key: CheckpointKey) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM deletions WHERE run = ? AND step = ?", (key.run, key.step))

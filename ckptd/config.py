@@ -73,6 +73,9 @@ class CkptdConfig:
     abandon_after_s: float = 600.0
     # HOST:PORT for the Prometheus metrics endpoint; None: no endpoint.
     metrics_listen: str | None = None
+    # Apply retention, upload what S3 lacks and abort abandoned saves. The command line's offline
+    # store turns it off, so that listing, verifying or exporting never changes what is stored.
+    maintain: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))

@@ -1,12 +1,14 @@
-"""Receiving one file of a save: a three-stage pipeline so the gRPC thread only receives.
+"""Receiving one file of a save: a pipeline in which the gRPC thread only receives.
 
 The gRPC thread checks each chunk's size and place in the file, reserves its bytes in the memory
-budget (waiting when the budget is full: backpressure) and queues it. A verifier thread checks
-the chunk's CRC-32C and feeds the file's SHA-256 and per-block CRCs; a writer thread appends it to
-an SSD file, and either keeps it for the memory tier or releases its memory. SHA-256, CRC and
-file writes release the GIL, so the three stages overlap. The WriteFile reply waits only for the
-verifier (it reports the SHA-256 check); the disk catches up behind it, and a commit waits for
-the disk, because a checkpoint is committed only once it is durable.
+budget (waiting when the budget is full: backpressure) and hands the chunk to two threads that
+work side by side: a verifier checks its CRC-32C and feeds the file's SHA-256 and per-block CRCs,
+and a writer appends it to a temporary SSD file and keeps it for the memory tier. SHA-256, CRC and
+file writes release the GIL, so receiving, hashing and writing overlap. A chunk's memory is
+released once it is both verified and written (unless the memory tier keeps it). The WriteFile
+reply waits only for the verifier (it reports the SHA-256 check); the temporary file joins the
+save only after that check, and a commit waits for the disk, because a checkpoint is committed
+only once it is durable.
 
 A chunk whose bytes do not match its CRC, or a file whose bytes do not match its trailer, is bad
 input (INVALID_ARGUMENT): the client sent something other than what it described and must send
@@ -19,6 +21,7 @@ import hashlib
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from ckptd.manifest import FileRecord
@@ -60,7 +63,10 @@ class FileUpload:
         self._metrics = metrics
         self._lock = threading.Lock()
         self._size = 0
-        self._inflight = 0  # reserved bytes not yet on disk
+        self._inflight = 0  # reserved bytes not yet both verified and written
+        self._verified_to = 0  # the verifier is done with bytes [0, _verified_to)
+        # Chunks on disk whose memory waits for the verifier: (end offset, bytes, kept).
+        self._unsettled: deque[tuple[int, int, bool]] = deque()
         self._memory: MemoryFile | None = MemoryFile() if retain else None
         self._error: ScaletrainError | None = None
         self._cancelled = False
@@ -69,7 +75,7 @@ class FileUpload:
         self._to_verify: queue.SimpleQueue[tuple[int, bytes | memoryview, int] | None] = (
             queue.SimpleQueue()
         )
-        self._to_disk: queue.SimpleQueue[Data | None] = queue.SimpleQueue()
+        self._to_disk: queue.SimpleQueue[tuple[int, Data] | None] = queue.SimpleQueue()
         self._written = threading.Event()
         self._verifier = threading.Thread(target=self._verify_loop, daemon=True)
         self._writer = threading.Thread(target=self._write_loop, daemon=True)
@@ -97,6 +103,7 @@ class FileUpload:
         self._size += len(data)
         self.touched = time.monotonic()
         self._to_verify.put((chunk.offset, data, chunk.crc32c))
+        self._to_disk.put((chunk.offset, data))
 
     def verified(self) -> None:
         """Wait until every chunk so far is verified; raise what the verifier found wrong."""
@@ -184,47 +191,56 @@ class FileUpload:
     def _verify_loop(self) -> None:
         while (item := self._to_verify.get()) is not None:
             offset, data, crc = item
-            if self._cancelled or self._error is not None:
-                self._drop(len(data))
-                continue
-            actual = crc32c(data)
-            if actual != crc:
-                self._fail(
-                    InvalidArgument(
-                        f"{self.path}: CRC-32C mismatch in chunk at offset {offset} "
-                        f"(sent {crc:08x}, received bytes give {actual:08x})"
+            if not self._cancelled and self._error is None:
+                actual = crc32c(data)
+                if actual != crc:
+                    self._fail(
+                        InvalidArgument(
+                            f"{self.path}: CRC-32C mismatch in chunk at offset {offset} "
+                            f"(sent {crc:08x}, received bytes give {actual:08x})"
+                        )
                     )
-                )
-                self._drop(len(data))
-                continue
-            self._sha.update(data)
-            self._crcs.update(data)
-            self._to_disk.put(data)
+                else:
+                    self._sha.update(data)
+                    self._crcs.update(data)
+            with self._lock:
+                self._verified_to = offset + len(data)
+            self._settle()
 
-    def _drop(self, nbytes: int) -> None:
+    def _settle(self, final: bool = False) -> None:
+        """Release the memory of written chunks the verifier is done with (all, if `final`).
+
+        Both threads call it: the writer after each write, the verifier after each check.
+        """
+        released = 0
         with self._lock:
-            self._inflight -= nbytes
-        self._budget.release(nbytes)
+            while self._unsettled and (final or self._unsettled[0][0] <= self._verified_to):
+                _end, nbytes, kept = self._unsettled.popleft()
+                self._inflight -= nbytes
+                if not kept:
+                    released += nbytes
+        if released:
+            self._budget.release(released)
 
     def _write_loop(self) -> None:
         started = time.perf_counter()
-        while (data := self._to_disk.get()) is not None:
-            if self._cancelled or self._error is not None:
-                self._drop(len(data))
-                continue
-            try:
-                self.incoming.write(data)
-            except OSError as exc:
-                self._fail(Unavailable(f"{self.path}: ckptd cannot write to its SSD: {exc}"))
-                self._drop(len(data))
-                continue
+        while (item := self._to_disk.get()) is not None:
+            offset, data = item
+            kept = False
+            if not self._cancelled and self._error is None:
+                try:
+                    self.incoming.write(data)
+                except OSError as exc:
+                    self._fail(Unavailable(f"{self.path}: ckptd cannot write to its SSD: {exc}"))
+                with self._lock:
+                    if self._memory is not None and self._error is None:
+                        self._memory.append(data)
+                        kept = True
             with self._lock:
-                self._inflight -= len(data)
-                keep = self._memory is not None
-                if keep:
-                    self._memory.append(data)
-            if not keep:
-                self._budget.release(len(data))
+                self._unsettled.append((offset + len(data), len(data), kept))
+            self._settle()
+        self._verifier.join()  # finish() or cancel() ended it before ending this loop
+        self._settle(final=True)
         try:
             if self._cancelled or self._error is not None:
                 self.incoming.discard()

@@ -278,7 +278,7 @@ class CheckpointStore:
                 self._background = BackgroundQueue(
                     "ckptd-s3", self._s3_job_failed, config.s3.backoff_s, config.s3.backoff_max_s
                 )
-                self._background.submit(("sync",), self._sync_s3)
+                self._background.submit(("sync", None), self._sync_s3)
             else:
                 for run in self.catalog.runs():
                     self._apply_retention(run)
@@ -291,8 +291,8 @@ class CheckpointStore:
             config.memory_budget_bytes,
             lambda: len(self._saves),
         )
-        self._janitor = threading.Thread(target=self._janitor_loop, name="ckptd-gc", daemon=True)
-        self._janitor.start()
+        if config.maintain:
+            threading.Thread(target=self._janitor_loop, name="ckptd-gc", daemon=True).start()
 
     # -- startup ---------------------------------------------------------------------------------
 
@@ -353,9 +353,10 @@ class CheckpointStore:
         """Background: reconcile the catalog with S3's markers, then queue what S3 still owes."""
         assert self.s3 is not None
         listed = set(self.s3.list())
-        deleting = set(self.catalog.deletions())
-        for key in sorted(listed - deleting):
+        for key in sorted(listed):
             with self._lock:
+                if self.catalog.deleting(key):
+                    continue  # removed (maybe just now, by a delete racing this sync)
                 save = self.catalog.save_of(key)
                 known = save is not None and save.state == COMMITTED
                 state = self.catalog.tier_state(key, S3) if known else ABSENT
@@ -365,6 +366,10 @@ class CheckpointStore:
             if manifest is None:
                 continue
             with self._lock:
+                if self.catalog.deleting(key):
+                    continue
+                save = self.catalog.save_of(key)
+                known = save is not None and save.state == COMMITTED
                 ours = self.catalog.manifest(key) if known else None
                 if ours is None and save is not None and save.state == OPEN:
                     continue  # a new save of this step is in progress; it will overwrite S3
@@ -379,7 +384,7 @@ class CheckpointStore:
             for key in self.catalog.committed_on(S3):
                 if key not in listed:
                     self.catalog.set_tier(key, S3, ABSENT, error="marker missing on S3")
-            for key in deleting:
+            for key in self.catalog.deletions():
                 self._queue_s3_removal(key)
             for run in self.catalog.runs():
                 self._apply_retention(run)
@@ -437,12 +442,13 @@ class CheckpointStore:
                 if stale is not None and stale.committing:
                     raise FailedPrecondition(f"checkpoint {key} is being committed right now")
                 self._drop_save(existing.save_id)
-            if key in self.catalog.deletions():
+            if self.catalog.deleting(key):
                 raise FailedPrecondition(
                     f"checkpoint {key} is still being removed from S3; save it again later"
                 )
-            if retention is not None:
-                self.catalog.set_policy(key.run, retention)
+            if retention is not None or self.catalog.policy(key.run) is None:
+                # A run keeps the policy it started with, even if ckptd's default changes.
+                self.catalog.set_policy(key.run, retention or self.config.retention)
             save_id = uuid.uuid4().hex
             self.catalog.open_save(key, save_id, world_size, dict(labels or {}))
             self.ssd.staging_dir(save_id).mkdir(parents=True)
@@ -515,7 +521,7 @@ class CheckpointStore:
     def write_file(
         self,
         header: checkpoint_pb2.FileHeader,
-        chunks: Iterable[checkpoint_pb2.FileChunk],
+        chunks: Iterable[checkpoint_pb2.FileChunk | Chunk],
         trailer: checkpoint_pb2.FileTrailer,
     ) -> FileRecord:
         """Receive a whole file: chunks in order, each CRC-checked, then size and SHA-256."""
@@ -707,6 +713,8 @@ class CheckpointStore:
 
         Called with the lock held after every tier commit, and at startup.
         """
+        if not self.config.maintain:
+            return
         states = self.catalog.run_states(run)
         on_s3 = [s for s, tiers in states.items() if tiers.get(S3) == TIER_COMMITTED]
         wants = wanted(self.policy(run), list(states), on_s3, has_s3=self.s3 is not None)
@@ -1006,7 +1014,7 @@ class CheckpointStore:
                 self.catalog.deletion_done(key)
 
     def _s3_job_failed(self, job_id: object, exc: BaseException, retry_in: float) -> None:
-        kind, key = job_id if isinstance(job_id, tuple) and len(job_id) == 2 else (job_id, None)
+        kind, key = job_id  # type: ignore[misc]  # ("sync" | "upload" | "remove", key)
         reason = f"{describe(exc)} (retrying in {retry_in:.1f}s)"
         self.metrics.failed(S3, str(kind))
         log.warning("S3 job %s failed: %s", job_id, reason)

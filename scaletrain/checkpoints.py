@@ -138,6 +138,7 @@ def _offline_store(workdir: Path, needs_s3: bool) -> Iterator[CheckpointStore]:
             data_dir=wd.ckptd,
             memory_budget_bytes=0,
             s3=s3.s3_config(S3_BUCKET) if s3 is not None else None,
+            maintain=False,
         )
         with CheckpointStore(config) as store:
             yield store

@@ -10,7 +10,8 @@ from the disk. Crash safety comes from the layout, not from bookkeeping:
   temporary name, fsyncs it, renames it, fsyncs the staging dirs, renames the staging dir to
   `<run>/<step>` and fsyncs the parent: a checkpoint directory exists complete, with its marker,
   or not at all, and its marker is what a restart (or a lost catalog) trusts;
-- delete renames the checkpoint into `.trash/` first, so it disappears at once.
+- delete renames the checkpoint into `.trash/`, so it disappears at once, and empties the trash
+  in the background.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import BinaryIO
@@ -171,6 +173,10 @@ class SsdTier:
         return sorted(keys)
 
     def _trash(self, target: Path) -> None:
+        """Rename `target` away at once; its files are removed in the background (a crash leaves
+        them for `clean_leftovers`), so deleting a big checkpoint never holds up a commit."""
         doomed = self.root / _TRASH / uuid.uuid4().hex
         os.rename(target, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        threading.Thread(
+            target=shutil.rmtree, args=(doomed, True), name="ckptd-trash", daemon=True
+        ).start()
