@@ -141,6 +141,11 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, caster: Caster, training: bool):
+        with torch.autocast(x.device.type, enabled=False):  # the products' precision is ours
+            return _Fp8Matmul._forward(ctx, x, weight, caster, training)
+
+    @staticmethod
+    def _forward(ctx, x: torch.Tensor, weight: torch.Tensor, caster: Caster, training: bool):
         x_dims = (1, 0) if training and weight.requires_grad else (1,)
         x_rows, *x_cols = caster.cast(x, Role.INPUT, x_dims, record=training)
         w_dims = (1, 0) if training and x.requires_grad else (1,)
@@ -155,6 +160,11 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
+        with torch.autocast(grad_y.device.type, enabled=False):
+            return _Fp8Matmul._backward(ctx, grad_y)
+
+    @staticmethod
+    def _backward(ctx, grad_y: torch.Tensor):
         caster: Caster = ctx.caster
         saved = iter(ctx.saved_tensors)
         x_cols, w_cols = (
@@ -201,6 +211,9 @@ class Fp8Linear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
     def _matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # as nn.Linear would: output in autocast's dtype
+            x = x.to(torch.get_autocast_dtype(device))
         flat = x.reshape(-1, x.shape[-1])
         y = _Fp8Matmul.apply(flat, weight, self.caster, torch.is_grad_enabled())
         return y.reshape(*x.shape[:-1], weight.shape[0])
