@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from trainer.fp8 import DEFAULT_KEEP_HIGH_PRECISION, RECIPE_CHOICES, make_recipe
 from trainer.model.llama import ModelArgs
 
 
@@ -30,6 +31,11 @@ class TrainConfig:
     dp_shard: int = -1
     corpus_bytes: int = 4 << 20
     log_every: int = 10
+    # FP8 linears: a recipe of trainer.fp8 or "none", the linears kept in high precision by
+    # name, and KEY=VALUE changes to the recipe (formats, amax history, margin).
+    fp8: str = "none"
+    fp8_keep_high_precision: tuple[str, ...] = DEFAULT_KEEP_HIGH_PRECISION
+    fp8_options: tuple[str, ...] = ()
     model: ModelArgs = field(default_factory=ModelArgs)
 
     def __post_init__(self) -> None:
@@ -45,6 +51,10 @@ class TrainConfig:
             )
         if not self.run_id or "/" in self.run_id or self.run_id.startswith("."):
             raise ValueError(f"--run-id {self.run_id!r} must be a non-empty name without '/'")
+        if self.fp8 != "none":
+            make_recipe(self.fp8, self.fp8_options)
+        elif self.fp8_options:
+            raise ValueError("--fp8-option needs --fp8 with a recipe")
 
     def to_json_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -78,6 +88,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--n-heads", type=int, default=ModelArgs.n_heads)
     p.add_argument("--n-kv-heads", type=int, default=ModelArgs.n_kv_heads)
     p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
+    p.add_argument(
+        "--fp8", default=TrainConfig.fp8, choices=RECIPE_CHOICES, help="FP8 recipe of the linears"
+    )
+    p.add_argument(
+        "--fp8-keep-high-precision",
+        type=lambda names: tuple(n for n in names.split(",") if n),
+        default=TrainConfig.fp8_keep_high_precision,
+        metavar="NAME,...",
+        help="linears kept out of FP8, matched by dotted name parts "
+        f"(default: {','.join(DEFAULT_KEEP_HIGH_PRECISION)})",
+    )
+    p.add_argument(
+        "--fp8-option",
+        dest="fp8_options",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change the recipe: forward_format, backward_format (e4m3|e5m2), amax_history_len, "
+        "amax_compute (max|most_recent), margin, power_of_two_scales",
+    )
     return p
 
 
@@ -101,5 +131,8 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         dp_replicate=args.dp_replicate,
         dp_shard=args.dp_shard,
         log_every=args.log_every,
+        fp8=args.fp8,
+        fp8_keep_high_precision=args.fp8_keep_high_precision,
+        fp8_options=tuple(args.fp8_options),
         model=model,
     )

@@ -25,6 +25,7 @@ from trainer.checkpoint.digest import probe_logits_sha256, state_sha256
 from trainer.config import TrainConfig
 from trainer.data.corpus import stdlib_corpus
 from trainer.data.loader import DeterministicLoader, LoaderOffset
+from trainer.fp8 import convert_to_fp8, make_recipe
 from trainer.model.llama import Transformer
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.fsdp import apply_fsdp
@@ -79,6 +80,10 @@ def train(cfg: TrainConfig) -> None:
     model.init_weights(cfg.seed)
     model.to(device)
     n_params = model.num_params()
+    fp8 = None
+    if cfg.fp8 != "none":
+        recipe = make_recipe(cfg.fp8, cfg.fp8_options)
+        fp8 = convert_to_fp8(model, recipe, cfg.fp8_keep_high_precision)
     apply_fsdp(model, mesh)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
@@ -94,7 +99,14 @@ def train(cfg: TrainConfig) -> None:
         reporter.register_run(cfg, world, dims.layout(), n_params, _hardware(device), corpus.sha256)
     checkpointer = (
         Checkpointer(
-            cfg.ckptd, cfg.run_id, model, optimizer, scheduler, loader, SavePolicy(cfg.ckpt_policy)
+            cfg.ckptd,
+            cfg.run_id,
+            model,
+            optimizer,
+            scheduler,
+            loader,
+            SavePolicy(cfg.ckpt_policy),
+            fp8=fp8,
         )
         if cfg.ckptd
         else None
@@ -110,6 +122,8 @@ def train(cfg: TrainConfig) -> None:
             f"steps {start_step + 1}..{cfg.steps}",
             flush=True,
         )
+        if fp8 is not None:
+            print(f"[trainer] {fp8.describe(device, torch.float32)}", flush=True)
     tokens_per_step = cfg.global_batch * cfg.seq_len
     local_tokens = tokens_per_step // dims.dp_size
     loss_sum = torch.zeros((), device=device)
@@ -164,6 +178,7 @@ def train(cfg: TrainConfig) -> None:
             elapsed = time.perf_counter() - run_start
             done = step - start_step
             note = f" | checkpoint staged in {saved.blocking_s:.3f}s" if saved else ""
+            note += f" | fp8 on rank 0: {fp8.summary()}" if fp8 is not None else ""
             print(
                 f"[trainer] step {step} loss {global_loss:.4f} "
                 f"tok/s {done * tokens_per_step / elapsed:,.0f}{note}",
