@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dp-replicate", type=int)
     run.add_argument("--dim", type=int)
     run.add_argument("--n-layers", type=int)
+    run.add_argument("--fp8", metavar="RECIPE", help="FP8 recipe of the linears (default none)")
 
     ckptd = sub.add_parser("ckptd", help="serve the checkpoint daemon")
     ckptd.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT")
@@ -129,6 +130,13 @@ def _run(args: argparse.Namespace) -> int:
     from scaletrain.embedded import RunOptions, run
     from scaletrain.stack import Workdir
 
+    if args.fp8 is not None:
+        from trainer.fp8.recipes import RECIPE_CHOICES
+
+        if args.fp8 not in RECIPE_CHOICES:
+            raise UserError(
+                f"--fp8 {args.fp8!r} is not a recipe; valid: {', '.join(RECIPE_CHOICES)}"
+            )
     passthrough = {
         "--seq-len": args.seq_len,
         "--global-batch": args.global_batch,
@@ -137,6 +145,7 @@ def _run(args: argparse.Namespace) -> int:
         "--n-layers": args.n_layers,
         "--ckpt-policy": args.ckpt_policy,
         "--log-every": args.log_every,
+        "--fp8": args.fp8,
     }
     trainer_args = [x for k, v in passthrough.items() if v is not None for x in (k, str(v))]
     options = RunOptions(
