@@ -56,22 +56,23 @@ class Quantized:
 class QuantStats:
     """Running counts of quantized, saturated and underflowed values (int64 tensors on a device).
 
-    Counting costs two comparisons and two sums per quantization, and never a host sync:
-    `counts()` is the only call that reads the numbers back.
+    Counting never syncs with the host (`counts()` is the only call that reads the numbers back)
+    and costs little: underflow is the drop in nonzero values from the source to its FP8 bytes
+    (a cast never makes a zero nonzero), saturation is only counted where it can happen.
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.totals = torch.zeros(3, dtype=torch.int64, device=device)
 
-    def record(self, scaled: torch.Tensor, source: torch.Tensor, fmt: Fp8Format) -> None:
-        """Count `scaled` (the source times its scales, before clamping) against `fmt`'s range."""
-        magnitude = scaled.abs()
-        saturated = (magnitude > fmt.saturation_threshold).sum()
-        # Round-to-nearest-even sends exactly half the smallest subnormal to zero as well.
-        underflow = ((magnitude <= fmt.min_subnormal / 2) & (source != 0)).sum()
-        self.totals[0] += scaled.numel()
-        self.totals[1] += saturated
-        self.totals[2] += underflow
+    def record(
+        self, source: torch.Tensor, data: torch.Tensor, saturated: torch.Tensor | None
+    ) -> None:
+        """Count the cast of `source` to FP8 `data`, `saturated` of its values clipped."""
+        self.totals[0] += source.numel()
+        if saturated is not None:
+            self.totals[1] += saturated
+        magnitude_bits = data.view(torch.uint8) & 0x7F  # FP8 zero: every bit but the sign clear
+        self.totals[2] += torch.count_nonzero(source) - torch.count_nonzero(magnitude_bits)
 
     def counts(self) -> dict[str, int]:
         values, saturated, underflow = (int(x) for x in self.totals.tolist())
@@ -133,14 +134,21 @@ def quantize_with_scale(
     block: tuple[int, int],
     scale: torch.Tensor,
     stats: QuantStats | None = None,
+    *,
+    may_saturate: bool = True,
 ) -> Quantized:
-    """Cast 2-D `x` to `fmt` with the given per-block quantization `scale`, saturating at max."""
+    """Cast 2-D `x` to `fmt` with the given per-block quantization `scale`, saturating at max.
+
+    Values beyond the format's range are clipped and, with `stats`, counted; a caller whose
+    scale comes from `x`'s own amax passes `may_saturate=False`, as nothing can clip then.
+    """
     rows, cols = x.shape
     grid = (rows // block[0], 1, cols // block[1], 1)
     scaled = _blocks(x, block).float() * scale.reshape(grid)
-    if stats is not None:
-        stats.record(scaled, _blocks(x, block), fmt)
     data = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype).reshape(rows, cols)
+    if stats is not None:
+        clipped = scaled.abs() > fmt.saturation_threshold if may_saturate else None
+        stats.record(x, data, None if clipped is None else torch.count_nonzero(clipped))
     return Quantized(data, scale.reshape(grid[0], grid[2]).reciprocal(), block, fmt)
 
 
@@ -152,6 +160,6 @@ def quantize(
     power_of_two: bool = False,
     stats: QuantStats | None = None,
 ) -> Quantized:
-    """Dynamic scaling: each block's scale comes from its own current amax."""
+    """Dynamic scaling: each block's scale comes from its own current amax, so nothing clips."""
     scale = scale_for_amax(block_amax(x, block), fmt, power_of_two=power_of_two)
-    return quantize_with_scale(x, fmt, block, scale, stats)
+    return quantize_with_scale(x, fmt, block, scale, stats, may_saturate=False)
