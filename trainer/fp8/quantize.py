@@ -144,8 +144,10 @@ def quantize_with_scale(
     """
     rows, cols = x.shape
     grid = (rows // block[0], 1, cols // block[1], 1)
-    scaled = _blocks(x, block).float() * scale.reshape(grid)
-    data = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype).reshape(rows, cols)
+    # The cast comes last, so `data` is a tensor of its own, never a view (torch.compile keeps
+    # views of an autograd.Function's intermediates out of what it may save for backward).
+    scaled = (_blocks(x, block).float() * scale.reshape(grid)).reshape(rows, cols)
+    data = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype)
     if stats is not None:
         clipped = scaled.abs() > fmt.saturation_threshold if may_saturate else None
         stats.record(x, data, None if clipped is None else torch.count_nonzero(clipped))
