@@ -56,6 +56,7 @@ TRAINER_FLAGS: dict[str, type] = {
     "--topk-groups": int,
     "--ckpt-policy": str,
     "--log-every": int,
+    "--fp8": str,
 }
 
 
@@ -210,6 +211,13 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
         if value is not None:
             trainer_args += [flag, str(value)]
+    if args.fp8 is not None:
+        from trainer.fp8.recipes import RECIPE_CHOICES
+
+        if args.fp8 not in RECIPE_CHOICES:
+            raise UserError(
+                f"--fp8 {args.fp8!r} is not a recipe; valid: {', '.join(RECIPE_CHOICES)}"
+            )
     faults = {
         flag: getattr(args, flag.removeprefix("--").replace("-", "_"))
         for flag in health.FAULT_FLAGS

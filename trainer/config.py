@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from trainer import health
+from trainer.fp8 import DEFAULT_KEEP_HIGH_PRECISION, RECIPE_CHOICES, make_recipe
 from trainer.health.faults import FaultPlan
 from trainer.model.llama import ModelArgs
 from trainer.model.moe import BALANCE_MODES, MoEArgs
@@ -55,6 +56,11 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     corpus_bytes: int = 4 << 20
     log_every: int = 10
+    # FP8 linears: a recipe of trainer.fp8 or "none", the linears kept in high precision by
+    # name, and KEY=VALUE changes to the recipe (formats, amax history, margin).
+    fp8: str = "none"
+    fp8_keep_high_precision: tuple[str, ...] = DEFAULT_KEEP_HIGH_PRECISION
+    fp8_options: tuple[str, ...] = ()
     model: ModelArgs = field(default_factory=ModelArgs)
     # What the step guard does with a suspicious step (see trainer.health.guard).
     health_policy: str = "rollback"
@@ -83,6 +89,10 @@ class TrainConfig:
             raise ValueError(
                 f"--peak-flops must be a positive FLOP/s figure, got {self.peak_flops}"
             )
+        if self.fp8 != "none":
+            make_recipe(self.fp8, self.fp8_options)
+        elif self.fp8_options:
+            raise ValueError("--fp8-option needs --fp8 with a recipe")
 
     def to_json_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -136,6 +146,26 @@ def parser() -> argparse.ArgumentParser:
     par.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 reduce")
     par.add_argument("--activation-checkpointing", action="store_true")
     health.add_arguments(p)
+    p.add_argument(
+        "--fp8", default=TrainConfig.fp8, choices=RECIPE_CHOICES, help="FP8 recipe of the linears"
+    )
+    p.add_argument(
+        "--fp8-keep-high-precision",
+        type=lambda names: tuple(n for n in names.split(",") if n),
+        default=TrainConfig.fp8_keep_high_precision,
+        metavar="NAME,...",
+        help="linears kept out of FP8, matched by dotted name parts "
+        f"(default: {','.join(DEFAULT_KEEP_HIGH_PRECISION)})",
+    )
+    p.add_argument(
+        "--fp8-option",
+        dest="fp8_options",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change the recipe: forward_format, backward_format (e4m3|e5m2), amax_history_len, "
+        "amax_compute (max|most_recent), margin, power_of_two_scales",
+    )
     return p
 
 
@@ -176,6 +206,9 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr,
         parallel=parallel,
         log_every=args.log_every,
+        fp8=args.fp8,
+        fp8_keep_high_precision=args.fp8_keep_high_precision,
+        fp8_options=tuple(args.fp8_options),
         model=model,
         health_policy=args.health_policy or TrainConfig.health_policy,
         peak_flops=args.peak_flops,

@@ -25,6 +25,7 @@ from trainer.checkpoint.digest import probe_logits_sha256, state_sha256
 from trainer.config import TrainConfig
 from trainer.data.corpus import stdlib_corpus
 from trainer.data.loader import DeterministicLoader, LoaderOffset
+from trainer.fp8 import convert_to_fp8, make_recipe
 from trainer.health.guard import StepGuard, replica_groups
 from trainer.health.inject import FaultInjector
 from trainer.model.llama import Transformer
@@ -86,6 +87,11 @@ def train(cfg: TrainConfig) -> None:
     model.init_weights(cfg.seed)
     model.to(device)
     n_params = model.num_params()
+    # FP8 swaps the linears before the layout wraps them (TP shards them, FSDP2 shards them).
+    fp8 = None
+    if cfg.fp8 != "none":
+        recipe = make_recipe(cfg.fp8, cfg.fp8_options)
+        fp8 = convert_to_fp8(model, recipe, cfg.fp8_keep_high_precision)
     parallel = parallelize(model, mesh, cfg, device)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
@@ -109,7 +115,14 @@ def train(cfg: TrainConfig) -> None:
     )  # fmt: skip
     checkpointer = (
         Checkpointer(
-            cfg.ckptd, cfg.run_id, model, optimizer, scheduler, loader, SavePolicy(cfg.ckpt_policy)
+            cfg.ckptd,
+            cfg.run_id,
+            model,
+            optimizer,
+            scheduler,
+            loader,
+            SavePolicy(cfg.ckpt_policy),
+            fp8=fp8,
         )
         if cfg.ckptd
         else None
@@ -126,6 +139,8 @@ def train(cfg: TrainConfig) -> None:
             f"steps {start_step + 1}..{cfg.steps}",
             flush=True,
         )
+        if fp8 is not None:
+            print(f"[trainer] {fp8.describe(device, torch.float32)}", flush=True)
     tokens_per_step = cfg.global_batch * cfg.seq_len
     # Each rank reports its share, so the tokens of all ranks add up to the global batch's.
     local_tokens = tokens_per_step // world
@@ -192,6 +207,7 @@ def train(cfg: TrainConfig) -> None:
                 note += f" | expert load max/mean {expert_load.imbalance:.2f}"
             if parallel.pipeline is not None:
                 note += f" | pipeline bubble {parallel.pipeline.bubble_report()}"
+            note += f" | fp8 on rank 0: {fp8.summary()}" if fp8 is not None else ""
             print(
                 f"[trainer] step {step} loss {global_loss:.4f} "
                 f"tok/s {done * tokens_per_step / elapsed:,.0f}{note}",

@@ -7,7 +7,8 @@ request waits for it (policy "wait") or is skipped on every rank alike (policy "
 background failure is never swallowed: `poll` hands it to the loop at the next step.
 
 The state holds the model and optimizer (sharded DTensors, so DCP reshards them on load), the LR
-schedule, the step, the data loader's global sample index, and each rank's RNG states.
+schedule, the step, the data loader's global sample index, each rank's RNG states, and with FP8
+delayed scaling the amax histories (replicated on every rank, so saved once).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from scaletrain.v1 import checkpoint_pb2
 from trainer.checkpoint import rng
 from trainer.checkpoint.stager import HostStager
 from trainer.data.loader import DeterministicLoader
+from trainer.fp8 import Fp8Training
 
 
 class SavePolicy(enum.StrEnum):
@@ -69,11 +71,13 @@ class Checkpointer:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         loader: DeterministicLoader,
         policy: SavePolicy = SavePolicy.WAIT,
+        fp8: Fp8Training | None = None,
     ) -> None:
         self.address, self.run_id = address, run_id
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.loader = scheduler, loader
         self.policy = policy
+        self.fp8 = fp8
         self.rank = dist.get_rank()
         # Background saves run their collectives here, never on the training loop's group.
         self._group = dist.new_group(backend="gloo")
@@ -84,7 +88,7 @@ class Checkpointer:
 
     def _state(self, step: int) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {
+        state = {
             "model": model_state,
             "optim": optim_state,
             "train": {
@@ -94,6 +98,10 @@ class Checkpointer:
             },
             "rng": {rng.key(self.rank): rng.capture()},
         }
+        fp8_state = self.fp8.state_dict() if self.fp8 is not None else {}
+        if fp8_state:
+            state["fp8"] = fp8_state
+        return state
 
     def save(self, step: int, labels: dict[str, str]) -> SaveStarted | None:
         """Stage the state and start streaming it; None when skipped by policy (on every rank)."""
@@ -164,6 +172,9 @@ class Checkpointer:
             if f"rng.{rng.key(self.rank)}" not in saved_keys:
                 # A rank the saving job did not have (a larger world): its generators start fresh.
                 del state["rng"]
+            if "fp8" in state and not any(key.startswith("fp8.") for key in saved_keys):
+                # Saved without delayed scaling: the histories start empty, as in a new run.
+                del state["fp8"]
             dcp.load(state, storage_reader=reader)
         except CheckpointException as exc:
             cause = first_cause(exc)
@@ -181,4 +192,6 @@ class Checkpointer:
         self.loader.load_state_dict(train["loader"])
         if "rng" in state:
             rng.restore(state["rng"][rng.key(self.rank)])
+        if "fp8" in state:
+            self.fp8.load_state_dict(state["fp8"])
         return train

@@ -1,0 +1,156 @@
+"""Tokens/s of bf16 and of every FP8 recipe on one GPU, eager and compiled, side by side with the
+shared baseline (its bf16 and naive per-tensor FP8 step) run in the same command.
+
+    python bench/fp8_gpu.py                    # 8B-shaped layers: d=4096, ffn 14336, 8 layers,
+                                               # seq 8192, and ../shared/bench/h200_baseline.py
+    python bench/fp8_gpu.py --device cpu --dims 256,128,2,4,4,384,2,128 --steps 2 --baseline ""
+                                               # the tiny check that the script runs on a CPU
+
+DIMS is V,d,L,heads,kv_heads,ffn,batch,seq. Each configuration trains the trainer's own model
+(bf16 parameters and AdamW, as the baseline does) for --steps timed steps after three warm-up
+steps; compiled runs compile each transformer block, as the baseline does. The GEMM path of
+every FP8 product is reported with the figures. Results also go to $OUT/fp8_gpu.json.
+Targets (issue 4): per-tensor FP8 >= 1.35x bf16 and blockwise >= 1.2x, compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from trainer.fp8 import convert_to_fp8, make_recipe
+from trainer.fp8.recipes import RECIPES
+from trainer.model.llama import ModelArgs, Transformer
+
+BASELINE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "h200_baseline.py"
+EIGHT_B = "128256,4096,8,32,8,14336,2,8192"
+WARM_UP_STEPS = 3
+
+
+def model_args(vocab: int, dim: int, layers: int, heads: int, kv: int, ffn: int, seq: int):
+    """The trainer's ModelArgs with SwiGLU width exactly `ffn` (at least Llama's 8/3 x dim)."""
+    if ffn < int(8 * dim / 3):
+        raise ValueError(f"ffn {ffn} is below 8/3 x dim {dim}: ModelArgs cannot make it")
+    return ModelArgs(
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        vocab_size=vocab,
+        ffn_multiple_of=ffn,
+        max_seq_len=seq,
+    )
+
+
+def train_speed(
+    args: ModelArgs, recipe: str | None, compile_blocks: bool, device: str, batch: int, seq: int,
+    steps: int,
+) -> dict[str, object]:  # fmt: skip
+    """Tokens/s of `steps` training steps after the warm-up steps, and what ran."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Transformer(args).to(device, torch.bfloat16)
+    fp8 = convert_to_fp8(model, make_recipe(recipe)) if recipe else None
+    paths = fp8.describe(torch.device(device), torch.bfloat16) if fp8 else "bf16"
+    if compile_blocks:
+        for name, block in model.layers.items():
+            model.layers[name] = torch.compile(block)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    tokens = torch.randint(0, args.vocab_size, (batch, seq), device=device)
+
+    def step() -> torch.Tensor:
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    start = time.perf_counter()
+    for _ in range(WARM_UP_STEPS):  # compiled runs compile the backward pass in the first two
+        step()
+    sync()
+    warm = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    sync()
+    seconds = (time.perf_counter() - start) / steps
+    result = {
+        "tok_s": round(batch * seq / seconds),
+        "step_s": round(seconds, 4),
+        "warm_s": round(warm, 1),
+        "loss": round(loss.item(), 3),
+        "paths": paths,
+    }
+    if device == "cuda":
+        result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+        torch.cuda.reset_peak_memory_stats()
+    if fp8 is not None:
+        result["fp8_counts"] = fp8.counts()
+    return result
+
+
+def run_baseline(script: str, dims: list[int]) -> dict[str, object]:
+    """The shared baseline's compiled training step (bf16 and naive FP8) on the same shape."""
+    vocab, dim, layers, heads, _kv, ffn, batch, seq = dims
+    with tempfile.TemporaryDirectory() as out:
+        env = os.environ | {
+            "ONLY_TRAIN": "1",
+            "DIMS": f"{vocab},{dim},{layers},{heads},{ffn},{batch},{seq}",
+            "OUT": out,
+        }
+        subprocess.run([sys.executable, script], env=env, check=True, stdout=sys.stderr)
+        return json.loads((Path(out) / "anchor.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", default=EIGHT_B, help="V,d,L,heads,kv_heads,ffn,batch,seq")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--baseline", default=str(BASELINE), help='its path; "" to skip it')
+    parser.add_argument("--recipes", default=",".join(RECIPES))
+    args = parser.parse_args()
+    dims = [int(x) for x in args.dims.split(",")]
+    vocab, dim, layers, heads, kv, ffn, batch, seq = dims
+    margs = model_args(vocab, dim, layers, heads, kv, ffn, seq)
+    out = Path(os.environ.get("OUT", tempfile.gettempdir())) / "fp8_gpu.json"
+    report: dict[str, object] = {"torch": torch.__version__, "device": args.device, "dims": dims}
+    if args.device == "cuda":
+        report["gpu"] = torch.cuda.get_device_name()
+    if args.baseline:
+        report["baseline"] = run_baseline(args.baseline, dims)
+    for compile_blocks in (False, True):
+        mode = "compile" if compile_blocks else "eager"
+        for recipe in (None, *args.recipes.split(",")):
+            name = f"{recipe or 'bf16'} {mode}"
+            try:
+                report[name] = train_speed(
+                    margs, recipe, compile_blocks, args.device, batch, seq, args.steps
+                )
+            except Exception as exc:  # one failing configuration must not hide the others
+                report[name] = {"error": str(exc)[:400]}
+            bf16 = report.get(f"bf16 {mode}", {})
+            if "tok_s" in report[name] and "tok_s" in bf16:
+                report[name]["x_bf16"] = round(report[name]["tok_s"] / bf16["tok_s"], 3)
+            print(name, json.dumps(report[name]), flush=True)
+            out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Turn a model's linear layers into FP8 linears, and hold what the run needs of them afterwards.
+
+Only `nn.Linear` layers are converted, so embeddings, normalization and attention's softmax stay
+in their own precision by construction; the layers named in `keep_high_precision` (by default
+the output head and any MoE router) stay `nn.Linear`. A name matches a layer when its dotted
+parts appear in the layer's name in a row: "output" keeps `output`, "router" keeps
+`layers.3.moe.router.gate`, "layers.0" keeps every linear of the first block.
+
+Convert after moving the model to its device and before sharding it (FSDP2, tensor parallel):
+parameters are shared, not copied, so checkpoint keys and the optimizer see the same tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.fp8.delayed import AmaxHistory
+from trainer.fp8.linear import Caster, Fp8Linear, Fp8Plan, Gemm
+from trainer.fp8.recipes import Fp8Recipe
+
+DEFAULT_KEEP_HIGH_PRECISION = ("output", "router")
+
+
+@dataclass
+class Fp8Training:
+    """The FP8 side of a training run: its layers, delayed-scaling state and counters."""
+
+    recipe: Fp8Recipe
+    plan: Fp8Plan
+    layers: dict[str, Fp8Linear]
+    kept: list[str]
+    history: AmaxHistory | None
+
+    def update(self) -> None:
+        """Fold the last step's amax values into the delayed-scaling history (a collective).
+
+        Runs by itself before each forward pass of the converted model; a loop that never calls
+        that model's forward (a pipeline schedule) calls it once per step on every rank instead.
+        """
+        if self.history is not None:
+            self.history.update()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint must keep for a bit-identical resume: the amax histories, if any."""
+        return {} if self.history is None else self.history.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.history is not None:
+            self.history.load_state_dict(state)
+
+    def counts(self) -> dict[str, int]:
+        """Values cast to FP8 so far on this rank, and how many saturated or underflowed."""
+        totals = torch.stack(
+            [
+                stats.totals
+                for layer in self.layers.values()
+                for stats in layer.caster.stats.values()
+            ]
+        ).sum(0)
+        values, saturated, underflow = (int(x) for x in totals.tolist())
+        return {"values": values, "saturated": saturated, "underflow": underflow}
+
+    def summary(self) -> str:
+        """The counts as the run's log line shows them (reads them back from the device)."""
+        counts = self.counts()
+        values = max(counts["values"], 1)
+        return (
+            f"saturated {counts['saturated'] / values:.4%}, underflow "
+            f"{counts['underflow'] / values:.4%} of {counts['values']:,} values cast"
+        )
+
+    def describe(self, device: torch.device, dtype: torch.dtype) -> str:
+        """One paragraph for the run's log: recipe, layers, and the path each product takes."""
+        paths = []
+        for gemm in Gemm:
+            choice = self.plan.resolve(gemm, device.type, dtype)
+            why = "".join(
+                f"; {path} refused: {reason}" for path, reason in choice.passed_over.items()
+            )
+            paths.append(f"{gemm} {choice.path}{why}")
+        kept = ", ".join(self.kept) or "none"
+        return (
+            f"fp8 {self.recipe.describe()}; {len(self.layers)} linears in FP8, "
+            f"kept in high precision: {kept}; GEMM paths ({device.type}, "
+            f"{str(dtype).removeprefix('torch.')} out): {', '.join(paths)}"
+        )
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Whether `pattern`'s dotted parts appear in a row among `name`'s."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return any(parts[i : i + len(wanted)] == wanted for i in range(len(parts) - len(wanted) + 1))
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: Fp8Recipe,
+    keep_high_precision: tuple[str, ...] | list[str] = DEFAULT_KEEP_HIGH_PRECISION,
+    group: dist.ProcessGroup | None = None,
+) -> Fp8Training:
+    """Replace `model`'s linears by FP8 linears in place; ValueError naming a layer that cannot.
+
+    `group` is what delayed scaling reduces amax values over (default: every rank): all ranks
+    holding a replica or a shard of the same layers.
+    """
+    linears = {name: module for name, module in model.named_modules() if type(module) is nn.Linear}
+    kept = [n for n in linears if any(matches(n, p) for p in keep_high_precision)]
+    names = [n for n in linears if n not in kept]
+    device = next(model.parameters()).device
+    history = AmaxHistory(names, recipe, device, group) if recipe.delayed else None
+    plan = Fp8Plan(recipe)
+    layers = {}
+    for row, name in enumerate(names):
+        caster = Caster(name, plan, history, row, device)
+        layers[name] = Fp8Linear.from_linear(linears[name], caster)
+    for name, layer in layers.items():
+        parent, _, child = name.rpartition(".")
+        model.get_submodule(parent).register_module(child, layer)
+    training = Fp8Training(recipe, plan, layers, kept, history)
+    if history is not None:
+        model.register_forward_pre_hook(lambda _module, _args: training.update())
+    return training

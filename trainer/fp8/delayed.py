@@ -1,0 +1,96 @@
+"""Delayed scaling: each tensor's scale comes from the amax values of recent steps, not its own.
+
+The state of every FP8 linear of a model lives in two stacked fp32 tensors (one row per linear,
+one column per role: input, weight, grad_output), so a step's update is one all-reduce and a few
+vectorised ops however many layers there are:
+
+- `pending`: the largest amax seen this step (forward and backward write into it);
+- `history`: the last `amax_history_len` steps' amax values, newest first.
+
+`update()` folds `pending` into `history`. Before that, `pending` is reduced with MAX over the
+process group, so every rank holds the same history and derives the same scales: the state is
+replicated, checkpointed once, and restores at any world size. Until a tensor has a history (the
+first step, or a tensor that was all zeros so far) its scale comes from its current amax.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from trainer.fp8.formats import Fp8Format
+from trainer.fp8.quantize import scale_for_amax
+from trainer.fp8.recipes import Fp8Recipe, Role
+
+
+class AmaxHistory:
+    def __init__(
+        self,
+        names: list[str],
+        recipe: Fp8Recipe,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.names = list(names)
+        self.recipe = recipe
+        self.group = group
+        rows, roles = len(self.names), len(Role)
+        self.history = torch.zeros(rows, roles, recipe.amax_history_len, device=device)
+        self.pending = torch.zeros(rows, roles, device=device)
+        self.has_pending = False
+
+    def record(self, row: int, role: Role, amax: torch.Tensor) -> None:
+        """Fold a tensor's current amax (a 1-element tensor) into this step's pending value."""
+        slot = self.pending[row, role]
+        torch.maximum(slot, amax.reshape(()), out=slot)
+        self.has_pending = True
+
+    def scale(self, row: int, role: Role, amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+        """The quantization scale of (row, role): from its history, or from `amax` without one."""
+        recent = self.history[row, role]
+        past = recent.amax() if self.recipe.amax_compute == "max" else recent[0]
+        past = past.reshape(1, 1)
+        options = {"margin": self.recipe.margin, "power_of_two": self.recipe.power_of_two_scales}
+        from_history = scale_for_amax(past, fmt, **options)
+        from_now = scale_for_amax(amax, fmt, **options)
+        return torch.where(past > 0, from_history, from_now)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Reduce this step's pending amax values over the group and push them into the history.
+
+        A collective when distributed: every rank of the group must call it at the same point.
+        Without anything pending (no forward since the last update) it does nothing.
+        """
+        if not self.has_pending:
+            return
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(self.pending, op=dist.ReduceOp.MAX, group=self.group)
+        self.history.copy_(self.history.roll(1, dims=-1))
+        self.history[..., 0] = self.pending
+        self.pending.zero_()
+        self.has_pending = False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """One (roles, history) tensor per linear, by module name, with this step folded in."""
+        self.update()
+        return {name: self.history[row] for row, name in enumerate(self.names)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore histories saved by `state_dict`; ValueError naming any linear that differs."""
+        missing = sorted(set(self.names) - set(state))
+        unexpected = sorted(set(state) - set(self.names))
+        if missing or unexpected:
+            raise ValueError(
+                f"fp8 amax histories do not match the model: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+        for row, name in enumerate(self.names):
+            if state[name].shape != self.history[row].shape:
+                raise ValueError(
+                    f"fp8 amax history of {name} has shape {tuple(state[name].shape)}, "
+                    f"expected {tuple(self.history[row].shape)} (amax_history_len changed?)"
+                )
+            self.history[row].copy_(state[name])
+        self.pending.zero_()
+        self.has_pending = False
