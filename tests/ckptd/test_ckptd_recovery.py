@@ -39,10 +39,12 @@ def test_a_lost_catalog_is_rebuilt_from_the_ssd_and_s3_markers(
 
     store = open_store(s3=s3_config, retention=policy)
     assert 3 in {i.ref.step for i in store.list("run")}  # from SSD, before S3 answers
-    wait_for(lambda: len(store.list("run")) == 3, what="S3's checkpoints to be recovered")
+    wait_for(
+        lambda: [tier_states(i)["s3"] for i in store.list("run")] == ["COMMITTED"] * 3,
+        what="S3's markers to be recovered",
+    )
     states = {i.ref.step: tier_states(i) for i in store.list("run")}
     assert states[3]["ssd"] == "COMMITTED" and states[1]["ssd"] == "ABSENT"
-    assert all(state["s3"] == "COMMITTED" for state in states.values())
     for step, step_files in files.items():
         for path, (_, _, data) in step_files.items():
             assert store.read_range(ref("run", step), path) == data
