@@ -4,10 +4,14 @@ Builds the same rank-step records of a run of R ranks and S steps, then in one c
 database, best of a few runs each:
   (1) baseline: one plain SQLAlchemy Core bulk insert (`INSERT` executemany, one transaction) of the
       rows those records map to, built before the clock starts;
-  (2) the service: a `scaletrain telemetry` process on loopback, fed by one process per rank with
-      its own TelemetryClient (as the trainer's ranks do), clocked from the moment every rank
-      starts reporting until every client's `flush` returns, i.e. until the service has stored
-      and acknowledged every record.
+  (2) the service: a `scaletrain telemetry` process on loopback, fed in one of two ways:
+      --senders clients (default): one process per rank with its own TelemetryClient (as the
+        trainer's ranks do), clocked from the moment every rank starts reporting until every
+        client's `flush` returns, i.e. until the service has stored and acknowledged every record;
+        on a small machine the ranks' processes compete with the service for the same cores;
+      --senders prebuilt: the batches the clients would send (columns of 256 records), built
+        before the clock starts like the baseline's rows, streamed by one thread per rank from
+        this process: the service's own ingest rate.
 It prints both rates and their ratio. Each measurement writes a run of its own into the same tables.
 On a shared machine the wall-clock ratio moves with other processes' load, so the command also
 prints CPU seconds per record: of the baseline's process, and of the service's process (on Linux),
@@ -27,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,14 +40,18 @@ from typing import Any
 
 from sqlalchemy import Engine, insert
 
-from scaletrain.rpc import wait_until_healthy
+from scaletrain.rpc import make_channel, wait_until_healthy
 from scaletrain.stack import free_port
-from scaletrain.v1 import telemetry_pb2
-from telemetry.client import TelemetryClient, rank_step
+from scaletrain.v1 import telemetry_pb2, telemetry_pb2_grpc
+from telemetry.client import BATCHES_PER_CALL, TelemetryClient, rank_step
+from telemetry.columns import columns_of
 from telemetry.db import connect, migrate
 from telemetry.ingest import STEP_COLUMNS, step_values
 from telemetry.models import RankStep
 from telemetry.store import TelemetryStore
+
+# Records per StepBatch, as TelemetryClient sends them by default.
+BATCH = 256
 
 
 def make_records(run_id: str, ranks: int, steps: int) -> list[list[telemetry_pb2.RankStep]]:
@@ -99,10 +108,10 @@ def baseline_seconds(
 
 def service_seconds(
     address: str, service_pid: int, run_id: str, ranks: int, steps: int
-) -> tuple[float, float]:
-    """(wall seconds, service CPU seconds): every rank's process reports all its records through
-    its client; the clock runs from the moment all of them start until every one has its records
-    acknowledged."""
+) -> tuple[float, float, float]:
+    """(wall seconds, service CPU seconds, clients' CPU seconds): every rank's process reports all
+    its records through its client; the clock runs from the moment all of them start until every
+    one has its records acknowledged."""
     context = multiprocessing.get_context("spawn")  # gRPC does not survive fork
     ready = context.Barrier(ranks + 1)
     go = context.Event()
@@ -117,14 +126,51 @@ def service_seconds(
         ready.wait(timeout=300)
         started, cpu = time.perf_counter(), cpu_seconds(service_pid)
         go.set()
-        problems = [results.get(timeout=600) for _ in processes]
+        outcomes = [results.get(timeout=600) for _ in processes]
         elapsed, cpu = time.perf_counter() - started, cpu_seconds(service_pid) - cpu
     finally:
         for process in processes:
             process.join(timeout=30)
-    if any(problems):
-        raise SystemExit("; ".join(filter(None, problems)))
-    return elapsed, cpu
+    problems = [outcome for outcome in outcomes if isinstance(outcome, str)]
+    if problems:
+        raise SystemExit("; ".join(problems))
+    return elapsed, cpu, sum(outcomes)
+
+
+def prebuilt_seconds(
+    address: str, service_pid: int, run_id: str, ranks: int, steps: int
+) -> tuple[float, float, float]:
+    """(wall seconds, service CPU seconds, 0.0): one thread per rank streams that rank's batches
+    exactly as its client would (columns of BATCH records, BATCHES_PER_CALL per call)."""
+    started_at = time.time()
+    calls = [
+        [
+            [
+                telemetry_pb2.StepBatch(columns=columns_of(records[start : start + BATCH]))
+                for start in range(first, min(first + BATCH * BATCHES_PER_CALL, steps), BATCH)
+            ]
+            for first in range(0, steps, BATCH * BATCHES_PER_CALL)
+        ]
+        for records in (rank_records(run_id, r, steps, started_at) for r in range(ranks))
+    ]
+    accepted: list[int] = []
+    with make_channel(address) as channel:
+        stub = telemetry_pb2_grpc.TelemetryServiceStub(channel)
+
+        def send(rank_calls: list[list[telemetry_pb2.StepBatch]]) -> None:
+            for batches in rank_calls:
+                accepted.append(stub.ReportSteps(iter(batches), timeout=600).accepted)
+
+        senders = [threading.Thread(target=send, args=(rank_calls,)) for rank_calls in calls]
+        started, cpu = time.perf_counter(), cpu_seconds(service_pid)
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join()
+        elapsed, cpu = time.perf_counter() - started, cpu_seconds(service_pid) - cpu
+    if sum(accepted) != ranks * steps:
+        raise SystemExit(f"the service accepted {sum(accepted)} of {ranks * steps} records")
+    return elapsed, cpu, 0.0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -145,20 +191,21 @@ def report_rank(
     go: Any,
     results: Any,
 ) -> None:
-    """One rank: build its records, wait for the start, report them all, wait for delivery."""
+    """One rank: build its records, wait for the start, report them all, wait for delivery; put
+    the CPU seconds that took (or what went wrong)."""
     records = rank_records(run_id, rank, steps, time.time())
     client = TelemetryClient(address, max_queue=steps + 1)
     ready.wait()
     go.wait()
+    cpu = time.process_time()
     for record in records:
         client.report_step(record)
     delivered = client.flush(timeout_s=600)
+    cpu = time.process_time() - cpu
     lost = client.dropped + client.rejected
     client.close(timeout_s=5)
     results.put(
-        None
-        if delivered and not lost
-        else f"rank {rank}: delivered={delivered}, dropped or rejected {lost}"
+        cpu if delivered and not lost else f"rank {rank}: delivered={delivered}, lost {lost}"
     )
 
 
@@ -204,13 +251,19 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5000, help="records per rank")
     parser.add_argument("--runs", type=int, default=3, help="best of this many runs each")
+    parser.add_argument(
+        "--senders",
+        choices=("clients", "prebuilt"),
+        default="clients",
+        help="one TelemetryClient process per rank, or prebuilt batches (see above)",
+    )
     args = parser.parse_args()
     with database(args.db) as url:
         engine = connect(url)
         migrate(engine)
         store = TelemetryStore(engine)
         base: list[tuple[float, float]] = []
-        served: list[tuple[float, float]] = []
+        served: list[tuple[float, float, float]] = []
         with service(url) as (address, pid):
             for _ in range(args.runs):
                 for timings, measure in ((base, "baseline"), (served, "service")):
@@ -220,22 +273,31 @@ def main() -> None:
                         records = make_records(run_id, args.ranks, args.steps)
                         timings.append(baseline_seconds(engine, records))
                     else:
+                        measure_service = (
+                            service_seconds if args.senders == "clients" else prebuilt_seconds
+                        )
                         timings.append(
-                            service_seconds(address, pid, run_id, args.ranks, args.steps)
+                            measure_service(address, pid, run_id, args.ranks, args.steps)
                         )
         engine.dispose()
     count = args.ranks * args.steps
     kind = "postgresql" if args.db else "sqlite"
     base_wall, base_cpu = min(wall for wall, _ in base), min(cpu for _, cpu in base)
-    served_wall, served_cpu = min(wall for wall, _ in served), min(cpu for _, cpu in served)
-    print(f"database: {kind}, {count} rank-step records per run ({args.ranks} ranks)")
+    served_wall = min(wall for wall, _, _ in served)
+    served_cpu = min(cpu for _, cpu, _ in served)
+    clients_cpu = min(cpu for _, _, cpu in served)
+    print(
+        f"database: {kind}, {count} rank-step records per run ({args.ranks} ranks), "
+        f"senders: {args.senders}"
+    )
     print(
         f"plain Core bulk insert: {count / base_wall:9,.0f} records/s, "
         f"{base_cpu / count * 1e6:5.1f} us CPU/record"
     )
     print(
         f"telemetry service:      {count / served_wall:9,.0f} records/s, "
-        f"{served_cpu / count * 1e6:5.1f} us CPU/record in the service"
+        f"{served_cpu / count * 1e6:5.1f} us CPU/record in the service, "
+        f"{clients_cpu / count * 1e6:5.1f} in the ranks' clients"
     )
     print(
         f"ratio service/bulk insert: {base_wall / served_wall:.2f} (wall clock), "

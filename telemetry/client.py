@@ -24,7 +24,7 @@ from google.protobuf.message import Message
 
 from scaletrain.rpc import describe_rpc_error, error_from_rpc, make_channel
 from scaletrain.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
-from telemetry.columns import columns_of
+from telemetry.columns import READ, columns_of_values, stamped
 
 _log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ _PERMANENT = frozenset(
 # Deadline of one background report call.
 _SEND_TIMEOUT_S = 10.0
 # Batches per client stream: enough to catch up quickly after an outage, small enough to retry.
-_BATCHES_PER_CALL = 16
+BATCHES_PER_CALL = 16
 _BACKOFF_MIN_S = 0.05
 # Short, so that records flow again soon after the service comes back.
 _BACKOFF_MAX_S = 2.0
@@ -126,7 +126,9 @@ class TelemetryClient:
         self._channel = make_channel(address)
         self._stub = telemetry_pb2_grpc.TelemetryServiceStub(self._channel)
         self._cond = threading.Condition()
-        self._steps: _Outbox[telemetry_pb2.RankStep] = _Outbox(max_queue)
+        # Step records wait as tuples of their values (telemetry.columns.READ): a snapshot the
+        # caller cannot change afterwards, and what their columns are made of when sent.
+        self._steps: _Outbox[tuple[Any, ...]] = _Outbox(max_queue)
         self._events: _Outbox[telemetry_pb2.Event] = _Outbox(max_queue)
         self._flush_waiters = 0
         self._closed = False
@@ -193,7 +195,11 @@ class TelemetryClient:
 
     def report_step(self, record: telemetry_pb2.RankStep) -> None:
         """Queue one step record without blocking; an unset `time` becomes now."""
-        self._enqueue(self._steps, record)
+        values = READ(record)
+        if not record.HasField("time"):
+            now = time.time_ns()
+            values = stamped(values, now // 1_000_000_000, now % 1_000_000_000)
+        self._put(self._steps, values)
 
     def report_event(self, event: telemetry_pb2.Event) -> None:
         """Queue one event without blocking; an unset `time` becomes now.
@@ -242,6 +248,9 @@ class TelemetryClient:
         queued.CopyFrom(message)
         if not queued.HasField("time"):
             queued.time.FromDatetime(_now())
+        self._put(outbox, queued)
+
+    def _put(self, outbox: _Outbox[Any], queued: Any) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError("telemetry client is closed")
@@ -276,7 +285,7 @@ class TelemetryClient:
         """The sender thread: sends what is queued every flush interval, or sooner when a batch is
         full or someone flushes; backs off while the service is unreachable."""
         backoff = _BACKOFF_MIN_S
-        limit = self._batch_size * _BATCHES_PER_CALL
+        limit = self._batch_size * BATCHES_PER_CALL
         while True:
             with self._cond:
                 if not self._urgent():
@@ -337,12 +346,12 @@ class TelemetryClient:
         self._note_delivered()
         return True
 
-    def _send_steps(self, records: list[telemetry_pb2.RankStep]) -> None:
+    def _send_steps(self, records: list[tuple[Any, ...]]) -> None:
         # As columns: the service then reads a column at a time instead of every field of every
         # record; this thread, which has one rank's records to turn, has time to spare.
         size = self._batch_size
         batches: Iterable[telemetry_pb2.StepBatch] = (
-            telemetry_pb2.StepBatch(columns=columns_of(records[start : start + size]))
+            telemetry_pb2.StepBatch(columns=columns_of_values(records[start : start + size]))
             for start in range(0, len(records), size)
         )
         self._stub.ReportSteps(batches, timeout=_SEND_TIMEOUT_S)

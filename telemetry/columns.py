@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 from scaletrain.v1 import telemetry_pb2
 
@@ -33,14 +34,26 @@ READ = operator.attrgetter(
 )  # fmt: skip
 
 
+_TIME_SECONDS = COLUMN_NAMES.index("time_seconds")
+
+
 def columns_of(records: Sequence[telemetry_pb2.RankStep]) -> telemetry_pb2.StepColumns:
     """The records as columns (a C-level read of each record, then one extend per column)."""
+    return columns_of_values(list(map(READ, records)))
+
+
+def columns_of_values(rows: Sequence[tuple[Any, ...]]) -> telemetry_pb2.StepColumns:
+    """Records given as READ's tuples, as columns (one extend per column)."""
     columns = telemetry_pb2.StepColumns()
-    if records:
-        rows = list(map(READ, records))
+    if rows:
         for name, values in zip(COLUMN_NAMES, zip(*rows, strict=True), strict=True):
             getattr(columns, name).extend(values)
     return columns
+
+
+def stamped(values: tuple[Any, ...], seconds: int, nanos: int) -> tuple[Any, ...]:
+    """READ's tuple of a record with its time replaced."""
+    return (*values[:_TIME_SECONDS], seconds, nanos, *values[_TIME_SECONDS + 2 :])
 
 
 def records_of(columns: telemetry_pb2.StepColumns) -> list[telemetry_pb2.RankStep]:

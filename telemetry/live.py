@@ -10,6 +10,7 @@ record; after a restart, detection starts afresh with the next complete step.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections import Counter
@@ -40,9 +41,10 @@ from telemetry.models import Run
 
 # A stored rank-step record as a row tuple (telemetry.ingest.STEP_COLUMNS).
 Row = tuple[Any, ...]
-# Steps of a run awaiting their last rank; older incomplete steps are dropped beyond this many
-# (records lost to a full client queue never arrive).
-_MAX_PENDING_STEPS = 64
+# Steps of a run awaiting their last rank, at most: after an outage each rank's client sends its
+# backlog at once, so one rank can be thousands of steps ahead of another for a while. Beyond this
+# many, the oldest are dropped (records lost to a full client queue never arrive).
+_MAX_PENDING_STEPS = 20_000
 
 
 @dataclass
@@ -148,7 +150,11 @@ class LiveRuns:
                 key = (row[ATTEMPT], row[STEP])
                 if key <= state.done:
                     continue
-                ranks = state.pending.setdefault(key, {})
+                ranks = state.pending.get(key)
+                if ranks is None:
+                    ranks = state.pending[key] = {}
+                    if len(state.pending) > _MAX_PENDING_STEPS:
+                        del state.pending[next(iter(state.pending))]
                 ranks[row[RANK]] = row
                 if len(ranks) == state.view.world_size:
                     flagged.extend(self._complete(state, key))
@@ -199,10 +205,10 @@ class LiveRuns:
     def _complete(self, state: _RunState, key: tuple[int, int]) -> list[telemetry_pb2.Event]:
         """Score the complete step `key`, update the run's figures, forget older pending steps."""
         rows = state.pending.pop(key)
-        for older in [pending for pending in state.pending if pending < key]:
+        # Steps arrive in order from each rank, so the pending ones are (nearly) in insertion order:
+        # the incomplete steps older than this one are at the front.
+        for older in list(itertools.takewhile(lambda pending: pending < key, state.pending)):
             del state.pending[older]
-        while len(state.pending) > _MAX_PENDING_STEPS:
-            del state.pending[min(state.pending)]
         attempt, step = key
         if attempt != state.done[0]:
             # A restarted job may run on other machines: its ranks' best times start afresh.

@@ -1,4 +1,4 @@
-"""The straggler detector and the MFU formulas as plain functions (no database, no network)."""
+"""The straggler detector, the live view of runs and the MFU formulas (no database, no network)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import statistics
 
 import pytest
 
+from scaletrain.errors import NotFound
+from scaletrain.v1 import telemetry_pb2
 from telemetry import mfu
+from telemetry.client import rank_step
 from telemetry.detect import StragglerDetector, StragglerPolicy, median_without
+from telemetry.ingest import step_values
+from telemetry.live import LiveRuns
+from telemetry.models import Run
 
 
 def run_steps(
@@ -110,3 +116,29 @@ def test_mfu_and_hfu_match_a_hand_computation() -> None:
     hardware = mfu.hardware_flops_per_token(7_000_000_000, 1.0)
     assert mfu.utilization(hardware, 24_000, 8, 989.4e12) == pytest.approx(0.16979988)
     assert math.isnan(mfu.utilization(model, 24_000, 8, 0.0))
+
+
+def test_live_runs_complete_every_step_when_one_ranks_backlog_arrives_before_the_others() -> None:
+    def unknown(run_id: str) -> Run:
+        raise NotFound(run_id)
+
+    live = LiveRuns(unknown, StragglerPolicy(patience=3))
+    live.registered(telemetry_pb2.RegisterRunRequest(run_id="r", world_size=3), attempt=0)
+
+    def rows(rank: int, compute: float) -> list[tuple[object, ...]]:
+        return [
+            step_values(0, rank_step("r", step, rank, loss=1.0, tokens=10,
+                                     times={"step": 1.0, "compute": compute}))
+            for step in range(1, 501)
+        ]  # fmt: skip
+
+    # After an outage each client sends its whole backlog: rank 0's 500 steps arrive first.
+    flags = live.observe_steps(rows(0, 0.1)) + live.observe_steps(rows(1, 0.1))
+    assert flags == []
+    flags = live.observe_steps(rows(2, 0.3))
+    assert [(flag.step, flag.rank) for flag in flags] == [(3, 2)]
+    (view,) = live.views()
+    assert (view.step, view.records, view.tokens_per_s) == (500, 1500, 30.0)
+    assert view.ranks[2].scores is not None and view.ranks[2].scores.relative == pytest.approx(
+        1 / 3
+    )
