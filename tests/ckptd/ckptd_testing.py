@@ -22,6 +22,8 @@ from scaletrain.v1 import checkpoint_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# Retries that give up (and retry again) within a fraction of a second, so tests see failures.
+FAST_RETRIES = {"attempts": 2, "backoff_s": 0.05, "backoff_max_s": 0.2, "connect_timeout_s": 2.0}
 SHARD = checkpoint_pb2.FILE_KIND_SHARD
 METADATA = checkpoint_pb2.FILE_KIND_METADATA
 

@@ -12,14 +12,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from ckptd_testing import FAST_RETRIES
 
 from ckptd.config import CkptdConfig, S3Config
 from ckptd.server import RunningCkptd, start
 from ckptd.store import CheckpointStore
 from scaletrain.seaweed import SeaweedS3
-
-# Retries that give up (and retry again) within a fraction of a second, so tests see failures.
-FAST_RETRIES = {"attempts": 2, "backoff_s": 0.05, "backoff_max_s": 0.2, "connect_timeout_s": 2.0}
 
 
 @pytest.fixture(scope="session")

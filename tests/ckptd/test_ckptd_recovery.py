@@ -5,8 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ckptd_testing import checkpoint_files, ref, store_save, tier_states, wait_for
-from conftest import FAST_RETRIES
+from ckptd_testing import (
+    FAST_RETRIES,
+    checkpoint_files,
+    ref,
+    store_save,
+    tier_states,
+    wait_for,
+)
 
 from ckptd.catalog import CATALOG_FILE
 from ckptd.config import S3Config
