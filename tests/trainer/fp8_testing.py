@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from trainer.config import TrainConfig
 from trainer.data.corpus import Corpus, stdlib_corpus
 from trainer.data.loader import DeterministicLoader
 from trainer.fp8 import Fp8Training, convert_to_fp8, make_recipe
@@ -25,6 +26,7 @@ from trainer.fp8.formats import Fp8Format
 from trainer.fp8.quantize import Quantized
 from trainer.fp8.recipes import RECIPES
 from trainer.model.llama import ModelArgs, Transformer
+from trainer.train import lr_lambda
 
 
 def varied(rows: int = 256, cols: int = 512, seed: int = 0) -> torch.Tensor:
@@ -57,11 +59,11 @@ def corpus() -> Corpus:
 
 
 def tiny_model(
-    recipe: str | None, args: ModelArgs = TINY
+    recipe: str | None, args: ModelArgs = TINY, seed: int = 1234
 ) -> tuple[Transformer, Fp8Training | None]:
     """The tiny model, its linears in FP8 under `recipe` (None: left as they are)."""
     model = Transformer(args)
-    model.init_weights(1234)
+    model.init_weights(seed)
     fp8 = convert_to_fp8(model, make_recipe(recipe)) if recipe else None
     return model, fp8
 
@@ -78,14 +80,17 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> None:
 
 
 class TinyTrainer:
-    """Steps of the trainer's own recipe (AdamW, clipping, bf16 autocast like a GPU run) over the
-    stdlib corpus; this rank's slice of each global batch when data parallel."""
+    """The trainer's own step (AdamW, its warm-up and cosine schedule over `steps`, clipping) in
+    bf16 autocast like a GPU run, over the stdlib corpus; this rank's slice of each global batch
+    when data parallel."""
 
-    def __init__(self, model: nn.Module, dp_rank: int = 0, dp_size: int = 1) -> None:
+    def __init__(self, model: nn.Module, steps: int, dp_rank: int = 0, dp_size: int = 1) -> None:
         self.model = model
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95)
         )
+        schedule = lr_lambda(TrainConfig.warmup_steps, steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.loader = DeterministicLoader(
             corpus(), SEQ_LEN, GLOBAL_BATCH, dp_rank=dp_rank, dp_size=dp_size, seed=1234
         )
@@ -100,6 +105,7 @@ class TinyTrainer:
         clip_grad_norm(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
         loss = loss.detach()
         if dist.is_initialized():
             dist.all_reduce(loss)
@@ -154,7 +160,7 @@ def distributed_job(rank: int, world: int, port: int, out: str) -> None:
             for block in model.layers.values():
                 fully_shard(block, mesh=dp_mesh)
             fully_shard(model, mesh=dp_mesh)
-            trainer = TinyTrainer(model, dp_rank=rank // tp, dp_size=replicate * shard)
+            trainer = TinyTrainer(model, DISTRIBUTED_STEPS, rank // tp, replicate * shard)
             results[f"{layout} {name}"] = trainer.losses(DISTRIBUTED_STEPS)
             if fp8 is not None and fp8.history is not None:
                 agree = _same_on_every_rank(fp8.history.history)

@@ -36,10 +36,9 @@ def ckptd(tmp_path: Path) -> Iterator[RunningCkptd]:
 
 def _run(address: str, recipe: str | None) -> tuple[TinyTrainer, Fp8Training | None, Checkpointer]:
     model, fp8 = tiny_model(recipe)
-    trainer = TinyTrainer(model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda step: 1.0)
+    trainer = TinyTrainer(model, steps=6)
     checkpointer = Checkpointer(
-        address, "fp8", model, trainer.optimizer, scheduler, trainer.loader, fp8=fp8
+        address, "fp8", model, trainer.optimizer, trainer.scheduler, trainer.loader, fp8=fp8
     )
     return trainer, fp8, checkpointer
 

@@ -64,7 +64,7 @@ def test_conversion_keeps_the_head_and_named_layers_and_shares_fp32_parameters()
 
 def test_master_weights_and_optimizer_state_stay_fp32_while_the_products_run_in_fp8():
     model, _ = tiny_model("tensorwise")
-    trainer = TinyTrainer(model)
+    trainer = TinyTrainer(model, steps=2)
     trainer.step()
     for param in model.parameters():
         state = trainer.optimizer.state[param]
@@ -97,7 +97,7 @@ def test_training_on_a_token_count_that_does_not_split_into_blocks_names_the_lay
 
 def test_an_evaluation_pass_needs_no_whole_token_blocks_and_leaves_delayed_state_alone():
     model, fp8 = tiny_model("tensorwise-delayed")
-    TinyTrainer(model).step()
+    TinyTrainer(model, steps=2).step()
     before = {k: v.clone() for k, v in fp8.state_dict().items()}
     with torch.no_grad():
         logits = model(torch.arange(40).view(1, 40))  # 40 tokens: no gradient GEMM to split
@@ -143,7 +143,7 @@ def test_the_history_keeps_the_last_steps_newest_first_and_takes_their_max_or_th
 
 def test_delayed_state_round_trips_through_its_state_dict_bitwise():
     model, fp8 = tiny_model("tensorwise-delayed")
-    TinyTrainer(model).losses(2)
+    TinyTrainer(model, steps=2).losses(2)
     saved = {k: v.clone() for k, v in fp8.state_dict().items()}
     assert len(saved) == LINEARS_PER_BLOCK * TINY.n_layers
     _, fresh = tiny_model("tensorwise-delayed")
@@ -155,7 +155,7 @@ def test_delayed_state_round_trips_through_its_state_dict_bitwise():
 
 def test_the_run_is_told_each_products_path_and_the_counts_of_lost_values():
     model, fp8 = tiny_model("blockwise")
-    TinyTrainer(model).step()
+    TinyTrainer(model, steps=2).step()
     text = fp8.describe(torch.device("cpu"), torch.bfloat16)
     assert "14 linears in FP8, kept in high precision: output" in text
     assert "forward rowwise_per_block; scaled_mm refused: Invalid scaling configuration" in text

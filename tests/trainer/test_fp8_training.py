@@ -14,15 +14,24 @@ from fp8_testing import DISTRIBUTED_STEPS, LAYOUTS, TinyTrainer, distributed_job
 
 from trainer.fp8.recipes import RECIPES
 
-# 16 steps keep `make test` short; FP8_LOSS_GAP_STEPS=200 measures the issue's 200-step gap.
+# 16 steps keep `make test` short. Longer runs of the tiny model drift apart by chance as much as
+# by precision (bf16 from three initial seeds ends 200 steps up to 4% apart): measure those as
+# the mean over seeds, e.g. FP8_LOSS_GAP_STEPS=200 FP8_LOSS_GAP_SEEDS=3.
 STEPS = int(os.environ.get("FP8_LOSS_GAP_STEPS", "16"))
-TAIL = 4  # the end of a run: the mean loss of its last steps, as one step's loss is noisy
+SEEDS = int(os.environ.get("FP8_LOSS_GAP_SEEDS", "1"))
+TAIL = max(4, STEPS // 20)  # the end of a run: the mean loss of its last steps
 
 
 @pytest.fixture(scope="module")
-def curves() -> dict[str, list[float]]:
-    """Loss curves of bf16 (None) and of every recipe, over the same batches from the same init."""
-    return {name: TinyTrainer(tiny_model(name)[0]).losses(STEPS) for name in (None, *RECIPES)}
+def curves() -> dict[str | None, list[list[float]]]:
+    """Loss curves of bf16 (None) and of every recipe per seed, over the same batches."""
+    return {
+        name: [
+            TinyTrainer(tiny_model(name, seed=1234 + seed)[0], STEPS).losses(STEPS)
+            for seed in range(SEEDS)
+        ]
+        for name in (None, *RECIPES)
+    }
 
 
 def end(losses: list[float]) -> float:
@@ -31,9 +40,10 @@ def end(losses: list[float]) -> float:
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_fp8_training_ends_within_one_percent_of_the_bf16_loss_without_nan_or_inf(curves, name):
-    assert all(math.isfinite(loss) for loss in curves[name])
-    bf16, fp8 = end(curves[None]), end(curves[name])
-    assert fp8 < 0.75 * curves[name][0], "the model did not learn"
+    assert all(math.isfinite(loss) for run in curves[name] for loss in run)
+    assert all(end(run) < 0.75 * run[0] for run in curves[name]), "the model did not learn"
+    bf16 = sum(end(run) for run in curves[None]) / SEEDS
+    fp8 = sum(end(run) for run in curves[name]) / SEEDS
     gap = (fp8 - bf16) / bf16
     print(f"{name}: loss {fp8:.4f} vs bf16 {bf16:.4f} after {STEPS} steps: gap {gap:+.3%}")
     assert abs(gap) < 0.01
