@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dim", type=int)
     run.add_argument("--n-layers", type=int)
     run.add_argument("--fp8", metavar="RECIPE", help="FP8 recipe of the linears (default none)")
+    run.add_argument(
+        "--fp8-all-gather", action="store_true", help="all-gather the FP8 linears' weights in FP8"
+    )
 
     ckptd = sub.add_parser("ckptd", help="serve the checkpoint daemon")
     ckptd.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT")
@@ -148,6 +151,8 @@ def _run(args: argparse.Namespace) -> int:
         "--fp8": args.fp8,
     }
     trainer_args = [x for k, v in passthrough.items() if v is not None for x in (k, str(v))]
+    if args.fp8_all_gather:
+        trainer_args.append("--fp8-all-gather")
     options = RunOptions(
         workdir=Workdir(args.workdir),
         ranks=args.ranks,
