@@ -21,6 +21,7 @@ from torch import nn
 from trainer.fp8.delayed import AmaxHistory
 from trainer.fp8.fsdp import check_all_gather, reduce_weight_amax, shard_weights_in_fp8
 from trainer.fp8.linear import Caster, Fp8Linear, Fp8Plan, Gemm
+from trainer.fp8.quantize import COUNTS
 from trainer.fp8.recipes import Fp8Recipe, Granularity
 
 DEFAULT_KEEP_HIGH_PRECISION = ("output", "router")
@@ -60,15 +61,10 @@ class Fp8Training:
 
     def counts(self) -> dict[str, int]:
         """Values cast to FP8 so far on this rank, and how many saturated or underflowed."""
-        totals = torch.stack(
-            [
-                stats.totals
-                for layer in self.layers.values()
-                for stats in layer.caster.stats.values()
-            ]
-        ).sum(0)
-        values, saturated, underflow = (int(x) for x in totals.tolist())
-        return {"values": values, "saturated": saturated, "underflow": underflow}
+        every = [
+            stats.totals for layer in self.layers.values() for stats in layer.caster.stats.values()
+        ]
+        return dict(zip(COUNTS, torch.stack(every).sum(0).tolist(), strict=True))
 
     def summary(self) -> str:
         """The counts as the run's log line shows them (reads them back from the device)."""

@@ -158,7 +158,9 @@ class Caster:
             stats=self.stats[Role.WEIGHT],
         )
 
-    def _per_tensor(self, t: torch.Tensor, role: Role, amax: torch.Tensor, record: bool):
+    def _per_tensor(
+        self, t: torch.Tensor, role: Role, amax: torch.Tensor, record: bool
+    ) -> Quantized:
         """`t` with one scale: from the delayed amax history, or from `amax` (its own)."""
         recipe = self.plan.recipe
         fmt, stats = recipe.format_of(role), self.stats[role]
@@ -263,8 +265,9 @@ class Fp8Linear(nn.Linear):
         weight: DTensor = self.weight
         if not isinstance(x, DTensor) or weight.device_mesh.ndim != 1:
             raise ValueError(
-                f"fp8: {self.caster.name} has a DTensor weight on a {weight.device_mesh.ndim}-D "
-                "mesh and a plain input; only 1-D tensor-parallel sharding is supported"
+                f"fp8: {self.caster.name}: a tensor-parallel weight needs a DTensor input and a "
+                f"1-D mesh, got a {type(x).__name__} input and a "
+                f"{weight.device_mesh.ndim}-D mesh"
             )
         placement = weight.placements[0]
         if placement == Shard(0) and x.placements == (Replicate(),):
