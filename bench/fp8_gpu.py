@@ -133,7 +133,10 @@ def main() -> None:
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
     if args.baseline:
-        report["baseline"] = run_baseline(args.baseline, dims)
+        try:
+            report["baseline"] = run_baseline(args.baseline, dims)
+        except (OSError, subprocess.CalledProcessError) as exc:  # still measure our own
+            report["baseline"] = {"error": str(exc)[:400]}
     for compile_blocks in (False, True):
         mode = "compile" if compile_blocks else "eager"
         for recipe in (None, *args.recipes.split(",")):

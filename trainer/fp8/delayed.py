@@ -37,11 +37,16 @@ class AmaxHistory:
         rows, roles = len(self.names), len(Role)
         self.history = torch.zeros(rows, roles, recipe.amax_history_len, device=device)
         self.pending = torch.zeros(rows, roles, device=device)
+        # The backward pass records into tensors of its own, one per linear, that no forward
+        # touches: under torch.compile a tensor the backward reads is saved by the forward, and
+        # one that a later layer's forward (or this layer's) wrote in place fails autograd's
+        # version check.
+        self.pending_grad = [torch.zeros((), device=device) for _ in range(rows)]
         self.has_pending = False
 
     def record(self, row: int, role: Role, amax: torch.Tensor) -> None:
         """Fold a tensor's current amax (a 1-element tensor) into this step's pending value."""
-        slot = self.pending[row, role]
+        slot = self.pending_grad[row] if role == Role.GRAD_OUTPUT else self.pending[row, role]
         torch.maximum(slot, amax.reshape(()), out=slot)
         self.has_pending = True
 
@@ -64,11 +69,21 @@ class AmaxHistory:
         """
         if not self.has_pending:
             return
+        torch.maximum(
+            self.pending[:, Role.GRAD_OUTPUT],
+            torch.stack(self.pending_grad),
+            out=self.pending[:, Role.GRAD_OUTPUT],
+        )
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(self.pending, op=dist.ReduceOp.MAX, group=self.group)
         self.history.copy_(self.history.roll(1, dims=-1))
         self.history[..., 0] = self.pending
+        self._clear_pending()
+
+    def _clear_pending(self) -> None:
         self.pending.zero_()
+        for slot in self.pending_grad:
+            slot.zero_()
         self.has_pending = False
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -92,5 +107,4 @@ class AmaxHistory:
                     f"expected {tuple(self.history[row].shape)} (amax_history_len changed?)"
                 )
             self.history[row].copy_(state[name])
-        self.pending.zero_()
-        self.has_pending = False
+        self._clear_pending()

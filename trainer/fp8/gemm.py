@@ -50,12 +50,6 @@ class GemmKind:
     out_dtype: torch.dtype
     fast_accum: bool = False
 
-    def __str__(self) -> str:
-        return (
-            f"{self.a_format.name}[{self.a_scaling}] x {self.b_format.name}[{self.b_scaling}]"
-            f" -> {str(self.out_dtype).removeprefix('torch.')} on {self.device}"
-        )
-
 
 @dataclass(frozen=True)
 class PathChoice:
@@ -76,32 +70,10 @@ def scaling_of(q: Quantized, contract_dim: int) -> str:
     return f"{q.block[1 - contract_dim]}x{q.block[contract_dim]}"
 
 
-def kind_of(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool) -> GemmKind:
-    return GemmKind(
-        a.data.device.type,
-        a.fmt,
-        b.fmt,
-        scaling_of(a, 1),
-        scaling_of(b, 0),
-        out_dtype,
-        fast_accum,
-    )
-
-
-def scaled_matmul(
-    a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool = False
-) -> torch.Tensor:
-    """a (M, K) @ b (K, N) in FP8, on the path chosen for this kind of product."""
-    kind = kind_of(a, b, out_dtype, fast_accum)
-    choice = _CHOICES.get(kind)
-    if choice is None:
-        choice = choose_path(kind)
-    return run_path(choice.path, a, b, out_dtype, fast_accum)
-
-
 def run_path(
     path: GemmPath, a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False
 ) -> torch.Tensor:
+    """a (M, K) @ b (K, N) on `path`, out in `out_dtype`."""
     if path is GemmPath.SCALED_MM:
         return _scaled_mm(a, b, out_dtype, fast_accum)
     if path is GemmPath.ROWWISE_PER_BLOCK:
@@ -111,7 +83,9 @@ def run_path(
 
 @torch.compiler.disable
 def choose_path(kind: GemmKind) -> PathChoice:
-    """Probe the paths for `kind` fastest first, remember and return the first that is right."""
+    """The fastest path that computes `kind` right, probed once per process."""
+    if kind in _CHOICES:
+        return _CHOICES[kind]
     a, b = _probe_operands(kind)
     expected = run_path(GemmPath.EMULATED, a, b, torch.float32)
     passed_over: dict[str, str] = {}
@@ -269,8 +243,3 @@ def _rowwise_per_block(a: Quantized, b: Quantized) -> torch.Tensor:
             output_dtype=torch.float32,
         )
     return out
-
-
-def path_choices() -> dict[GemmKind, PathChoice]:
-    """Every decision made in this process so far (what the run's log reports)."""
-    return dict(_CHOICES)
