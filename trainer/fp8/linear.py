@@ -100,7 +100,8 @@ class Caster:
         row: int,
         device: torch.device,
     ) -> None:
-        self.name, self.plan, self.history, self.row = name, plan, history, row
+        self.name, self.plan, self.history = name, plan, history
+        self.slot = history.slots[row] if history is not None else None
         self.stats = {role: QuantStats(device) for role in Role}
         # With FP8 all-gathers, per tensor: the amax of the whole (sharded) weight this step.
         self.weight_amax: torch.Tensor | None = None
@@ -121,7 +122,8 @@ class Caster:
         self, t: torch.Tensor, role: Role, contract_dims: tuple[int, ...], record: bool
     ) -> list[Quantized]:
         """`t` quantized for each contraction dimension; one cast serves all when blocks agree."""
-        self.check(t.shape, role, contract_dims)
+        if not torch.compiler.is_compiling():  # compiled, its layer name would guard each graph
+            self.check(t.shape, role, contract_dims)
         if isinstance(t, Fp8Weight):  # all-gathered in FP8 by FSDP: its owner cast it
             return [t.quantized] * len(contract_dims)
         recipe = self.plan.recipe
@@ -168,8 +170,8 @@ class Caster:
             scale = scale_for_amax(amax, fmt, power_of_two=recipe.power_of_two_scales)
             return quantize_with_scale(t, fmt, t.shape, scale, stats, may_saturate=False)
         if record:
-            self.history.record(self.row, role, amax)
-        scale = self.history.scale(self.row, role, amax, fmt)
+            self.slot.record(role, amax)
+        scale = self.slot.scale(role, amax, fmt)
         return quantize_with_scale(t, fmt, t.shape, scale, stats)
 
 
@@ -252,7 +254,10 @@ class Fp8Linear(nn.Linear):
         if torch.is_autocast_enabled(device):  # as nn.Linear would: output in autocast's dtype
             x = x.to(torch.get_autocast_dtype(device))
         flat = x.reshape(-1, x.shape[-1])
-        y = _Fp8Matmul.apply(flat, weight, self.caster, torch.is_grad_enabled())
+        training = torch.is_grad_enabled()
+        if training and self.caster.history is not None:  # outside the autograd.Function, which
+            self.caster.history.has_pending = True  # torch.compile traces free of side effects
+        y = _Fp8Matmul.apply(flat, weight, self.caster, training)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     def _forward_tensor_parallel(self, x: torch.Tensor) -> torch.Tensor:
