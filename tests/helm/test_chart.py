@@ -710,8 +710,8 @@ def test_the_init_script_creates_a_user_that_reads_tables_created_later_but_cann
 # --- UI, network policies, monitoring, notes ------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", [c for c in MATRIX if "ingress-on" in c][:1])
-def test_ingress_routes_the_configured_host_to_the_ui_service(case: str) -> None:
+def test_ingress_routes_the_configured_host_to_the_ui_service() -> None:
+    case = BIG_JOB
     docs = rendered(case)
     ingress = one(docs, "Ingress", "ui")
     assert ingress["spec"]["ingressClassName"] == "nginx"
