@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.retention import RetentionPolicy
+from scaletrain.security import ServerSecurity
 
 MiB = 1 << 20
 
@@ -76,10 +77,17 @@ class CkptdConfig:
     # Apply retention, upload what S3 lacks and abort abandoned saves. The command line's offline
     # store turns it off, so that listing, verifying or exporting never changes what is stored.
     maintain: bool = True
+    # The most bytes one checkpoint may hold (all its files together): a client writing more is
+    # refused with RESOURCE_EXHAUSTED, so one misbehaving writer cannot fill the disk.
+    max_checkpoint_bytes: int = 1 << 40
+    # TLS and tokens of the gRPC server; None: from the environment (ServerSecurity.from_env).
+    security: ServerSecurity | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.memory_budget_bytes < 0:
             raise ValueError(f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")
+        if self.max_checkpoint_bytes <= 0:
+            raise ValueError(f"max_checkpoint_bytes must be > 0, got {self.max_checkpoint_bytes}")
         if self.abandon_after_s <= 0:
             raise ValueError(f"abandon_after_s must be > 0, got {self.abandon_after_s}")
