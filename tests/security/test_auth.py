@@ -30,6 +30,12 @@ def stored(services: Services) -> Services:
         save_checkpoint(alpha, "alpha", 1)
         save_id = alpha.open_save("alpha", 2, 1)
         alpha.write_file(save_id, "__0_0.distcp", 0, SHARD, b"x" * 1000)
+    # The file reaches the save's staging directory in the background: let it settle.
+    incoming = services.ckptd.store.config.data_dir / "ssd" / ".incoming"
+    for _ in range(100):
+        if not any(incoming.iterdir()):
+            break
+        time.sleep(0.05)
     with services.telemetry_stub(services.tokens.alpha) as stub:
         stub.RegisterRun(telemetry_pb2.RegisterRunRequest(run_id="alpha", world_size=1))
         stub.ReportSteps(iter([telemetry_pb2.StepBatch(records=[step_record("alpha", 1)])]))

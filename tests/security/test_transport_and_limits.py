@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from security_testing import SHARD, running_services
+from security_testing import SHARD, running_services, save_checkpoint
 
 from ckptd.client import CkptdClient
 from scaletrain.errors import ResourceExhausted, Unavailable, UserError
