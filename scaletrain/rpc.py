@@ -369,6 +369,10 @@ class _Guard(grpc.ServerInterceptor):
         rule: Rule | None,
         message: Any,
     ) -> None:
+        if isinstance(message, Malformed):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message ({message.error})"
+            )
         if grant is None or rule is None:
             return  # no tokens configured: every caller may do everything
         for run in rule.runs(message):
@@ -450,6 +454,26 @@ _HANDLER_KINDS = {
 }
 
 
+class Malformed(NamedTuple):
+    """A request message that did not parse; the guard answers it with INVALID_ARGUMENT."""
+
+    error: str
+
+
+def _parse_or_flag(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """`deserializer` that returns Malformed instead of raising (gRPC would answer INTERNAL)."""
+    if deserializer is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # any parse failure is the sender's
+            return Malformed(f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
+
+    return parse
+
+
 def _wrap(handler: grpc.RpcMethodHandler, around: Callable[..., Any]) -> grpc.RpcMethodHandler:
     """`handler` with its behaviour called through `around(behavior, request_streaming, ...)`."""
     kind = (bool(handler.request_streaming), bool(handler.response_streaming))
@@ -468,7 +492,7 @@ def _wrap(handler: grpc.RpcMethodHandler, around: Callable[..., Any]) -> grpc.Rp
 
     return make(
         wrapped,
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=_parse_or_flag(handler.request_deserializer),
         response_serializer=handler.response_serializer,
     )
 

@@ -8,7 +8,7 @@ import contextlib
 import hashlib
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -68,6 +68,8 @@ class Services:
     telemetry: RunningTelemetry
     tokens: Tokens
     tls: TlsFiles | None = None
+    # Trainer tokens of the runs `running_services` was asked for: run -> token.
+    trainers: dict[str, str] = field(default_factory=dict)
 
     def ckptd_client(self, token: str | None) -> CkptdClient:
         return CkptdClient(self.ckptd.address, as_client(token, self.tls))
@@ -105,10 +107,16 @@ class Services:
 
 @contextlib.contextmanager
 def running_services(
-    tmp_path: Path, tls: TlsFiles | None = None, client_auth: bool = False, **ckptd_options: object
+    tmp_path: Path,
+    tls: TlsFiles | None = None,
+    client_auth: bool = False,
+    trainers_of: tuple[str, ...] = (),
+    **ckptd_options: object,
 ) -> Iterator[Services]:
-    """ckptd (no S3: its tier is ckptd's own business) and telemetry, tokens on, over loopback."""
+    """ckptd (no S3: its tier is ckptd's own business) and telemetry, tokens on, over loopback;
+    with a trainer token for each run of `trainers_of` besides the `Tokens`."""
     tokens = Tokens.mint(tmp_path / "tokens.json")
+    trainers = {run: add_token(tokens.path, Role.TRAINER, run) for run in trainers_of}
     security = ServerSecurity(tls=tls, client_auth=client_auth, tokens=TokenTable(tokens.path))
     telemetry = start_telemetry(
         TelemetryConfig(db_url=f"sqlite:///{tmp_path / 'telemetry.db'}", security=security)
@@ -120,7 +128,7 @@ def running_services(
         )  # fmt: skip
         ckptd = start_ckptd(config)
         try:
-            yield Services(ckptd, telemetry, tokens, tls)
+            yield Services(ckptd, telemetry, tokens, tls, trainers)
         finally:
             ckptd.stop(0)
     finally:
