@@ -7,12 +7,11 @@ and are hidden from `repr`, so a logged config never leaks them.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.retention import RetentionPolicy
-from scaletrain.security import ServerSecurity
+from scaletrain.security import ServerSecurity, secret_from_env
 
 MiB = 1 << 20
 
@@ -40,12 +39,13 @@ class S3Config:
 
     @classmethod
     def from_env(cls, endpoint_url: str, bucket: str = "scaletrain") -> S3Config:
-        """Credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, as S3 tools read them."""
+        """Credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY as S3 tools read them, or
+        from the files named by AWS_ACCESS_KEY_ID_FILE / AWS_SECRET_ACCESS_KEY_FILE."""
         return cls(
             endpoint_url=endpoint_url,
             bucket=bucket,
-            access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", ""),
-            secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", ""),
+            access_key_id=secret_from_env("AWS_ACCESS_KEY_ID") or "",
+            secret_access_key=secret_from_env("AWS_SECRET_ACCESS_KEY") or "",
         )
 
     def __repr__(self) -> str:

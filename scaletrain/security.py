@@ -24,6 +24,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import re
 import secrets
 import threading
 import time
@@ -53,6 +54,43 @@ def secret_from_env(name: str) -> str | None:
         return Path(path).read_text().strip() or None
     except OSError as exc:
         raise UserError(f"cannot read {name}_FILE ({path}): {exc.strerror}") from None
+
+
+DB_URL_ENV = "SCALETRAIN_DB_URL"
+DB_PASSWORD_ENV = "SCALETRAIN_DB_PASSWORD"
+
+
+def database_url(given: str | None, default: str) -> str:
+    """The telemetry database URL: `given` (a command-line argument, so it must carry no
+    password: `ps` shows it to everyone), else $SCALETRAIN_DB_URL or the file named by
+    $SCALETRAIN_DB_URL_FILE, else `default`; with the password of $SCALETRAIN_DB_PASSWORD or
+    the file named by $SCALETRAIN_DB_PASSWORD_FILE put in."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    if given is not None and _has_password(given):
+        raise UserError(
+            f"--db must not carry a password (command lines are visible to every user): put it "
+            f"in ${DB_PASSWORD_ENV} or a file named by ${DB_PASSWORD_ENV}_FILE, or the whole "
+            f"URL in ${DB_URL_ENV} / ${DB_URL_ENV}_FILE"
+        )
+    url = given or secret_from_env(DB_URL_ENV) or default
+    password = secret_from_env(DB_PASSWORD_ENV)
+    if password is None:
+        return url
+    try:
+        return make_url(url).set(password=password).render_as_string(hide_password=False)
+    except (ArgumentError, ValueError):
+        return url  # `telemetry.db.connect` reports the bad URL, without its password
+
+
+def _has_password(url: str) -> bool:
+    return redact_url(url) != url
+
+
+def redact_url(url: str) -> str:
+    """`url` with the password of its user:password@ part replaced by ***."""
+    return re.sub(r"(://[^:/@]*:)[^/]*@", r"\1***@", url)
 
 
 def env_flag(name: str) -> bool:
@@ -358,3 +396,33 @@ class ClientSecurity:
 
     def __repr__(self) -> str:
         return f"ClientSecurity(tls={self.tls!r}, token={'***' if self.token else None})"
+
+
+class EmbeddedCredentials:
+    """TLS and tokens of one secure embedded stack (`scaletrain run --secure`).
+
+    The development certificates stay in the work directory (made once); the tokens file is
+    written anew for every stack, so a token of an earlier run is worth nothing. Tokens live only
+    in this process and in the environment of the children that need them.
+    """
+
+    def __init__(self, tls_dir: Path, tokens_file: Path) -> None:
+        self.tls = TlsFiles(Path(tls_dir))
+        if not self.tls.ca.is_file():
+            generate_certs(self.tls.root)
+        self.tokens_file = Path(tokens_file)
+        self.tokens_file.unlink(missing_ok=True)
+        # ckptd reports every run's tier commits to telemetry: a trainer grant over every run.
+        self.service_token = add_token(self.tokens_file, Role.TRAINER, ALL_RUNS, "ckptd")
+
+    def mint(self, role: Role, run: str = ALL_RUNS, name: str = "") -> str:
+        return add_token(self.tokens_file, role, run, name or f"{role} of {run}")
+
+    def server_env(self) -> dict[str, str]:
+        return {TLS_DIR_ENV: str(self.tls.root.resolve()), TOKENS_FILE_ENV: str(self.tokens_file)}
+
+    def client_env(self, token: str) -> dict[str, str]:
+        return {TLS_DIR_ENV: str(self.tls.root.resolve()), TOKEN_ENV: token}
+
+    def client(self, token: str | None = None) -> ClientSecurity:
+        return ClientSecurity(tls=self.tls, token=token)

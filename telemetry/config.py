@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.security import ServerSecurity
+from scaletrain.security import ServerSecurity, redact_url
 
 
 @dataclass(frozen=True)
@@ -24,3 +24,9 @@ class TelemetryConfig:
     metrics_listen: str | None = None
     # TLS and tokens of the gRPC server; None: from the environment (ServerSecurity.from_env).
     security: ServerSecurity | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"TelemetryConfig(db_url={redact_url(self.db_url)!r}, listen={self.listen!r}, "
+            f"metrics_listen={self.metrics_listen!r}, security={self.security!r})"
+        )

@@ -324,6 +324,7 @@ def test_grpc_services_have_native_grpc_health_probes(component: str, port: int)
     c = container(workload(docs, component))
     assert c["command"] == ["scaletrain", component]
     assert flag(c["args"], "--listen") == f"0.0.0.0:{port}"
+    assert "--allow-plaintext" in c["args"]  # plaintext off loopback is refused unless allowed
     assert c["ports"] == [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["grpc"] == {"port": port}, probe
