@@ -45,7 +45,14 @@ from scaletrain.errors import (
     Unavailable,
     UserError,
 )
-from scaletrain.security import ALL_RUNS, ClientSecurity, Grant, Role, ServerSecurity
+from scaletrain.security import (
+    ALL_RUNS,
+    ClientSecurity,
+    Grant,
+    Role,
+    ServerSecurity,
+    token_hash,
+)
 
 log = logging.getLogger(__name__)
 
@@ -297,11 +304,10 @@ class _Watchdog:
             time.sleep(0.2)
             now = time.monotonic()
             with self._lock:
-                idle = [(k, c) for k, (c, limit, cell) in self._streams.items()
+                idle = [key for key, (_, limit, cell) in self._streams.items()
                         if now - cell[0] > limit]  # fmt: skip
-                for key, _ in idle:
-                    del self._streams[key]
-            for _, context in idle:
+                contexts = [self._streams.pop(key)[0] for key in idle]
+            for context in contexts:
                 log.warning("cancelling a client stream from %s: idle too long", context.peer())
                 context.cancel()
 
@@ -314,6 +320,17 @@ def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
         if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
             return value.removeprefix("Bearer ").strip()
     return None
+
+
+class _Call(NamedTuple):
+    """What the guard decided about a call before its first message."""
+
+    method: str
+    # Its client's key (a token's hash prefix; empty without tokens), the host is added later.
+    client: str
+    grant: Grant | None
+    rule: Rule | None
+    refusal: tuple[grpc.StatusCode, str] | None
 
 
 class _Guard(grpc.ServerInterceptor):
@@ -343,8 +360,8 @@ class _Guard(grpc.ServerInterceptor):
         grant: Grant | None = None
         refusal: tuple[grpc.StatusCode, str] | None = None
         rule = self._policy.get(details.method)
+        token = _bearer(details.invocation_metadata)
         if self._tokens is not None:
-            token = _bearer(details.invocation_metadata)
             grant = self._tokens.grant(token) if token else None
             if token is None:
                 refusal = (grpc.StatusCode.UNAUTHENTICATED, "no token: set SCALETRAIN_TOKEN")
@@ -352,56 +369,50 @@ class _Guard(grpc.ServerInterceptor):
                 refusal = (grpc.StatusCode.UNAUTHENTICATED, "unknown token")
             elif rule is None:
                 refusal = (grpc.StatusCode.PERMISSION_DENIED, f"{details.method} is not allowed")
-        return _wrap(handler, functools.partial(self._behave, details.method, grant, rule, refusal))
+        # One client: one token on one host (a job's ranks share their run's token, so its
+        # nodes count apart); one host without tokens.
+        client = token_hash(token)[:16] if grant is not None and token else ""
+        call = _Call(details.method, client, grant, rule, refusal)
+        return _wrap(handler, functools.partial(self._behave, call))
 
     def _refuse(
-        self, context: grpc.ServicerContext, method: str, grant: Grant | None, why: tuple
+        self, context: grpc.ServicerContext, call: _Call, why: tuple[grpc.StatusCode, str]
     ) -> None:
+        grant = call.grant
         who = (grant.name or f"{grant.role} of {grant.run}") if grant else "an anonymous caller"
-        log.warning("refused %s to %s from %s: %s", method, who, context.peer(), why[1])
+        log.warning("refused %s to %s from %s: %s", call.method, who, context.peer(), why[1])
         context.abort(*why)
 
-    def _authorize(
-        self,
-        context: grpc.ServicerContext,
-        method: str,
-        grant: Grant | None,
-        rule: Rule | None,
-        message: Any,
-    ) -> None:
+    def _authorize(self, context: grpc.ServicerContext, call: _Call, message: Any) -> None:
+        """Refuse a message that did not parse, or that asks for more than the call's grant."""
         if isinstance(message, Malformed):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message ({message.error})"
             )
+        grant, rule = call.grant, call.rule
         if grant is None or rule is None:
             return  # no tokens configured: every caller may do everything
         for run in rule.runs(message):
             if not grant.allows(rule.role, run):
                 what = "every run" if run == ALL_RUNS else f"run {run[:80]!r}"
-                self._refuse(
-                    context,
-                    method,
-                    grant,
-                    (
-                        grpc.StatusCode.PERMISSION_DENIED,
-                        f"a {grant.role} token of {grant.run[:80]!r} may not "
-                        f"{rule.role.value}-access {what}",
-                    ),
+                denied = (
+                    f"a {grant.role} token of {grant.run[:80]!r} may not "
+                    f"{rule.role.value}-access {what}"
                 )
+                self._refuse(context, call, (grpc.StatusCode.PERMISSION_DENIED, denied))
 
-    def _admit(self, context: grpc.ServicerContext, grant: Grant | None) -> None:
+    def _admit(self, context: grpc.ServicerContext, call: _Call) -> None:
         """Count the call against its client's limit until it ends, or refuse it."""
-        client = f"{grant.role}:{grant.run}:{grant.name}" if grant else _host(context.peer())
+        client = f"{call.client}@{_host(context.peer())}"
+        limit = self._limits.calls_per_client
         with self._lock:
-            if self._calls[client] >= self._limits.calls_per_client:
-                full = True
-            else:
-                full = False
+            full = self._calls[client] >= limit
+            if not full:
                 self._calls[client] += 1
         if full:
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many calls at once from this client (limit {self._limits.calls_per_client})",
+                f"too many calls at once from this client (limit {limit})",
             )
 
         def leave() -> None:
@@ -415,27 +426,24 @@ class _Guard(grpc.ServerInterceptor):
 
     def _behave(
         self,
-        method: str,
-        grant: Grant | None,
-        rule: Rule | None,
-        refusal: tuple[grpc.StatusCode, str] | None,
+        call: _Call,
         behavior: Callable[[Any, grpc.ServicerContext], Any],
         request_streaming: bool,
         request: Any,
         context: grpc.ServicerContext,
     ) -> Any:
-        if refusal is not None:
-            self._refuse(context, method, grant, refusal)
-        self._admit(context, grant)
+        if call.refusal is not None:
+            self._refuse(context, call, call.refusal)
+        self._admit(context, call)
         if not request_streaming:
-            self._authorize(context, method, grant, rule, request)
+            self._authorize(context, call, request)
             return behavior(request, context)
         activity = _WATCHDOG.watch(context, self._limits.idle_stream_s)
 
         def checked() -> Iterator[Any]:
             for message in request:
                 activity[0] = time.monotonic()
-                self._authorize(context, method, grant, rule, message)
+                self._authorize(context, call, message)
                 yield message
 
         return behavior(checked(), context)
