@@ -446,7 +446,11 @@ def test_oversized_messages_are_refused_and_the_service_stays_up(fuzzed: Fuzzed)
         # Over the 16 MiB message limit: refused by gRPC before any service code runs.
         payload = b"\x0a" + b"\xff" * 3 + b"\x07" + b"x" * ((16 << 20) + extra)
         code = fuzzed.call(token, method, payload)
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        refused = {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        if METHODS[method][0] and token in ("none", "unknown"):
+            # A client stream without a good token may be refused before its message arrives.
+            refused.add(grpc.StatusCode.UNAUTHENTICATED)
+        assert code in refused
 
     case()
     fuzzed.verify()
