@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -64,13 +65,22 @@ def test_plaintext_is_refused_off_loopback_unless_explicitly_allowed(address: st
     allowed.stop(None)
 
 
+@dataclass
+class Bare:
+    address: str
+    release: threading.Event  # ends every Hold call
+    started: threading.Semaphore  # released once per Hold call that runs
+
+
 @pytest.fixture
-def bare_server() -> Iterator[tuple[str, threading.Event]]:
-    """A server with tight limits: `Hold` blocks until the event is set; `Drain` reads a stream."""
-    release = threading.Event()
+def bare_server() -> Iterator[Bare]:
+    """A server with tight limits: `Hold` blocks until released; `Drain` reads a stream."""
+    release, started = threading.Event(), threading.Semaphore(0)
 
     def hold(request: bytes, context: grpc.ServicerContext) -> bytes:
-        release.wait(10)
+        started.release()
+        while not release.wait(0.05) and context.is_active():
+            pass
         return b"done"
 
     def drain(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
@@ -93,33 +103,28 @@ def bare_server() -> Iterator[tuple[str, threading.Event]]:
     )
     port = bind(server, "127.0.0.1:0")
     server.start()
-    yield f"127.0.0.1:{port}", release
+    yield Bare(f"127.0.0.1:{port}", release, started)
     release.set()
     server.stop(None)
 
 
-def test_a_client_over_its_concurrent_call_limit_is_refused_until_a_call_ends(bare_server):
-    address, release = bare_server
-    with make_channel(address, ClientSecurity()) as channel:
+def test_a_client_over_its_concurrent_call_limit_is_refused_until_a_call_ends(bare_server: Bare):
+    with make_channel(bare_server.address, ClientSecurity()) as channel:
         hold = channel.unary_unary("/test.Bare/Hold")
         running = [hold.future(b"", timeout=10) for _ in range(2)]
-        # Wait until both run on the server (a third call is then over the limit).
-        for _ in range(100):
-            try:
-                hold(b"", timeout=0.2)
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    assert "too many calls at once" in exc.details()
-                    break
-        else:
-            pytest.fail("a third concurrent call was never refused")
-        release.set()
+        for _ in running:
+            assert bare_server.started.acquire(timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            hold(b"", timeout=5)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "too many calls at once from this client (limit 2)" in refused.value.details()
+        bare_server.release.set()
         assert [call.result() for call in running] == [b"done", b"done"]
         assert hold(b"", timeout=5) == b"done"
 
 
-def test_a_client_stream_that_goes_quiet_is_cancelled_by_the_server(bare_server):
-    address, _ = bare_server
+def test_a_client_stream_that_goes_quiet_is_cancelled_by_the_server(bare_server: Bare):
+    address = bare_server.address
     stalled = threading.Event()
 
     def requests() -> Iterator[bytes]:
