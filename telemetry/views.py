@@ -435,3 +435,12 @@ def _throughput(steps: pd.DataFrame) -> float:
 
 def _float(value: Any) -> float:
     return math.nan if value is None or pd.isna(value) else float(value)
+
+
+def live(bind: Bind, run_id: str | None = None) -> bool:
+    """Whether `run_id` (any run, when None) is still running, so that a page should refresh."""
+    statement = select(exists().where(Run.status == "running"))
+    if run_id is not None:
+        statement = select(exists().where(Run.status == "running", Run.run_id == run_id))
+    with connection_of(bind) as connection:
+        return bool(connection.execute(statement).scalar())
