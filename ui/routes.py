@@ -12,9 +12,7 @@ PAGES = Path(__file__).resolve().with_name("pages")
 
 
 def runs_page() -> st.Page:
-    return st.Page(
-        PAGES / "overview.py", title="Runs", icon=":material/list:", default=True
-    )
+    return st.Page(PAGES / "overview.py", title="Runs", icon=":material/list:", default=True)
 
 
 def run_page() -> st.Page:

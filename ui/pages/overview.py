@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pandas as pd
-from pandas.io.formats.style import Styler
 import streamlit as st
+from pandas.io.formats.style import Styler
 
 from telemetry import views
 from ui.routes import RUN_PARAM, run_page
