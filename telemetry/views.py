@@ -258,7 +258,8 @@ def markers(bind: Bind, run_id: str, *, limit: int = 2000) -> pd.DataFrame:
             (step, "checkpoint", f"checkpoint of step {step}")
             for (step,) in connection.execute(checkpoint_steps)
         ]
-        event_rows = [tuple(row) for row in connection.execute(marked)]
+        # Newest first from the database; oldest first within a step on the chart.
+        event_rows = [tuple(row) for row in connection.execute(marked)][::-1]
     frame = pd.DataFrame(checkpoint_rows + event_rows, columns=MARKER_COLUMNS)
     return frame.sort_values("step", kind="stable", ignore_index=True)
 
@@ -285,17 +286,17 @@ def checkpoint_timeline(bind: Bind, run_id: str) -> pd.DataFrame:
     for step, group in saves.groupby("step", sort=True):
         by_tier = {row.tier: row for row in group.itertuples()}
         trainer = by_tier.get(TRAINER_TIER)
-        committed = [t for t in TIERS if t in by_tier and by_tier[t].committed_at is not None]
-        started = [t for t in group["started_at"] if t is not None and not pd.isna(t)]
+        committed = [t for t in TIERS if t in by_tier and pd.notna(by_tier[t].committed_at)]
+        started = group["started_at"].dropna()
         rows.append(
             {
                 "step": int(step),
-                "started_at": min(started, default=group["committed_at"].dropna().min()),
+                "started_at": started.min() if len(started) else group["committed_at"].min(),
                 "blocking_s": float(trainer.seconds) if trainer is not None else math.nan,
                 "background_s": _float(background.get(step)),
                 "tiers": ", ".join(committed),
                 "failed_tiers": ", ".join(
-                    t for t in TIERS if t in by_tier and by_tier[t].failed_at is not None
+                    t for t in TIERS if t in by_tier and pd.notna(by_tier[t].failed_at)
                 ),
                 **{
                     f"{tier}_bytes": float(by_tier[tier].bytes) if tier in committed else math.nan
