@@ -72,10 +72,11 @@ GOODPUT_TTL_S = 60
 
 
 @st.cache_data(ttl=GOODPUT_TTL_S, show_spinner=False, max_entries=256)
-def cached_goodput(url: str, run_id: str, last_step: int | None) -> Goodput:
-    """Goodput of `run_id` as of `last_step` (part of the key, so a new step is a new entry).
+def cached_goodput(url: str, run_id: str) -> Goodput:
+    """Goodput of `run_id`, at most GOODPUT_TTL_S old.
 
     Cached because it is the one figure that reads every record of the run (seconds on a run of
-    100k steps x 64 ranks); pages draw everything else first and fill it in last.
+    100k steps x 64 ranks): a live page refreshing every REFRESH_S must not recompute it each
+    time. Pages draw everything else first and fill it in last.
     """
     return goodput(read_only_engine(url), run_id)

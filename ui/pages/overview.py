@@ -61,7 +61,7 @@ def show() -> None:
                 query_params={RUN_PARAM: chosen},
             )
         url = database_url() or ""
-        goodputs = [cached_goodput(url, run.run_id, run.step).goodput for run in runs.itertuples()]
+        goodputs = [cached_goodput(url, run_id).goodput for run_id in ids]
         table.dataframe(_display(runs, goodputs=goodputs), **_TABLE)
 
 

@@ -54,12 +54,12 @@ def render(engine: Engine, run_id: str) -> Callable[[], None]:
             delta_color="off",
             delta_arrow="off",
         )
-    return lambda: _fill_goodput(goodput_slot, run_id, figures.last_step)
+    return lambda: _fill_goodput(goodput_slot, run_id)
 
 
-def _fill_goodput(slot: DeltaGenerator, run_id: str, last_step: int | None) -> None:
+def _fill_goodput(slot: DeltaGenerator, run_id: str) -> None:
     """The whole-run goodput in its slot, and where the rest of the time went."""
-    result = cached_goodput(database_url() or "", run_id, last_step)
+    result = cached_goodput(database_url() or "", run_id)
     slot.metric(
         "goodput",
         _number(result.goodput, ".1%"),
