@@ -27,8 +27,9 @@ PHASE_LABELS = {
 
 
 def loss_chart(points: pd.DataFrame, markers: pd.DataFrame) -> alt.LayerChart:
-    """Mean loss over ranks as a line over the min-max band of the ranks, with a vertical rule
-    at each marked step (checkpoint, restart, loss spike, SDC, replay), coloured by kind."""
+    """Mean loss over ranks as a line over the min-max band of the ranks. Restarts, loss spikes,
+    SDC events and replays are vertical rules; checkpoints, which may be hundreds, are triangles
+    along the bottom so that they never hide the curve. Colours by kind, one legend for both."""
     base = alt.Chart(points).encode(
         x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
     )
@@ -37,23 +38,26 @@ def loss_chart(points: pd.DataFrame, markers: pd.DataFrame) -> alt.LayerChart:
     )
     line = base.mark_line().encode(y="loss:Q", tooltip=["step", "loss", "loss_min", "loss_max"])
     kinds = list(MARKER_COLOURS)
-    rules = (
-        alt.Chart(markers)
-        .mark_rule(strokeWidth=1.5, opacity=0.8)
-        .encode(
-            x="step:Q",
-            color=alt.Color(
-                "kind:N",
-                title="marker",
-                scale=alt.Scale(domain=kinds, range=[MARKER_COLOURS[k] for k in kinds]),
-            ),
-            strokeDash=alt.condition(
-                alt.datum.kind == "checkpoint", alt.value([4, 3]), alt.value([1, 0])
-            ),
-            tooltip=["step", "kind", "label"],
-        )
+    colour = alt.Color(
+        "kind:N",
+        title="marker",
+        scale=alt.Scale(domain=kinds, range=[MARKER_COLOURS[k] for k in kinds]),
     )
-    return (band + line + rules).interactive(bind_y=False)
+    # At the lowest loss drawn, in data coordinates, so that zooming keeps them on the steps.
+    checkpoints = markers[markers["kind"] == "checkpoint"].assign(
+        at=float(points["loss_min"].min())
+    )
+    ticks = (
+        alt.Chart(checkpoints)
+        .mark_point(shape="triangle-up", filled=True, size=50, opacity=0.9)
+        .encode(x="step:Q", y="at:Q", color=colour, tooltip=["step", "label"])
+    )
+    rules = (
+        alt.Chart(markers[markers["kind"] != "checkpoint"])
+        .mark_rule(strokeWidth=1.5, opacity=0.8)
+        .encode(x="step:Q", color=colour, tooltip=["step", "kind", "label"])
+    )
+    return (band + line + ticks + rules).interactive(bind_y=False)
 
 
 def rank_heatmap(steps: pd.DataFrame, metric: str) -> alt.Chart:
@@ -70,7 +74,9 @@ def rank_heatmap(steps: pd.DataFrame, metric: str) -> alt.Chart:
             color=alt.Color(
                 "relative:Q",
                 title="x median rank",
-                scale=alt.Scale(scheme="inferno", domainMid=1.0),
+                # Typical ranks dark, 2x the median and above bright: noise of a few per cent
+                # stays one colour and a straggler's row stands out.
+                scale=alt.Scale(scheme="inferno", domain=[0.8, 2.0], clamp=True),
             ),
             tooltip=["step", "rank", alt.Tooltip("value:Q", title=metric, format=".4f"),
                      alt.Tooltip("relative:Q", format=".2f")],

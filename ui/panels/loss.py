@@ -32,6 +32,6 @@ def render(engine: Engine, run_id: str) -> None:
             if sampled
             else ""
         )
-        + "Dashed green: checkpoints; grey: restarts; orange: loss spikes; red: silent data "
-        "corruption; purple: replays. Scroll to zoom."
+        + "Green triangles along the bottom: checkpoints; lines: grey restarts, orange loss "
+        "spikes, red silent data corruption, purple replays. Scroll to zoom, drag to pan."
     )
