@@ -50,12 +50,12 @@ def loss_chart(points: pd.DataFrame, markers: pd.DataFrame) -> alt.LayerChart:
     ticks = (
         alt.Chart(checkpoints)
         .mark_point(shape="triangle-up", filled=True, size=50, opacity=0.9)
-        .encode(x="step:Q", y="at:Q", color=colour, tooltip=["step", "label"])
+        .encode(x="step:Q", y="at:Q", color=colour, tooltip=["step:Q", "label:N"])
     )
     rules = (
         alt.Chart(markers[markers["kind"] != "checkpoint"])
         .mark_rule(strokeWidth=1.5, opacity=0.8)
-        .encode(x="step:Q", color=colour, tooltip=["step", "kind", "label"])
+        .encode(x="step:Q", color=colour, tooltip=["step:Q", "kind:N", "label:N"])
     )
     return (band + line + ticks + rules).interactive(bind_y=False)
 
