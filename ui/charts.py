@@ -49,7 +49,7 @@ def loss_chart(points: pd.DataFrame, markers: pd.DataFrame) -> alt.LayerChart:
     )
     ticks = (
         alt.Chart(checkpoints)
-        .mark_point(shape="triangle-up", filled=True, size=50, opacity=0.9)
+        .mark_point(shape="triangle-up", filled=True, size=110, opacity=0.9)
         .encode(x="step:Q", y="at:Q", color=colour, tooltip=["step:Q", "label:N"])
     )
     rules = (

@@ -2,23 +2,32 @@
 opened in Debian's headless Chromium through Playwright, on the database of a real run.
 
 Screenshots of each page go to test-artifacts/ (ui-overview.png, ui-run-health.png) for a person
-to look at; the test fails if an expected element is missing or Streamlit shows an exception.
+to look at; the test fails if an expected element is missing or Streamlit shows an exception. A
+copy of the run marked running shows that a live run's page refreshes by itself.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, sync_playwright
+from sqlalchemy import update
 from ui_testing import RealRun
 
 from scaletrain.stack import free_port
+from telemetry.client import rank_step
+from telemetry.db import connect
+from telemetry.models import Run
+from telemetry.store import TelemetryStore
 from ui.launch import ui_command, ui_environment
+from ui.source import REFRESH_S
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -29,13 +38,13 @@ EXCEPTION = '[data-testid="stException"]'
 TIMEOUT_MS = 60_000
 
 
-@pytest.fixture
-def served(real_run: RealRun) -> Iterator[str]:
-    """The dashboard of the real run's database, served on a free loopback port."""
+@contextmanager
+def serving(db_url: str) -> Iterator[str]:
+    """The dashboard of `db_url`, served on a free loopback port as `scaletrain ui` serves it."""
     port = free_port()
     server = subprocess.Popen(
         ui_command(port=port),
-        env=ui_environment(real_run.db_url),
+        env=ui_environment(db_url),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -86,9 +95,14 @@ def settled(page: Page, selector: str, count: int = 1) -> None:
 
 
 def test_an_engineer_opens_the_overview_then_clicks_into_the_run(
-    served: str, page: Page, real_run: RealRun
+    page: Page, real_run: RealRun
 ) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
+    with serving(real_run.db_url) as served:
+        click_through(page, served, real_run)
+
+
+def click_through(page: Page, served: str, real_run: RealRun) -> None:
     page.goto(served)
     settled(page, '[data-testid="stDataFrame"]')
     assert page.get_by_role("heading", name="Runs").count() == 1
@@ -105,3 +119,27 @@ def test_an_engineer_opens_the_overview_then_clicks_into_the_run(
     assert page.locator('[data-testid="stMetric"]').count() == 6
     assert page.locator(f"{CHART} canvas, {CHART} svg").count() >= 6
     page.screenshot(path=ARTIFACTS / "ui-run-health.png")
+
+
+def test_the_page_of_a_live_run_refreshes_by_itself_when_a_step_arrives(
+    page: Page, real_run: RealRun, tmp_path: Path
+) -> None:
+    live = tmp_path / "live.db"
+    shutil.copy(real_run.db_url.removeprefix("sqlite:///"), live)
+    engine = connect(f"sqlite:///{live}")
+    with engine.begin() as connection:
+        connection.execute(update(Run).values(status="running", finished_at=None))
+    with serving(f"sqlite:///{live}") as served:
+        page.goto(f"{served}/run?run={real_run.run_id}")
+        settled(page, CHART)
+        step = page.locator('[data-testid="stMetricValue"]').first
+        assert step.inner_text() == "12"
+        TelemetryStore(engine).add_steps(
+            [rank_step(real_run.run_id, 13, rank, loss=4.0, times={"step": 0.1}) for rank in (0, 1)]
+        )
+        # No reload: the page reruns itself every REFRESH_S while the run is live.
+        page.wait_for_function(
+            "document.querySelector('[data-testid=\"stMetricValue\"]').innerText === '13'",
+            timeout=(REFRESH_S + 20) * 1000,
+        )
+    engine.dispose()
