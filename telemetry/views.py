@@ -48,6 +48,8 @@ TIMELINE_COLUMNS = [
     *(f"{tier}_bytes" for tier in TIERS),
 ]  # fmt: skip
 OFFSET_COLUMNS = ["rank", "global_sample", "rank_sample", "epoch"]
+# A checkpoint row that says the checkpoint is restorable: committed on a storage tier.
+COMMITTED = (Checkpoint.committed_at.is_not(None), Checkpoint.tier != TRAINER_TIER)
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def runs_table(bind: Bind, *, window: int = 20) -> pd.DataFrame:
             run_id: (step, time)
             for run_id, step, time in connection.execute(
                 select(Checkpoint.run_id, Checkpoint.step, Checkpoint.committed_at)
-                .where(Checkpoint.committed_at.is_not(None), Checkpoint.tier != TRAINER_TIER)
+                .where(*COMMITTED)
                 # The last row per run wins: its latest step, first committed there.
                 .order_by(Checkpoint.run_id, Checkpoint.step, Checkpoint.committed_at.desc())
             )
@@ -127,8 +129,7 @@ def headline(bind: Bind, run_id: str, *, window: int = 20) -> Headline:
             select(Checkpoint.step, Checkpoint.committed_at)
             .where(
                 Checkpoint.run_id == run_id,
-                Checkpoint.committed_at.is_not(None),
-                Checkpoint.tier != TRAINER_TIER,
+                *COMMITTED,
             )
             .order_by(Checkpoint.step.desc(), Checkpoint.committed_at)
             .limit(1)
@@ -240,8 +241,7 @@ def markers(bind: Bind, run_id: str, *, limit: int = 2000) -> pd.DataFrame:
         select(Checkpoint.step)
         .where(
             Checkpoint.run_id == run_id,
-            Checkpoint.committed_at.is_not(None),
-            Checkpoint.tier != TRAINER_TIER,
+            *COMMITTED,
         )
         .distinct()
         .order_by(Checkpoint.step.desc())
@@ -315,8 +315,7 @@ def resume_offsets(bind: Bind, run_id: str) -> tuple[int | None, pd.DataFrame]:
         step = connection.execute(
             select(func.max(Checkpoint.step)).where(
                 Checkpoint.run_id == run_id,
-                Checkpoint.committed_at.is_not(None),
-                Checkpoint.tier != TRAINER_TIER,
+                *COMMITTED,
             )
         ).scalar()
         if step is None:
