@@ -43,10 +43,10 @@ def loss_chart(points: pd.DataFrame, markers: pd.DataFrame) -> alt.LayerChart:
         title="marker",
         scale=alt.Scale(domain=kinds, range=[MARKER_COLOURS[k] for k in kinds]),
     )
-    # At the lowest loss drawn, in data coordinates, so that zooming keeps them on the steps.
-    checkpoints = markers[markers["kind"] == "checkpoint"].assign(
-        at=float(points["loss_min"].min())
-    )
+    # Just above the lowest loss drawn (a mark on the edge is clipped in half), in data
+    # coordinates, so that zooming keeps them on their steps.
+    low, high = float(points["loss_min"].min()), float(points["loss_max"].max())
+    checkpoints = markers[markers["kind"] == "checkpoint"].assign(at=low + 0.03 * (high - low))
     ticks = (
         alt.Chart(checkpoints)
         .mark_point(shape="triangle-up", filled=True, size=110, opacity=0.9)
