@@ -12,7 +12,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, update
 
 from scaletrain.errors import InvalidArgument, NotFound
 from scaletrain.v1 import telemetry_pb2
@@ -20,6 +20,7 @@ from telemetry import queries
 from telemetry.client import event, rank_step
 from telemetry.efficiency import BADPUT_CAUSES, goodput, mfu
 from telemetry.health import run_health
+from telemetry.models import Run
 from telemetry.store import TelemetryStore
 
 RegisterRun = Callable[..., telemetry_pb2.RegisterRunRequest]
@@ -158,6 +159,50 @@ def test_goodput_of_a_run_without_records_is_empty(
     empty = goodput(engine, "run-1")
     assert (empty.wall_s, empty.productive_s) == (0.0, 0.0)
     assert math.isnan(empty.goodput)
+
+
+def test_goodput_of_a_running_never_restarted_run_ends_at_its_latest_record(
+    store: TelemetryStore, engine: Engine, run_request: RegisterRun
+) -> None:
+    request = run_request(world_size=2)
+    request.started_at.FromDatetime(T0)
+    store.register_run(request)
+    # Steps of 2 s on rank 1 (0.5 s of it waiting for data) ending at 12, 14 and 19 s: the first
+    # starts at 10 s; step 2 saved a checkpoint for 0.5 s; nothing explains 14-17 s.
+    ends = {1: 12, 2: 14, 3: 19}
+    store.add_steps(
+        [
+            record(step, rank, 0, ends[step], step=1.0 + rank, data=0.5 * rank, **extra)
+            for step in ends
+            for rank in (0, 1)
+            for extra in [{"checkpoint": 0.5 * rank} if step == 2 else {}]
+        ]
+    )
+    # Wall: 0 to 19 s (no run_finished: the latest record). Productive 1.5 + 1 + 1.5 s.
+    result = goodput(engine, "run-1")
+    assert result.wall_s == pytest.approx(19.0)
+    assert result.productive_s == pytest.approx(4.0)
+    expected = {
+        "startup": 10.0,
+        "checkpoint_stall": 0.5,
+        "restart": 0.0,
+        "replay": 0.0,
+        "data_wait": 1.5,
+        "other": 3.0,
+    }
+    assert result.badput_s == pytest.approx(expected)
+
+
+def test_goodput_counts_restarts_from_the_records_when_the_run_never_registered_again(
+    run: TelemetryStore, engine: Engine
+) -> None:
+    # Records of attempts 0 and 1 under a run whose registration says attempt 0 (a client that
+    # numbered its attempts itself): the same split as when the restart registered.
+    registered_again = goodput(engine, "run-1")
+    with engine.begin() as connection:
+        connection.execute(update(Run).values(attempt=0))
+    assert goodput(engine, "run-1") == registered_again
+    assert registered_again.badput_s["restart"] == pytest.approx(16.0)
 
 
 def test_run_health_counts_findings_stragglers_and_dropped_records(
