@@ -1,4 +1,4 @@
-"""Run health in SQL on SQLite and PostgreSQL: MFU, goodput by cause, heatmap, checkpoints.
+"""Run health in SQL on SQLite and PostgreSQL: MFU, goodput by cause, findings, checkpoints.
 
 One hand-made run whose every figure below is worked out by hand in the comments: 2 ranks, 10^6
 parameters, a 10^12 FLOP/s peak per device; attempt 0 trains steps 1-4 and dies, attempt 1 resumes
@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import Engine, update
 
-from scaletrain.errors import InvalidArgument, NotFound
+from scaletrain.errors import NotFound
 from scaletrain.v1 import telemetry_pb2
 from telemetry import queries
 from telemetry.client import event, rank_step
@@ -230,19 +230,6 @@ def test_run_health_counts_findings_stragglers_and_dropped_records(
     assert health.goodput.productive_s == pytest.approx(6.3)
     with pytest.raises(NotFound):
         run_health(engine, "ghost")
-
-
-def test_the_heatmap_shows_each_rank_relative_to_the_median_of_its_step(
-    run: TelemetryStore, engine: Engine
-) -> None:
-    heatmap = queries.rank_heatmap(engine, "run-1", metric="step_s")
-    assert list(heatmap.columns) == queries.HEATMAP_COLUMNS
-    step5 = heatmap[heatmap["step"] == 5].set_index("rank")
-    # Step 5: 1 s and 4 s, median 2.5 s.
-    assert step5["value"].to_dict() == {0: 1.0, 1: 4.0}
-    assert step5["relative"].to_dict() == {0: pytest.approx(0.4), 1: pytest.approx(1.6)}
-    with pytest.raises(InvalidArgument, match="unknown metric 'run_id': use one of step_s"):
-        queries.rank_heatmap(engine, "run-1", metric="run_id")
 
 
 def test_checkpoint_events_fill_one_row_per_tier_with_the_trainers_stall(
