@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, case, false, func, or_, select, true
+from sqlalchemy import ColumnElement, Select, Subquery, case, false, func, or_, select, true
 
 from scaletrain.errors import NotFound
 from telemetry import mfu as flops
@@ -153,13 +154,13 @@ def goodput(bind: Bind, run_id: str) -> Goodput:
         max((first - previous_last).total_seconds(), 0.0)
         for (_, _, previous_last), (_, first, _) in itertools.pairwise(attempts)
     )
-    productive_s = max(totals.productive_s - skipped, 0.0)
+    productive_s = max(totals.sums["productive_s"] - skipped, 0.0)
     badput = {
         "startup": startup,
-        "checkpoint_stall": totals.checkpoint_s,
+        "checkpoint_stall": totals.sums["checkpoint_s"],
         "restart": gaps + totals.lost_s,
-        "replay": totals.replay_s + skipped,
-        "data_wait": totals.data_s,
+        "replay": totals.sums["replay_s"] + skipped,
+        "data_wait": totals.sums["data_s"],
     }
     accounted = productive_s + sum(badput.values())
     # Per-step time is measured on each rank; clocks and rounding can make the parts exceed the
@@ -168,17 +169,18 @@ def goodput(bind: Bind, run_id: str) -> Goodput:
     return Goodput(wall_s=wall_s, productive_s=productive_s, badput_s=badput)
 
 
+# The per-step figures of `_per_step` that goodput sums over a run.
+_SUMMED = ("data_s", "checkpoint_s", "replay_s", "productive_s")
+
+
 @dataclass(frozen=True)
 class _Totals:
-    """What goodput adds up over a run's records: the per-step sums over its latest attempts, the
-    wall time of the steps a later attempt computed again, and each attempt's span as
-    (attempt, start of its first step, time of its last record), in order. `latest` is the
+    """What goodput adds up over a run's records: the _SUMMED per-step figures over its latest
+    attempts, the wall time of the steps a later attempt computed again, and each attempt's span
+    as (attempt, start of its first step, time of its last record), in order. `latest` is the
     condition that keeps only records no later attempt replaced."""
 
-    data_s: float
-    checkpoint_s: float
-    replay_s: float
-    productive_s: float
+    sums: dict[str, float]
     lost_s: float
     attempts: list[tuple[int, datetime, datetime]]
     latest: ColumnElement[bool]
@@ -190,7 +192,8 @@ def _single_attempt_totals(connection: Any, run_id: str) -> _Totals | None:
 
     With one attempt every record is its rank's latest: no per-record probe for a newer attempt,
     no superseded steps, and the only span runs from the first step to the latest record. That
-    pass is the least a whole-run figure can read; the general way reads every record twice more.
+    pass is the least a whole-run figure can read; the general way first reads every record
+    once more for the attempts' spans.
     """
     per_step = (
         _per_step(run_id, true())
@@ -203,17 +206,14 @@ def _single_attempt_totals(connection: Any, run_id: str) -> _Totals | None:
     )
     row = connection.execute(
         select(
-            func.sum(per_step.c.data_s),
-            func.sum(per_step.c.checkpoint_s),
-            func.sum(per_step.c.replay_s),
-            func.sum(per_step.c.productive_s),
+            *_sums(per_step),
             func.min(per_step.c.low),
             func.max(per_step.c.high),
             func.max(per_step.c.last),
             func.min(per_step.c.step),
         )
     ).one()
-    data, checkpoint, replay, productive, low, high, last, first_step = row
+    low, high, last, first_step = row[len(_SUMMED) :]
     if low != high:
         return None
     attempts = []
@@ -221,10 +221,7 @@ def _single_attempt_totals(connection: Any, run_id: str) -> _Totals | None:
         start = _first_step_start(connection, run_id, low, first_step)
         attempts.append((low, start, _aware(last)))
     return _Totals(
-        data_s=float(data or 0.0),
-        checkpoint_s=float(checkpoint or 0.0),
-        replay_s=float(replay or 0.0),
-        productive_s=float(productive or 0.0),
+        sums=_summed(row),
         lost_s=0.0,
         attempts=attempts,
         latest=true(),
@@ -254,15 +251,7 @@ def _restarted_totals(connection: Any, run_id: str) -> _Totals:
         ),
     )
     latest = or_(~contested, LATEST_ATTEMPT)
-    steps = _per_step(run_id, latest).subquery()
-    data, checkpoint, replay, productive = connection.execute(
-        select(
-            func.sum(steps.c.data_s),
-            func.sum(steps.c.checkpoint_s),
-            func.sum(steps.c.replay_s),
-            func.sum(steps.c.productive_s),
-        )
-    ).one()
+    sums = connection.execute(select(*_sums(_per_step(run_id, latest).subquery()))).one()
     # Steps an attempt computed and a later attempt computed again: lost progress.
     superseded = (
         select(func.max(RankStep.step_s).label("wall_s"))
@@ -272,10 +261,7 @@ def _restarted_totals(connection: Any, run_id: str) -> _Totals:
     )
     lost = connection.execute(select(func.sum(superseded.c.wall_s))).scalar()
     return _Totals(
-        data_s=float(data or 0.0),
-        checkpoint_s=float(checkpoint or 0.0),
-        replay_s=float(replay or 0.0),
-        productive_s=float(productive or 0.0),
+        sums=_summed(sums),
         lost_s=float(lost or 0.0),
         attempts=[
             (attempt, _first_step_start(connection, run_id, attempt, first), _aware(last_time))
@@ -283,6 +269,16 @@ def _restarted_totals(connection: Any, run_id: str) -> _Totals:
         ],
         latest=latest,
     )
+
+
+def _sums(steps: Subquery) -> list[ColumnElement[Any]]:
+    """The SQL sums of the _SUMMED columns of a `_per_step` subquery."""
+    return [func.sum(steps.c[name]) for name in _SUMMED]
+
+
+def _summed(row: Sequence[Any]) -> dict[str, float]:
+    """The _SUMMED figures from the head of a row that starts with `_sums` (0 for no steps)."""
+    return {name: float(value or 0.0) for name, value in zip(_SUMMED, row, strict=False)}
 
 
 def _overlaps(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
