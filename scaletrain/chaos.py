@@ -199,7 +199,7 @@ class _Tap:
     def flush(self) -> None:
         self._out.flush()
 
-    def wait(self, predicate: Callable[[], bool], timeout_s: float = _WAIT_S) -> bool:
+    def wait(self, predicate: Callable[[], bool], timeout_s: float | None = _WAIT_S) -> bool:
         with self.cond:
             return self.cond.wait_for(predicate, timeout_s)
 
@@ -225,7 +225,7 @@ class Drill:
         self._started = time.monotonic()
         self._telemetry = TelemetryClient(stack.telemetry_address)
         self._threads = [
-            threading.Thread(target=self._inject_all, name="chaos", daemon=True),
+            threading.Thread(target=self._inject_all, name="chaos"),
             threading.Thread(target=self._watch_checkpoints, name="chaos-ckpt", daemon=True),
         ]
 
@@ -262,17 +262,19 @@ class Drill:
     # -- injection -------------------------------------------------------------------------------
 
     def _inject_all(self) -> None:
+        """Each fault once the job finished its step, one after the other: a fault never
+        overlaps the previous one (a restart while telemetry is down would fail again), so the
+        job trains on during an outage and a later fault may strike a later step than scheduled."""
         for fault in self.options.schedule:
-            if not self.tap.wait(lambda f=fault: self._done.is_set() or self.tap.step >= f.step):
-                continue
+            self.tap.wait(lambda f=fault: self._done.is_set() or self.tap.step >= f.step, None)
             if self._done.is_set():
                 return
+            at, step = round(time.monotonic() - self._started, 2), self.tap.step
             try:
                 target, detail = getattr(self, "_" + fault.kind.replace("-", "_"))(fault)
             except (OSError, ScaletrainError, UserError) as exc:
                 target, detail = "-", f"could not inject: {exc}"
-            at = round(time.monotonic() - self._started, 2)
-            record = Injected(fault.kind, self.tap.step, target, detail, at)
+            record = Injected(fault.kind, step, target, detail, at)
             self.injected.append(record)
             self._report(record)
 
@@ -312,7 +314,9 @@ class Drill:
         attempts, mark = self.tap.attempts, self.tap.mark()
         rank, pid = self._victim(fault)
         os.kill(pid, signal.SIGSTOP)
-        fired = self.tap.wait(lambda: self.tap.seen_since(mark, "error: watchdog:"))
+        fired = self.tap.wait(
+            lambda: self._done.is_set() or self.tap.seen_since(mark, "error: watchdog:")
+        )
         os.kill(pid, signal.SIGCONT)
         verdict = "a watchdog fired" if fired else "no watchdog fired"
         return f"rank {rank}", f"SIGSTOP to pid {pid}: {verdict}" + self._await_restart(attempts)

@@ -55,15 +55,35 @@ def init_distributed(timeout: timedelta) -> tuple[int, int, torch.device]:
 
     Every collective on it fails after `timeout` rather than waiting forever for a dead peer.
     """
+    options: dict[str, object] = {"timeout": timeout, **_attempt_store(timeout)}
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        dist.init_process_group("nccl", device_id=device, **options)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", **options)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _attempt_store(timeout: timedelta) -> dict[str, object]:
+    """After a restart, the agent's store seen under a prefix of its own for this attempt.
+
+    torchrun's agent keeps one key-value store across restarts, where the earlier attempt left
+    its ranks' addresses: read them and the new ranks try to reach dead ones ("Connection refused").
+    """
+    restarts = restart_count()
+    if restarts == 0:
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return {
+        "store": dist.PrefixStore(f"scaletrain/attempt-{restarts}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 def restart_count() -> int:
