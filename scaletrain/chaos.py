@@ -91,7 +91,7 @@ def parse_schedule(text: str) -> list[Fault]:
     """KIND@STEP[:SECONDS],... in step order; ValueError names the bad item."""
     faults = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        match = re.fullmatch(r"([a-z-]+)@(\d+)(?::([0-9.]+))?", item)
+        match = re.fullmatch(r"([a-z0-9-]+)@(\d+)(?::([0-9.]+))?", item)
         if match is None or match[1] not in KINDS:
             raise ValueError(
                 f"--schedule item {item!r}: expected KIND@STEP[:SECONDS] with KIND one of "

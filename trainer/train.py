@@ -351,8 +351,15 @@ def resume(
     train_state = checkpointer.load(step)
     expected = loader.offset()
     recorded = reporter.resume_offsets(step)
-    if recorded is not None:
+    if recorded is not None and (recorded or required):
         check_offsets(cfg.run_id, step, rank, expected, recorded, loader.dp_size)
+    elif recorded is not None and rank == 0:
+        # A rank killed right after the save took its unsent records of the step with it.
+        print(
+            f"[trainer] telemetry has no record of step {step} (lost with the failed attempt): "
+            "resuming at the checkpoint's own data-loader offsets",
+            flush=True,
+        )
     if rank == 0:
         print(
             f"[trainer] resumed run {cfg.run_id} from step {train_state['step']} "

@@ -135,7 +135,8 @@ class Checkpointer:
         error: BaseException | None = None
         try:
             dcp.save(staged, storage_writer=writer, process_group=self._group)
-        except Exception as exc:  # the loop must hear of any failure: never lose it here
+        # CheckpointException derives from BaseException: name it, or it escapes into the loop.
+        except (Exception, CheckpointException) as exc:  # the loop hears of any failure, later
             error = first_cause(exc) if isinstance(exc, CheckpointException) else exc
             with contextlib.suppress(ScaletrainError):  # ckptd collects abandoned saves anyway
                 writer.abort(f"save of step {step} failed: {error}")
