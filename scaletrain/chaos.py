@@ -150,6 +150,8 @@ class ChaosReport:
     params_sha256: str | None
     wall_s: float
     faults: list[dict[str, object]]
+    # The run's checkpoints at the end: step, bytes, the tiers that hold it.
+    checkpoints: list[dict[str, object]]
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -497,6 +499,7 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         params_sha256=summary.params_sha256,
         wall_s=round(time.monotonic() - started, 2),
         faults=[asdict(i) for i in drill.injected],
+        checkpoints=summary.checkpoints,
     )
 
 
