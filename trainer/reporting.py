@@ -187,8 +187,12 @@ class Reporter:
                 "stale_peers": "; ".join(hang.stale_peers),
             },
         )
+        self.flush(wait_s)
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` until telemetry received every record queued so far."""
         if self.client is not None:
-            self.client.flush(timeout_s=wait_s)
+            self.client.flush(timeout_s=timeout_s)
 
     def save_started(self, started: SaveStarted) -> None:
         """The save blocked training for `blocking_s` while its state was staged."""

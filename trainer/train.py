@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -140,6 +141,7 @@ def train(cfg: TrainConfig) -> None:
         cfg, world, dims.layout(), n_params, _hardware(device), corpus.sha256,
         device=device, param_dtype=next(model.parameters()).dtype, launched_at=launched_at,
     )  # fmt: skip
+    _flush_on_termination(reporter)
     faults = FaultInjector(cfg.faults, rank, cfg.model.vocab_size, device)
     guard = StepGuard(
         cfg.health_policy, model, optimizer,
@@ -281,6 +283,18 @@ def train(cfg: TrainConfig) -> None:
     reporter.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _flush_on_termination(reporter: Reporter) -> None:
+    """When one rank fails, torchrun's agent stops the others with SIGTERM: first hand telemetry
+    the records it has not received yet (waiting briefly), so the steps before the failure keep
+    their records."""
+
+    def stop(signum: int, _frame: object) -> None:
+        reporter.flush(REPORT_WAIT_S)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _peer_board(rank: int, world: int) -> PeerBoard | None:

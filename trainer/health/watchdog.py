@@ -171,19 +171,27 @@ class Watchdog:
                 return
 
     def _beat(self, step: int, phase: str) -> None:
-        self._heartbeat(step, phase)
         if self._peers is not None:
             try:
                 self._peers.publish(step, phase)
-            except Exception:  # a store that went away must not kill a healthy rank
-                self._peers = None
+            except Exception as exc:  # a store that went away must not kill a healthy rank
+                self._drop_peers(exc)
+        self._heartbeat(step, phase)
 
     def _safe_check(self) -> Hang | None:
         try:
             return self.check()
-        except Exception:  # the store of the peers' heartbeats went away: judge without it
-            self._peers = None
+        except Exception as exc:  # the store of the peers' heartbeats went away: judge without it
+            self._drop_peers(exc)
             return self.check()
+
+    def _drop_peers(self, exc: Exception) -> None:
+        print(
+            f"[trainer] rank {self.rank}: watchdog: peers' heartbeats unavailable: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._peers = None
 
     def _fire(self, hang: Hang) -> None:
         print(f"trainer: rank {self.rank}: error: {hang.message()}", file=sys.stderr, flush=True)
