@@ -67,10 +67,11 @@ KINDS = (
 DEFAULT_SECONDS = {"kill-ckptd": 1.0, "stop-s3": 30.0, "disk-full": 60.0, "kill-telemetry": 3.0}
 # Faults after which torchrun must restart the job.
 RESTARTING = frozenset({"kill-rank", "stop-rank", "corrupt-shard"})
-# The drill of `scaletrain chaos` without --schedule: every kind, 12 faults over 120 steps.
+# The drill of `scaletrain chaos` without --schedule: every kind, 12 faults over its 300 steps.
+# The long outages come late: the job trains on through them, so they move later faults on.
 DEFAULT_SCHEDULE = (
-    "kill-telemetry@6,kill-rank@12,sdc@18,kill-ckptd@24,stop-s3@30,disk-full@40,stop-rank@50,"
-    "corrupt-shard@62,kill-rank@75,sdc@85,kill-telemetry@90,kill-ckptd@100"
+    "sdc@5,kill-rank@10,kill-telemetry@20,stop-rank@30,kill-ckptd@40,corrupt-shard@50,sdc@60,"
+    "kill-rank@70,stop-s3@80,disk-full@100,kill-telemetry@110,kill-ckptd@120"
 )
 # A drill's phase without progress this long fails a rank (the trainer's default is for real
 # runs; options given to the drill come later and win).
@@ -111,7 +112,7 @@ class ChaosOptions:
     workdir: Workdir
     schedule: list[Fault]
     ranks: int = 4
-    steps: int = 120
+    steps: int = 300
     ckpt_every: int = 5
     trainer_args: list[str] = field(default_factory=list)
     # Restarts torchrun may do; None: one per restarting fault, plus 2 spare.
