@@ -119,7 +119,7 @@ class ChaosOptions:
     max_restarts: int | None = None
     seed: int = 0
     # Size of the SSD tier's tmpfs when the schedule fills the disk.
-    ssd_mb: int = 64
+    ssd_mb: int = 256
 
 
 @dataclass

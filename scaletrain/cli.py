@@ -106,7 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     drill.add_argument("--seed", type=int, default=0, help="picks the ranks the faults strike")
     drill.add_argument(
-        "--ssd-mb", type=int, default=64, help="size of the SSD tier's tmpfs for disk-full"
+        "--ssd-mb",
+        type=int,
+        default=256,
+        help="size of the SSD tier's tmpfs for disk-full: room for the checkpoints the SSD keeps "
+        "(--keep-ssd 5) and those that pile up while S3 is down (default 256)",
     )
     drill.add_argument("--json", action="store_true", help="print the report as JSON")
     _trainer_options(drill)
