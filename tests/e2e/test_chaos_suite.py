@@ -192,3 +192,18 @@ def test_the_drill_prints_its_report_and_every_rank_heartbeats(drill: dict):
     beats = {rank for _, rank, _, _ in _events(drill, "heartbeat")}
     assert beats == set(range(RANKS))
     assert f"[chaos] run {drill['run_id']}: {len(SCHEDULE)} faults scheduled" in drill["_log"]
+
+
+def test_a_rank_whose_device_computes_wrong_is_named_before_training_starts(
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    workdir = tmp_path_factory.mktemp("bad-device")
+    result = subprocess.run(
+        [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--ranks", "2",
+         "--steps", "1", "--inject-bad-device", "rank=1", *TINY],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "health check before start failed: rank 1 on " in result.stderr
+    assert "(matmul wrong)" in result.stderr and "rank 0 on" not in result.stderr
+    assert "[trainer] step 1 " not in result.stdout
