@@ -43,7 +43,7 @@ from typing import IO
 from sqlalchemy import distinct, func, select
 
 from ckptd.client import CkptdClient
-from scaletrain.embedded import _summary, _wait_for_tiers, check_layout, new_run_id
+from scaletrain.embedded import _summary, check_layout, new_run_id
 from scaletrain.errors import ScaletrainError, UserError
 from scaletrain.stack import Stack, Workdir
 from scaletrain.v1 import checkpoint_pb2, common_pb2
@@ -79,6 +79,10 @@ DRILL_WATCHDOG_MIN_S = 10.0
 # How long the drill waits for what a fault must cause (a restart, a watchdog, a save).
 _WAIT_S = 180.0
 _STEP_LINE = re.compile(r"^\[trainer\] step (\d+) ")
+
+
+class _JobEnded(Exception):
+    """The job ended while a fault waited for its moment: it is not injected."""
 
 
 @dataclass(frozen=True)
@@ -275,6 +279,8 @@ class Drill:
             at, step = round(time.monotonic() - self._started, 2), self.tap.step
             try:
                 target, detail = getattr(self, "_" + fault.kind.replace("-", "_"))(fault)
+            except _JobEnded:
+                return
             except (OSError, ScaletrainError, UserError) as exc:
                 target, detail = "-", f"could not inject: {exc}"
             record = Injected(fault.kind, step, target, detail, at)
@@ -327,6 +333,8 @@ class Drill:
     def _kill_ckptd(self, fault: Fault) -> tuple[str, str]:
         mark = self.tap.mark()
         self.tap.wait(lambda: self._done.is_set() or self.tap.seen_since(mark, "checkpoint staged"))
+        if self._done.is_set():
+            raise _JobEnded
         self.stack.service("ckptd").kill()
         time.sleep(fault.seconds)
         self.stack.restart_service("ckptd")
@@ -340,19 +348,18 @@ class Drill:
         return "s3", f"stopped for {fault.seconds}s"
 
     def _disk_full(self, fault: Fault) -> tuple[str, str]:
-        mark = self.tap.mark()
+        mark, deadline = self.tap.mark(), time.monotonic() + fault.seconds
         filler = ssd_dir(self.stack.workdir) / "chaos-filler"
-        with filler.open("wb") as out, contextlib.suppress(OSError):
-            block = b"\0" * (1 << 20)
-            while True:
-                out.write(block)
-                out.flush()
+        failed = False
         try:
-            failed = self.tap.wait(
-                lambda: self._done.is_set() or self.tap.seen_since(mark, "failed:"), fault.seconds
-            )
+            # Topped up every half second: ckptd frees space as retention drops old copies.
+            while not failed and time.monotonic() < deadline:
+                _fill(filler)
+                failed = self.tap.wait(
+                    lambda: self._done.is_set() or self.tap.seen_since(mark, "failed:"), 0.5
+                )
         finally:
-            filler.unlink()
+            filler.unlink(missing_ok=True)
         what = "a save failed" if failed and not self._done.is_set() else "no save failed"
         return "ssd", f"SSD tier's disk filled ({what}), then freed"
 
@@ -360,7 +367,9 @@ class Drill:
         attempts = self.tap.attempts
         rank, pid = self._victim(fault)
         os.kill(pid, signal.SIGKILL)
-        step = self._latest_on_s3()
+        # The checkpoint the job will resume from, once S3 holds the good copy to fall back on.
+        latest = _committed(wait_on_s3(self.stack.ckptd_address, self.run_id))
+        step = max(c.ref.step for c in latest)
         shard = ssd_dir(self.stack.workdir) / self.run_id / str(step) / "__0_0.distcp"
         with shard.open("r+b") as f:
             f.seek(shard.stat().st_size // 2)
@@ -371,17 +380,6 @@ class Drill:
         self.stack.restart_service("ckptd")
         detail = f"damaged {shard.name} of step {step} on SSD, ckptd restarted, rank {rank} killed"
         return "ssd", detail + self._await_restart(attempts)
-
-    def _latest_on_s3(self) -> int:
-        """The latest committed checkpoint, once it is on S3 as well."""
-        deadline = time.monotonic() + _WAIT_S
-        with CkptdClient(self.stack.ckptd_address) as client:
-            while True:
-                latest = client.get(self.run_id)
-                states = {t.tier: t.state for t in latest.tiers}
-                if states.get(common_pb2.TIER_S3) == _COMMITTED or time.monotonic() > deadline:
-                    return int(latest.ref.step)
-                time.sleep(0.2)
 
     def _kill_telemetry(self, fault: Fault) -> tuple[str, str]:
         self.stack.service("telemetry").kill()
@@ -402,9 +400,45 @@ class Drill:
                 contextlib.suppress(ScaletrainError),
                 CkptdClient(self.stack.ckptd_address) as client,
             ):
-                for info in client.list(self.run_id):
-                    if any(t.state == _COMMITTED for t in info.tiers):
-                        self.committed.add(int(info.ref.step))
+                self.committed |= {c.ref.step for c in _committed(client.list(self.run_id))}
+
+
+def _fill(path: Path) -> None:
+    """Append zeros to `path` until its file system is full."""
+    block = bytes(1 << 16)
+    with contextlib.suppress(OSError), path.open("ab", buffering=0) as out:
+        while True:
+            out.write(block)
+
+
+def _committed(
+    checkpoints: list[checkpoint_pb2.CheckpointInfo], tier: int | None = None
+) -> list[checkpoint_pb2.CheckpointInfo]:
+    """The checkpoints committed on `tier` (None: on some tier)."""
+    return [
+        c
+        for c in checkpoints
+        if any(t.state == _COMMITTED and tier in (None, t.tier) for t in c.tiers)
+    ]
+
+
+def wait_on_s3(
+    address: str, run_id: str, timeout_s: float = _WAIT_S
+) -> list[checkpoint_pb2.CheckpointInfo]:
+    """The run's checkpoints, once the newest committed one is on S3 too (or the time is up).
+
+    Not every tier: a ckptd restarted by the drill lost its memory tier for good.
+    """
+    deadline = time.monotonic() + timeout_s
+    with CkptdClient(address) as client:
+        while True:
+            checkpoints = client.list(run_id)
+            newest = max(_committed(checkpoints), key=lambda c: c.ref.step, default=None)
+            if newest is None or _committed([newest], common_pb2.TIER_S3):
+                return checkpoints
+            if time.monotonic() > deadline:
+                return checkpoints
+            time.sleep(0.2)
 
 
 def ssd_dir(workdir: Workdir) -> Path:
@@ -476,8 +510,8 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         finally:
             drill.finish()
         # After a failure, only what is committed now: nothing will upload any more.
-        checkpoints = _wait_for_tiers(stack.ckptd_address, run_id, 120.0 if code == 0 else 0.0)
-        final = {c.ref.step for c in checkpoints if any(t.state == _COMMITTED for t in c.tiers)}
+        checkpoints = wait_on_s3(stack.ckptd_address, run_id, 120.0 if code == 0 else 0.0)
+        final = {c.ref.step for c in _committed(checkpoints)}
     summary = _summary(workdir, run_id, checkpoints, time.monotonic() - started)
     restarts, replayed, in_place = _replays(workdir, run_id)
     completed = code == 0
