@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import timeit
 from collections.abc import Callable
 from functools import partial
 
@@ -31,12 +31,7 @@ from trainer.fp8.recipes import RECIPES, Fp8Recipe, Role
 
 def best_seconds(fn: Callable[[], object], runs: int) -> float:
     fn()  # warm-up
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timeit.repeat(fn, number=1, repeat=runs))
 
 
 def measure(

@@ -58,6 +58,7 @@ TRAINER_FLAGS: dict[str, type] = {
     "--ckpt-policy": str,
     "--log-every": int,
     "--fp8": str,
+    "--fp8-all-gather": bool,
 }
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from trainer import health
 from trainer.fp8 import DEFAULT_KEEP_HIGH_PRECISION, RECIPE_CHOICES, make_recipe
+from trainer.fp8.fsdp import check_all_gather
 from trainer.health.faults import FaultPlan
 from trainer.health.watchdog import WatchdogPolicy
 from trainer.model.llama import ModelArgs
@@ -62,6 +63,7 @@ class TrainConfig:
     fp8: str = "none"
     fp8_keep_high_precision: tuple[str, ...] = DEFAULT_KEEP_HIGH_PRECISION
     fp8_options: tuple[str, ...] = ()
+    fp8_all_gather: bool = False  # FSDP2 all-gathers the FP8 linears' weights in FP8
     model: ModelArgs = field(default_factory=ModelArgs)
     # What the step guard does with a suspicious step (see trainer.health.guard).
     health_policy: str = "rollback"
@@ -99,9 +101,11 @@ class TrainConfig:
                 f"--collective-timeout-s must be positive, got {self.collective_timeout_s}"
             )
         if self.fp8 != "none":
-            make_recipe(self.fp8, self.fp8_options)
-        elif self.fp8_options:
-            raise ValueError("--fp8-option needs --fp8 with a recipe")
+            recipe = make_recipe(self.fp8, self.fp8_options)
+            if self.fp8_all_gather:
+                check_all_gather(recipe)
+        elif self.fp8_options or self.fp8_all_gather:
+            raise ValueError("--fp8-option and --fp8-all-gather need --fp8 with a recipe")
 
     def to_json_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -175,6 +179,11 @@ def parser() -> argparse.ArgumentParser:
         help="change the recipe: forward_format, backward_format (e4m3|e5m2), amax_history_len, "
         "amax_compute (max|most_recent), margin, power_of_two_scales",
     )
+    p.add_argument(
+        "--fp8-all-gather",
+        action="store_true",
+        help="FSDP all-gathers the FP8 linears' weights in FP8 (not with mxfp8)",
+    )
     return p
 
 
@@ -218,6 +227,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         fp8=args.fp8,
         fp8_keep_high_precision=args.fp8_keep_high_precision,
         fp8_options=tuple(args.fp8_options),
+        fp8_all_gather=args.fp8_all_gather,
         model=model,
         health_policy=args.health_policy or TrainConfig.health_policy,
         peak_flops=args.peak_flops,

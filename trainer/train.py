@@ -125,7 +125,9 @@ def train(cfg: TrainConfig) -> None:
     fp8 = None
     if cfg.fp8 != "none":
         recipe = make_recipe(cfg.fp8, cfg.fp8_options)
-        fp8 = convert_to_fp8(model, recipe, cfg.fp8_keep_high_precision)
+        fp8 = convert_to_fp8(
+            model, recipe, cfg.fp8_keep_high_precision, all_gather=cfg.fp8_all_gather
+        )
     parallel = parallelize(model, mesh, cfg, device)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)

@@ -23,8 +23,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from scaletrain.errors import UserError
 from telemetry import queries
 from telemetry.db import MissingDatabase, connect
+from ui.launch import DB_ENV
 
-DB_ENV = "SCALETRAIN_DB_URL"
 NO_RUNS = "No runs yet: run `scaletrain run` to start one; its ranks report here as they train."
 # Above this many ranks, one line per rank is unreadable: show a ranks x steps heatmap instead.
 HEATMAP_FROM_RANKS = 17

@@ -2,21 +2,26 @@
 
 A child process because Streamlit owns its process (its own event loop, signal handlers and script
 reruns); the caller only chooses the database, host and port, and can print the exact command.
+The database URL reaches the child in its environment (SCALETRAIN_DB_URL), never on its command
+line: a URL may carry a password, and every process of the machine or container can read argv.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+# The variable that carries the database URL to the dashboard (ui/app.py reads it).
+DB_ENV = "SCALETRAIN_DB_URL"
 APP_PATH = Path(__file__).resolve().with_name("app.py")
 # How long Streamlit may take to stop after Ctrl-C before it is killed.
 _STOP_TIMEOUT_S = 10.0
 
 
-def ui_command(db_url: str, host: str = "127.0.0.1", port: int = 8501) -> list[str]:
-    """The command line that serves the dashboard for `db_url` on http://HOST:PORT."""
+def ui_command(host: str = "127.0.0.1", port: int = 8501) -> list[str]:
+    """The command line serving the dashboard on http://HOST:PORT (database: SCALETRAIN_DB_URL)."""
     return [
         sys.executable,
         "-m",
@@ -31,9 +36,6 @@ def ui_command(db_url: str, host: str = "127.0.0.1", port: int = 8501) -> list[s
         str(port),
         "--browser.gatherUsageStats",
         "false",
-        "--",
-        "--db",
-        db_url,
     ]
 
 
@@ -43,7 +45,7 @@ def run_ui(db_url: str, host: str = "127.0.0.1", port: int = 8501) -> int:
     On Ctrl-C, Streamlit (in the same process group, so it got the signal too) is given time to
     stop, killed if it does not, and KeyboardInterrupt is raised again for the caller to handle.
     """
-    process = subprocess.Popen(ui_command(db_url, host, port))
+    process = subprocess.Popen(ui_command(host, port), env={**os.environ, DB_ENV: db_url})
     try:
         return process.wait()
     except KeyboardInterrupt:

@@ -23,6 +23,7 @@ from trainer.data.corpus import Corpus, stdlib_corpus
 from trainer.data.loader import DeterministicLoader
 from trainer.fp8 import Fp8Training, convert_to_fp8, make_recipe
 from trainer.fp8.formats import Fp8Format
+from trainer.fp8.fsdp import Fp8Weight
 from trainer.fp8.quantize import Quantized
 from trainer.fp8.recipes import RECIPES
 from trainer.model.llama import ModelArgs, Transformer
@@ -59,12 +60,12 @@ def corpus() -> Corpus:
 
 
 def tiny_model(
-    recipe: str | None, args: ModelArgs = TINY, seed: int = 1234
+    recipe: str | None, args: ModelArgs = TINY, seed: int = 1234, all_gather: bool = False
 ) -> tuple[Transformer, Fp8Training | None]:
     """The tiny model, its linears in FP8 under `recipe` (None: left as they are)."""
     model = Transformer(args)
     model.init_weights(seed)
-    fp8 = convert_to_fp8(model, make_recipe(recipe)) if recipe else None
+    fp8 = convert_to_fp8(model, make_recipe(recipe), all_gather=all_gather) if recipe else None
     return model, fp8
 
 
@@ -136,9 +137,24 @@ def tensor_parallel(model: Transformer, mesh: DeviceMesh) -> None:
 LAYOUTS = {"dp2·tp2": (1, 2, 2), "fsdp dp4": (1, 4, 1), "hsdp 2x2": (2, 2, 1)}
 
 
+# (layout, recipe, FP8 all-gather) of each run of the 4-rank job.
+DISTRIBUTED_RUNS = [
+    *(("dp2·tp2", name, False) for name in ("bf16", *RECIPES)),
+    ("fsdp dp4", "tensorwise-delayed", False),
+    ("hsdp 2x2", "tensorwise-delayed", False),
+    ("hsdp 2x2", "tensorwise-delayed", True),
+    ("hsdp 2x2", "blockwise", False),
+    ("hsdp 2x2", "blockwise", True),
+]
+
+
+def run_key(layout: str, name: str, all_gather: bool) -> str:
+    return f"{layout} {name}" + (" fp8-all-gather" if all_gather else "")
+
+
 def distributed_job(rank: int, world: int, port: int, out: str) -> None:
-    """bf16 and every recipe under dp2·tp2 (FSDP2 over dp, TP over tp), and delayed scaling under
-    FSDP dp4 and HSDP 2x2; rank 0 writes {"layout recipe": losses, ...} as JSON to `out`."""
+    """Train each of DISTRIBUTED_RUNS; rank 0 writes {run: losses, run + " histories agree":
+    bool, run + " gathered fp8": bool} as JSON to `out`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.use_deterministic_algorithms(True)
@@ -146,29 +162,43 @@ def distributed_job(rank: int, world: int, port: int, out: str) -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     results: dict[str, object] = {}
     try:
-        runs = [("dp2·tp2", name) for name in ("bf16", *RECIPES)]
-        runs += [("fsdp dp4", "tensorwise-delayed"), ("hsdp 2x2", "tensorwise-delayed")]
-        for layout, name in runs:
-            replicate, shard, tp = LAYOUTS[layout]
-            mesh = init_device_mesh(
-                "cpu", (replicate, shard, tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
-            )
-            model, fp8 = tiny_model(None if name == "bf16" else name, TINY_TP2)
-            if tp > 1:
-                tensor_parallel(model, mesh["tp"])
-            dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
-            for block in model.layers.values():
-                fully_shard(block, mesh=dp_mesh)
-            fully_shard(model, mesh=dp_mesh)
-            trainer = TinyTrainer(model, DISTRIBUTED_STEPS, rank // tp, replicate * shard)
-            results[f"{layout} {name}"] = trainer.losses(DISTRIBUTED_STEPS)
-            if fp8 is not None and fp8.history is not None:
-                agree = _same_on_every_rank(fp8.history.history)
-                results[f"{layout} {name} histories agree"] = agree
+        for layout, name, all_gather in DISTRIBUTED_RUNS:
+            results |= _distributed_run(rank, layout, name, all_gather)
         if rank == 0:
             Path(out).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
+
+
+def _distributed_run(rank: int, layout: str, name: str, all_gather: bool) -> dict[str, object]:
+    key = run_key(layout, name, all_gather)
+    replicate, shard, tp = LAYOUTS[layout]
+    mesh = init_device_mesh(
+        "cpu", (replicate, shard, tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
+    )
+    model = Transformer(TINY_TP2)
+    model.init_weights(1234)
+    fp8 = (
+        None if name == "bf16" else convert_to_fp8(model, make_recipe(name), all_gather=all_gather)
+    )
+    if tp > 1:
+        tensor_parallel(model, mesh["tp"])
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    gathered: list[bool] = []
+    if fp8 is not None:
+        first = next(iter(fp8.layers.values()))
+        first.register_forward_pre_hook(
+            lambda layer, _: gathered.append(isinstance(layer.weight, Fp8Weight))
+        )
+    trainer = TinyTrainer(model, DISTRIBUTED_STEPS, rank // tp, replicate * shard)
+    results: dict[str, object] = {key: trainer.losses(DISTRIBUTED_STEPS)}
+    results[f"{key} gathered fp8"] = bool(gathered) and all(gathered)
+    if fp8 is not None and fp8.history is not None:
+        results[f"{key} histories agree"] = _same_on_every_rank(fp8.history.history)
+    return results
 
 
 def _same_on_every_rank(t: torch.Tensor) -> bool:

@@ -1,5 +1,6 @@
 """The FP8 linear layer and model conversion: accuracy against nn.Linear, what stays in high
-precision, refused shapes, delayed scaling's history, and what the run's log is told."""
+precision, refused shapes, delayed scaling's history, FP8 weights for FSDP all-gathers, and
+what the run's log is told."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from torch import nn
 
 from trainer.fp8 import convert_to_fp8, make_recipe
 from trainer.fp8.convert import matches
+from trainer.fp8.fsdp import Fp8ShardedWeight, Fp8Weight
 from trainer.fp8.linear import Fp8Linear
+from trainer.fp8.quantize import quantize
 from trainer.fp8.recipes import RECIPES, Role
 from trainer.model.llama import ModelArgs, Transformer
 
@@ -141,6 +144,27 @@ def test_the_history_keeps_the_last_steps_newest_first_and_takes_their_max_or_th
         assert scale.item() == pytest.approx(448.0 / used)
 
 
+def test_delayed_scaling_under_torch_compile_records_the_same_history_as_eager():
+    def two_steps(compiled: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        # Two layers compiled apart, as a run compiles its blocks: the second's graph writes the
+        # state the first's backward reads.
+        linear = nn.Sequential(nn.Linear(128, 128, bias=False), nn.Linear(128, 128, bias=False))
+        fp8 = convert_to_fp8(linear, make_recipe("tensorwise-delayed"), ())
+        fp8.describe(torch.device("cpu"), torch.float32)  # resolves the GEMM paths, as a run does
+        forward = nn.Sequential(*map(torch.compile, linear)) if compiled else linear
+        for step in range(2):
+            x = torch.randn(128, 128, generator=torch.Generator().manual_seed(step))
+            forward(x).square().sum().backward()
+            fp8.update()
+        return fp8.history.history.clone()
+
+    torch._dynamo.reset()
+    eager, compiled = two_steps(False), two_steps(True)
+    assert (eager[:, :, :2] > 0).all()  # input, weight and gradient amax of both steps
+    assert torch.equal(compiled, eager)
+
+
 def test_delayed_state_round_trips_through_its_state_dict_bitwise():
     model, fp8 = tiny_model("tensorwise-delayed")
     TinyTrainer(model, steps=2).losses(2)
@@ -162,3 +186,25 @@ def test_the_run_is_told_each_products_path_and_the_counts_of_lost_values():
     counts = fp8.counts()
     assert counts["values"] > 0 and counts["saturated"] == 0
     assert "saturated 0.0000%" in fp8.summary()
+
+
+def test_mxfp8_weights_are_not_all_gathered_in_fp8_and_the_refusal_says_why():
+    with pytest.raises(ValueError, match="fp8 mxfp8: weights are cast along each dimension"):
+        tiny_model("mxfp8", all_gather=True)
+
+
+def test_a_model_set_to_all_gather_fp8_weights_trains_alone_exactly_as_without():
+    plain, _ = tiny_model("tensorwise-delayed")
+    gathered, fp8 = tiny_model("tensorwise-delayed", all_gather=True)
+    assert all(isinstance(layer.weight, Fp8ShardedWeight) for layer in fp8.layers.values())
+    assert gathered.state_dict().keys() == plain.state_dict().keys()
+    assert TinyTrainer(gathered, steps=3).losses(3) == TinyTrainer(plain, steps=3).losses(3)
+
+
+def test_a_gathered_fp8_weight_is_its_fp8_matrix_to_the_linear_and_plain_values_to_other_ops():
+    x = torch.randn(256, 128)
+    q = quantize(x, RECIPES["blockwise"].forward_format, (128, 128), power_of_two=True)
+    weight = Fp8Weight(q, torch.float32)
+    assert weight.detach().quantized is q
+    assert weight.view(256, 128).quantized is q
+    assert torch.equal(weight * 1, q.dequantize())

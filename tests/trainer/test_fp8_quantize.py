@@ -57,8 +57,6 @@ def test_values_that_underflow_to_zero_are_counted_exactly(fmt):
     q = quantize(x, fmt, tuple(x.shape), stats=stats)
     lost = int(((q.data.float() == 0) & (x != 0)).sum())
     assert stats.counts()["underflow"] == lost
-    stats.reset()
-    assert stats.counts() == {"values": 0, "saturated": 0, "underflow": 0}
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)

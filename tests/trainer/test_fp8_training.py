@@ -6,11 +6,17 @@ import json
 import math
 import os
 import socket
-from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-from fp8_testing import DISTRIBUTED_STEPS, LAYOUTS, TinyTrainer, distributed_job, tiny_model
+from fp8_testing import (
+    DISTRIBUTED_RUNS,
+    DISTRIBUTED_STEPS,
+    TinyTrainer,
+    distributed_job,
+    run_key,
+    tiny_model,
+)
 
 from trainer.fp8.recipes import RECIPES
 
@@ -55,23 +61,37 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_every_recipe_trains_under_data_and_tensor_parallelism_like_bf16(tmp_path):
-    """dp2·tp2 (FSDP2 x torch's tensor parallel) for every recipe; FSDP dp4 and HSDP 2x2 for
-    delayed scaling, whose amax histories must then be the same on every rank."""
-    out = tmp_path / "losses.json"
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The results of DISTRIBUTED_RUNS, trained by one job of 4 ranks."""
+    out = tmp_path_factory.mktemp("fp8") / "losses.json"
     mp.start_processes(
         distributed_job, args=(4, _free_port(), str(out)), nprocs=4, start_method="spawn"
     )
-    results = json.loads(Path(out).read_text())
-    # Data parallelism does not change the loss: every layout is held to bf16 under dp2·tp2.
-    bf16 = end(results["dp2·tp2 bf16"])
-    runs = [f"dp2·tp2 {name}" for name in RECIPES]
-    runs += [f"{layout} tensorwise-delayed" for layout in LAYOUTS if layout != "dp2·tp2"]
-    for run in runs:
-        losses = results[run]
+    return json.loads(out.read_text())
+
+
+def test_every_recipe_trains_under_data_and_tensor_parallelism_like_bf16(distributed):
+    """dp2·tp2 (FSDP2 x torch's tensor parallel) for every recipe; FSDP dp4 and HSDP 2x2 for
+    delayed scaling, whose amax histories must then be the same on every rank."""
+    # Data parallelism does not change the loss: every run is held to bf16 under dp2·tp2.
+    bf16 = end(distributed["dp2·tp2 bf16"])
+    for layout, name, all_gather in DISTRIBUTED_RUNS:
+        if name == "bf16":
+            continue
+        run = run_key(layout, name, all_gather)
+        losses = distributed[run]
         assert len(losses) == DISTRIBUTED_STEPS and all(math.isfinite(x) for x in losses), run
         gap = (end(losses) - bf16) / bf16
         print(f"{run}: loss {end(losses):.4f} vs bf16 {bf16:.4f}: gap {gap:+.3%}")
         assert abs(gap) < 0.01, run
-    for layout in LAYOUTS:
-        assert results[f"{layout} tensorwise-delayed histories agree"], layout
+        if name == "tensorwise-delayed":
+            assert distributed[f"{run} histories agree"], run
+
+
+def test_fp8_weight_all_gathers_train_bit_for_bit_like_high_precision_ones(distributed):
+    for layout, name, all_gather in DISTRIBUTED_RUNS:
+        if all_gather:
+            run = run_key(layout, name, all_gather)
+            assert distributed[f"{run} gathered fp8"], f"{run}: weights did not arrive in FP8"
+            assert distributed[run] == distributed[run_key(layout, name, False)], run

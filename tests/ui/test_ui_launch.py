@@ -23,17 +23,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_the_command_runs_streamlit_headless_with_the_database_after_a_dash() -> None:
-    command = ui_command("sqlite:///runs/t.db", host="0.0.0.0", port=9000)
+def test_the_command_runs_streamlit_headless_on_the_given_address() -> None:
+    command = ui_command(host="0.0.0.0", port=9000)
     assert command[:5] == [sys.executable, "-m", "streamlit", "run", str(APP_PATH)]
-    options = command[5 : command.index("--")]
+    options = command[5:]
     assert dict(zip(options[::2], options[1::2], strict=True)) == {
         "--server.headless": "true",
         "--server.address": "0.0.0.0",
         "--server.port": "9000",
         "--browser.gatherUsageStats": "false",
     }
-    assert command[command.index("--") :] == ["--", "--db", "sqlite:///runs/t.db"]
 
 
 def test_run_ui_serves_the_dashboard_until_streamlit_exits(
@@ -97,7 +96,7 @@ class _InterruptedProcess:
 def test_ctrl_c_stops_streamlit_and_reaches_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
     children: list[_InterruptedProcess] = []
 
-    def start_child(command: list[str]) -> _InterruptedProcess:
+    def start_child(command: list[str], env: dict[str, str]) -> _InterruptedProcess:
         children.append(_InterruptedProcess(command))
         return children[-1]
 
@@ -105,3 +104,21 @@ def test_ctrl_c_stops_streamlit_and_reaches_the_caller(monkeypatch: pytest.Monke
     with pytest.raises(KeyboardInterrupt):
         run_ui("sqlite:///t.db")
     assert children[0].terminated
+
+
+def test_the_database_url_reaches_streamlit_in_its_environment_never_its_command_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = "postgresql+psycopg://reader:s3cr3t@pg:5432/scaletrain"
+    started: list[tuple[list[str], dict[str, str]]] = []
+
+    def start_child(command: list[str], env: dict[str, str]) -> _InterruptedProcess:
+        started.append((command, env))
+        return _InterruptedProcess(command)
+
+    monkeypatch.setattr(launch.subprocess, "Popen", start_child)
+    with pytest.raises(KeyboardInterrupt):
+        run_ui(url)
+    ((command, env),) = started
+    assert env[launch.DB_ENV] == url
+    assert not any("s3cr3t" in arg for arg in command)

@@ -6,6 +6,7 @@ quantize.py  block scales, the cast, saturation and underflow counts
 delayed.py   amax histories of delayed scaling (replicated, checkpointed)
 gemm.py      FP8 products: scaled_mm, row-wise per block, or exact emulation, chosen by probe
 linear.py    the autograd function and the FP8 linear module
+fsdp.py      FP8 weights for FSDP2 all-gathers
 convert.py   swapping a model's linears, and the run's handle on them
 """
 

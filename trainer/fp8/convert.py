@@ -19,8 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.fp8.delayed import AmaxHistory
+from trainer.fp8.fsdp import check_all_gather, reduce_weight_amax, shard_weights_in_fp8
 from trainer.fp8.linear import Caster, Fp8Linear, Fp8Plan, Gemm
-from trainer.fp8.recipes import Fp8Recipe
+from trainer.fp8.quantize import COUNTS
+from trainer.fp8.recipes import Fp8Recipe, Granularity
 
 DEFAULT_KEEP_HIGH_PRECISION = ("output", "router")
 
@@ -34,15 +36,20 @@ class Fp8Training:
     layers: dict[str, Fp8Linear]
     kept: list[str]
     history: AmaxHistory | None
+    all_gather: bool = False
+    group: dist.ProcessGroup | None = None
 
     def update(self) -> None:
-        """Fold the last step's amax values into the delayed-scaling history (a collective).
+        """Fold the last step's amax values into the delayed-scaling history, and with per-tensor
+        FP8 all-gathers reduce the weights' amax over their shards (collectives).
 
         Runs by itself before each forward pass of the converted model; a loop that never calls
         that model's forward (a pipeline schedule) calls it once per step on every rank instead.
         """
         if self.history is not None:
             self.history.update()
+        if self.all_gather and self.recipe.granularity is Granularity.TENSOR:
+            reduce_weight_amax(self.layers, self.group)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What a checkpoint must keep for a bit-identical resume: the amax histories, if any."""
@@ -54,15 +61,10 @@ class Fp8Training:
 
     def counts(self) -> dict[str, int]:
         """Values cast to FP8 so far on this rank, and how many saturated or underflowed."""
-        totals = torch.stack(
-            [
-                stats.totals
-                for layer in self.layers.values()
-                for stats in layer.caster.stats.values()
-            ]
-        ).sum(0)
-        values, saturated, underflow = (int(x) for x in totals.tolist())
-        return {"values": values, "saturated": saturated, "underflow": underflow}
+        every = [
+            stats.totals for layer in self.layers.values() for stats in layer.caster.stats.values()
+        ]
+        return dict(zip(COUNTS, torch.stack(every).sum(0).tolist(), strict=True))
 
     def summary(self) -> str:
         """The counts as the run's log line shows them (reads them back from the device)."""
@@ -83,9 +85,10 @@ class Fp8Training:
             )
             paths.append(f"{gemm} {choice.path}{why}")
         kept = ", ".join(self.kept) or "none"
+        gathered = "; FSDP all-gathers their weights in FP8" if self.all_gather else ""
         return (
             f"fp8 {self.recipe.describe()}; {len(self.layers)} linears in FP8, "
-            f"kept in high precision: {kept}; GEMM paths ({device.type}, "
+            f"kept in high precision: {kept}{gathered}; GEMM paths ({device.type}, "
             f"{str(dtype).removeprefix('torch.')} out): {', '.join(paths)}"
         )
 
@@ -101,12 +104,16 @@ def convert_to_fp8(
     recipe: Fp8Recipe,
     keep_high_precision: tuple[str, ...] | list[str] = DEFAULT_KEEP_HIGH_PRECISION,
     group: dist.ProcessGroup | None = None,
+    all_gather: bool = False,
 ) -> Fp8Training:
     """Replace `model`'s linears by FP8 linears in place; ValueError naming a layer that cannot.
 
-    `group` is what delayed scaling reduces amax values over (default: every rank): all ranks
-    holding a replica or a shard of the same layers.
+    `group` is what amax values are reduced over (default: every rank): all ranks holding a
+    replica or a shard of the same layers. `all_gather` makes FSDP2 (applied next) all-gather
+    the FP8 linears' weights in FP8 (trainer.fp8.fsdp).
     """
+    if all_gather:
+        check_all_gather(recipe)
     linears = {name: module for name, module in model.named_modules() if type(module) is nn.Linear}
     kept = [n for n in linears if any(matches(n, p) for p in keep_high_precision)]
     names = [n for n in linears if n not in kept]
@@ -120,7 +127,9 @@ def convert_to_fp8(
     for name, layer in layers.items():
         parent, _, child = name.rpartition(".")
         model.get_submodule(parent).register_module(child, layer)
-    training = Fp8Training(recipe, plan, layers, kept, history)
-    if history is not None:
+    if all_gather:
+        shard_weights_in_fp8(layers)
+    training = Fp8Training(recipe, plan, layers, kept, history, all_gather, group)
+    if history is not None or all_gather:
         model.register_forward_pre_hook(lambda _module, _args: training.update())
     return training

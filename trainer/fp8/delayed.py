@@ -23,6 +23,37 @@ from trainer.fp8.quantize import scale_for_amax
 from trainer.fp8.recipes import Fp8Recipe, Role
 
 
+class Slot:
+    """One linear's share of the state: views of its history and pending rows, and a tensor of
+    its own for the backward pass's amax.
+
+    A layer holds its slot, never a row number: under torch.compile a number would be a constant
+    of the graph, and each layer would compile its own. The backward pass records into a tensor
+    no forward touches, since under torch.compile a tensor the backward reads is saved by the
+    forward, and one that a later layer's forward wrote in place (or any view of its storage)
+    fails autograd's version check.
+    """
+
+    def __init__(self, history: torch.Tensor, pending: torch.Tensor, recipe: Fp8Recipe) -> None:
+        self.history, self.pending, self.recipe = history, pending, recipe
+        self.pending_grad = torch.zeros((), device=pending.device)
+
+    def record(self, role: Role, amax: torch.Tensor) -> None:
+        """Fold a tensor's current amax (a 1-element tensor) into this step's pending value."""
+        slot = self.pending_grad if role == Role.GRAD_OUTPUT else self.pending[role]
+        torch.maximum(slot, amax.reshape(()), out=slot)
+
+    def scale(self, role: Role, amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+        """The quantization scale of `role`: from its history, or from `amax` without one."""
+        recent = self.history[role]
+        past = recent.amax() if self.recipe.amax_compute == "max" else recent[0]
+        past = past.reshape(1, 1)
+        options = {"margin": self.recipe.margin, "power_of_two": self.recipe.power_of_two_scales}
+        from_history = scale_for_amax(past, fmt, **options)
+        from_now = scale_for_amax(amax, fmt, **options)
+        return torch.where(past > 0, from_history, from_now)
+
+
 class AmaxHistory:
     def __init__(
         self,
@@ -37,23 +68,17 @@ class AmaxHistory:
         rows, roles = len(self.names), len(Role)
         self.history = torch.zeros(rows, roles, recipe.amax_history_len, device=device)
         self.pending = torch.zeros(rows, roles, device=device)
+        self.slots = [Slot(self.history[row], self.pending[row], recipe) for row in range(rows)]
         self.has_pending = False
 
     def record(self, row: int, role: Role, amax: torch.Tensor) -> None:
-        """Fold a tensor's current amax (a 1-element tensor) into this step's pending value."""
-        slot = self.pending[row, role]
-        torch.maximum(slot, amax.reshape(()), out=slot)
+        """Fold a tensor's current amax into row `row`'s pending value for this step."""
+        self.slots[row].record(role, amax)
         self.has_pending = True
 
     def scale(self, row: int, role: Role, amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
         """The quantization scale of (row, role): from its history, or from `amax` without one."""
-        recent = self.history[row, role]
-        past = recent.amax() if self.recipe.amax_compute == "max" else recent[0]
-        past = past.reshape(1, 1)
-        options = {"margin": self.recipe.margin, "power_of_two": self.recipe.power_of_two_scales}
-        from_history = scale_for_amax(past, fmt, **options)
-        from_now = scale_for_amax(amax, fmt, **options)
-        return torch.where(past > 0, from_history, from_now)
+        return self.slots[row].scale(role, amax, fmt)
 
     @torch.no_grad()
     def update(self) -> None:
@@ -64,11 +89,20 @@ class AmaxHistory:
         """
         if not self.has_pending:
             return
+        grad = torch.stack([slot.pending_grad for slot in self.slots])
+        torch.maximum(
+            self.pending[:, Role.GRAD_OUTPUT], grad, out=self.pending[:, Role.GRAD_OUTPUT]
+        )
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(self.pending, op=dist.ReduceOp.MAX, group=self.group)
         self.history.copy_(self.history.roll(1, dims=-1))
         self.history[..., 0] = self.pending
+        self._clear_pending()
+
+    def _clear_pending(self) -> None:
         self.pending.zero_()
+        for slot in self.slots:
+            slot.pending_grad.zero_()
         self.has_pending = False
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -92,5 +126,4 @@ class AmaxHistory:
                     f"expected {tuple(self.history[row].shape)} (amax_history_len changed?)"
                 )
             self.history[row].copy_(state[name])
-        self.pending.zero_()
-        self.has_pending = False
+        self._clear_pending()

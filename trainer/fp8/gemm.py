@@ -50,12 +50,6 @@ class GemmKind:
     out_dtype: torch.dtype
     fast_accum: bool = False
 
-    def __str__(self) -> str:
-        return (
-            f"{self.a_format.name}[{self.a_scaling}] x {self.b_format.name}[{self.b_scaling}]"
-            f" -> {str(self.out_dtype).removeprefix('torch.')} on {self.device}"
-        )
-
 
 @dataclass(frozen=True)
 class PathChoice:
@@ -76,32 +70,10 @@ def scaling_of(q: Quantized, contract_dim: int) -> str:
     return f"{q.block[1 - contract_dim]}x{q.block[contract_dim]}"
 
 
-def kind_of(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool) -> GemmKind:
-    return GemmKind(
-        a.data.device.type,
-        a.fmt,
-        b.fmt,
-        scaling_of(a, 1),
-        scaling_of(b, 0),
-        out_dtype,
-        fast_accum,
-    )
-
-
-def scaled_matmul(
-    a: Quantized, b: Quantized, out_dtype: torch.dtype, *, fast_accum: bool = False
-) -> torch.Tensor:
-    """a (M, K) @ b (K, N) in FP8, on the path chosen for this kind of product."""
-    kind = kind_of(a, b, out_dtype, fast_accum)
-    choice = _CHOICES.get(kind)
-    if choice is None:
-        choice = choose_path(kind)
-    return run_path(choice.path, a, b, out_dtype, fast_accum)
-
-
 def run_path(
     path: GemmPath, a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False
 ) -> torch.Tensor:
+    """a (M, K) @ b (K, N) on `path`, out in `out_dtype`."""
     if path is GemmPath.SCALED_MM:
         return _scaled_mm(a, b, out_dtype, fast_accum)
     if path is GemmPath.ROWWISE_PER_BLOCK:
@@ -111,7 +83,9 @@ def run_path(
 
 @torch.compiler.disable
 def choose_path(kind: GemmKind) -> PathChoice:
-    """Probe the paths for `kind` fastest first, remember and return the first that is right."""
+    """The fastest path that computes `kind` right, probed once per process."""
+    if kind in _CHOICES:
+        return _CHOICES[kind]
     a, b = _probe_operands(kind)
     expected = run_path(GemmPath.EMULATED, a, b, torch.float32)
     passed_over: dict[str, str] = {}
@@ -148,12 +122,13 @@ def _agrees(got: torch.Tensor, expected: torch.Tensor, out_dtype: torch.dtype) -
 
 
 def _probe_operands(kind: GemmKind) -> tuple[Quantized, Quantized]:
-    """Random operands of `kind`, 256 a side (whole blocks and swizzle tiles for any recipe).
+    """Random operands of `kind`, 512 a side: whole blocks and swizzle tiles for any recipe, and
+    the four 128-blocks of K that cuBLAS's 128x128 scaling needs at least.
 
     Magnitudes vary by 2^-8..2^8 from one 16x16 tile to the next, so every block gets its own
     scale and a scale read from the wrong place shows in the product.
     """
-    size, tile = 256, 16
+    size, tile = 512, 16
     gen = torch.Generator().manual_seed(0)
     operands = []
     for fmt, scaling, contract_dim in (
@@ -195,10 +170,23 @@ _BLOCK_SCALING = {
 def _scaled_mm(
     a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool
 ) -> torch.Tensor:
-    """One F.scaled_mm call: a row-major, b column-major, scales in the layouts cuBLAS reads."""
+    """One scaled_mm call: a row-major, b column-major, scales in the layouts cuBLAS reads.
+
+    Per-tensor products go through `torch._scaled_mm`, which torch.compile traces into its graph
+    (torch 2.11 breaks the graph at `F.scaled_mm`); block scalings need `F.scaled_mm`.
+    """
     a_scaling, b_scaling = scaling_of(a, 1), scaling_of(b, 0)
     if a_scaling not in _BLOCK_SCALING or b_scaling not in _BLOCK_SCALING:
         raise ValueError(f"no scaled_mm scaling for {a_scaling} x {b_scaling}")
+    if a_scaling == b_scaling == "tensor":
+        return torch._scaled_mm(
+            _row_major(a.data),
+            _column_major(b.data),
+            a.scale.reshape(()).float(),
+            b.scale.reshape(()).float(),
+            out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
+        )
     scale_a, scale_b = a.scale, b.scale
     swizzle: SwizzleType | None = None
     if a_scaling == "tensor":
@@ -259,18 +247,11 @@ def _rowwise_per_block(a: Quantized, b: Quantized) -> torch.Tensor:
     out = torch.zeros(rows, b.data.shape[1], dtype=torch.float32, device=a.data.device)
     for k in range(depth // step):
         part = slice(k * step, (k + 1) * step)
-        out += F.scaled_mm(
+        out += torch._scaled_mm(
             data_a[:, part],
             data_b[part, :],
             scale_a[:, k : k + 1].contiguous(),
-            ScalingType.RowWise,
             scale_b[k : k + 1, :].contiguous(),
-            ScalingType.RowWise,
-            output_dtype=torch.float32,
+            out_dtype=torch.float32,
         )
     return out
-
-
-def path_choices() -> dict[GemmKind, PathChoice]:
-    """Every decision made in this process so far (what the run's log reports)."""
-    return dict(_CHOICES)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from trainer.fp8.delayed import AmaxHistory
+from trainer.fp8.fsdp import Fp8Weight
 from trainer.fp8.gemm import GemmKind, GemmPath, PathChoice, choose_path, run_path
 from trainer.fp8.quantize import (
     Quantized,
@@ -27,6 +28,7 @@ from trainer.fp8.quantize import (
     check_blocks,
     quantize,
     quantize_with_scale,
+    scale_for_amax,
 )
 from trainer.fp8.recipes import Fp8Recipe, Granularity, Role
 
@@ -98,8 +100,11 @@ class Caster:
         row: int,
         device: torch.device,
     ) -> None:
-        self.name, self.plan, self.history, self.row = name, plan, history, row
+        self.name, self.plan, self.history = name, plan, history
+        self.slot = history.slots[row] if history is not None else None
         self.stats = {role: QuantStats(device) for role in Role}
+        # With FP8 all-gathers, per tensor: the amax of the whole (sharded) weight this step.
+        self.weight_amax: torch.Tensor | None = None
 
     def check(self, shape: tuple[int, int], role: Role, contract_dims: tuple[int, ...]) -> None:
         """ValueError naming this layer unless `shape` splits into the recipe's blocks."""
@@ -117,23 +122,57 @@ class Caster:
         self, t: torch.Tensor, role: Role, contract_dims: tuple[int, ...], record: bool
     ) -> list[Quantized]:
         """`t` quantized for each contraction dimension; one cast serves all when blocks agree."""
+        if not torch.compiler.is_compiling():  # compiled, its layer name would guard each graph
+            self.check(t.shape, role, contract_dims)
+        if isinstance(t, Fp8Weight):  # all-gathered in FP8 by FSDP: its owner cast it
+            return [t.quantized] * len(contract_dims)
         recipe = self.plan.recipe
-        self.check(t.shape, role, contract_dims)
-        fmt, stats = recipe.format_of(role), self.stats[role]
-        if self.history is not None:
-            amax = block_amax(t, t.shape)
-            if record:
-                self.history.record(self.row, role, amax)
-            scale = self.history.scale(self.row, role, amax, fmt)
-            return [quantize_with_scale(t, fmt, t.shape, scale, stats)] * len(contract_dims)
+        if recipe.granularity is Granularity.TENSOR:
+            return [self._per_tensor(t, role, block_amax(t, t.shape), record)] * len(contract_dims)
         done: dict[tuple[int, int], Quantized] = {}
         for dim in contract_dims:
             block = recipe.block(t.shape, role, dim)
             if block not in done:
                 done[block] = quantize(
-                    t, fmt, block, power_of_two=recipe.power_of_two_scales, stats=stats
+                    t,
+                    recipe.format_of(role),
+                    block,
+                    power_of_two=recipe.power_of_two_scales,
+                    stats=self.stats[role],
                 )
         return [done[recipe.block(t.shape, role, dim)] for dim in contract_dims]
+
+    def cast_weight_shard(self, shard: torch.Tensor) -> Quantized:
+        """This rank's shard of the weight, cast for an FP8 all-gather: with the scale of the
+        whole weight per tensor (`weight_amax`, reduced over the shards before each forward
+        pass), with its own scales per block (the shard holds whole blocks)."""
+        recipe = self.plan.recipe
+        self.check(tuple(shard.shape), Role.WEIGHT, (1,))
+        if recipe.granularity is Granularity.TENSOR:
+            # FSDP gathers under no_grad; a weight's amax is the same in every gather of a step.
+            return self._per_tensor(shard, Role.WEIGHT, self.weight_amax, record=True)
+        block = recipe.block(tuple(shard.shape), Role.WEIGHT, 1)
+        return quantize(
+            shard,
+            recipe.forward_format,
+            block,
+            power_of_two=recipe.power_of_two_scales,
+            stats=self.stats[Role.WEIGHT],
+        )
+
+    def _per_tensor(
+        self, t: torch.Tensor, role: Role, amax: torch.Tensor, record: bool
+    ) -> Quantized:
+        """`t` with one scale: from the delayed amax history, or from `amax` (its own)."""
+        recipe = self.plan.recipe
+        fmt, stats = recipe.format_of(role), self.stats[role]
+        if self.history is None:
+            scale = scale_for_amax(amax, fmt, power_of_two=recipe.power_of_two_scales)
+            return quantize_with_scale(t, fmt, t.shape, scale, stats, may_saturate=False)
+        if record:
+            self.slot.record(role, amax)
+        scale = self.slot.scale(role, amax, fmt)
+        return quantize_with_scale(t, fmt, t.shape, scale, stats)
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -215,7 +254,10 @@ class Fp8Linear(nn.Linear):
         if torch.is_autocast_enabled(device):  # as nn.Linear would: output in autocast's dtype
             x = x.to(torch.get_autocast_dtype(device))
         flat = x.reshape(-1, x.shape[-1])
-        y = _Fp8Matmul.apply(flat, weight, self.caster, torch.is_grad_enabled())
+        training = torch.is_grad_enabled()
+        if training and self.caster.history is not None:  # outside the autograd.Function, which
+            self.caster.history.has_pending = True  # torch.compile traces free of side effects
+        y = _Fp8Matmul.apply(flat, weight, self.caster, training)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     def _forward_tensor_parallel(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,8 +270,9 @@ class Fp8Linear(nn.Linear):
         weight: DTensor = self.weight
         if not isinstance(x, DTensor) or weight.device_mesh.ndim != 1:
             raise ValueError(
-                f"fp8: {self.caster.name} has a DTensor weight on a {weight.device_mesh.ndim}-D "
-                "mesh and a plain input; only 1-D tensor-parallel sharding is supported"
+                f"fp8: {self.caster.name}: a tensor-parallel weight needs a DTensor input and a "
+                f"1-D mesh, got a {type(x).__name__} input and a "
+                f"{weight.device_mesh.ndim}-D mesh"
             )
         placement = weight.placements[0]
         if placement == Shard(0) and x.placements == (Replicate(),):

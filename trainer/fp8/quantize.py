@@ -27,6 +27,8 @@ from trainer.fp8.formats import Fp8Format
 # The largest scale: E8M0 (MX's scale format) and fp32 both represent 2^127 and its inverse.
 MAX_SCALE = 2.0**127
 _EXPONENT_BITS = 0x7F800000
+# What a QuantStats counts, in the order of its `totals`.
+COUNTS = ("values", "saturated", "underflow")
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,7 @@ class QuantStats:
         self.totals[2] += torch.count_nonzero(source) - torch.count_nonzero(magnitude_bits)
 
     def counts(self) -> dict[str, int]:
-        values, saturated, underflow = (int(x) for x in self.totals.tolist())
-        return {"values": values, "saturated": saturated, "underflow": underflow}
-
-    def reset(self) -> None:
-        self.totals.zero_()
+        return dict(zip(COUNTS, self.totals.tolist(), strict=True))
 
 
 def check_blocks(shape: torch.Size | tuple[int, ...], block: tuple[int, int], what: str) -> None:

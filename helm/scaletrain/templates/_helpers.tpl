@@ -90,19 +90,30 @@ Pod template labels: include "scaletrain.podLabels" (list . "ckptd")
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion | toString) }}
 {{- end }}
 
+{{- define "scaletrain.ckptdServiceAccountName" -}}
+{{- $sa := .Values.ckptd.serviceAccount }}
+{{- if $sa.create }}
+{{- default (include "scaletrain.componentName" (list . "ckptd")) $sa.name }}
+{{- else }}
+{{- default "default" $sa.name }}
+{{- end }}
+{{- end }}
+
 {{/*
-Pod spec fields shared by every pod.
+Pod spec fields shared by every pod: include "scaletrain.podCommon" (list . "ckptd")
 */}}
 {{- define "scaletrain.podCommon" -}}
-serviceAccountName: {{ include "scaletrain.serviceAccountName" . }}
+{{- $root := index . 0 }}
+{{- $component := index . 1 -}}
+serviceAccountName: {{ eq $component "ckptd" | ternary (include "scaletrain.ckptdServiceAccountName" $root) (include "scaletrain.serviceAccountName" $root) }}
 automountServiceAccountToken: false
 enableServiceLinks: false
-{{- with .Values.imagePullSecrets }}
+{{- with $root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 securityContext:
-  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+  {{- toYaml (eq $component "postgresql" | ternary $root.Values.postgresql.podSecurityContext $root.Values.podSecurityContext) | nindent 2 }}
 {{- end }}
 
 {{/*
@@ -139,62 +150,107 @@ Addresses (HOST:PORT) of the services, as the other components dial them.
 {{- end }}
 
 {{/*
-Telemetry database: external (URL in a Secret) or SQLite on a PVC.
+The database of telemetry and the UI: the bundled PostgreSQL, or an external one whose URL is in a
+Secret. Either way the URL reaches the process in SCALETRAIN_DB_URL, never on a command line or in
+a ConfigMap. For the bundled one the password comes from its Secret into SCALETRAIN_DB_PASSWORD and
+Kubernetes substitutes it into the URL, so the pod spec itself holds no secret.
 */}}
-{{- define "scaletrain.externalDatabase" -}}
-{{- if or .Values.telemetry.database.url .Values.telemetry.database.existingSecret }}true{{ end }}
+{{- define "scaletrain.postgresqlName" -}}
+{{- include "scaletrain.componentName" (list . "postgresql") }}
+{{- end }}
+
+{{- define "scaletrain.postgresqlSecretName" -}}
+{{- default (include "scaletrain.postgresqlName" .) .Values.postgresql.auth.existingSecret }}
 {{- end }}
 
 {{- define "scaletrain.dbSecretName" -}}
-{{- default (include "scaletrain.componentName" (list . "db")) .Values.telemetry.database.existingSecret }}
-{{- end }}
-
-{{- define "scaletrain.dbSecretKey" -}}
-{{- if .Values.telemetry.database.existingSecret }}
-{{- .Values.telemetry.database.existingSecretKey }}
-{{- else }}
-{{- "SCALETRAIN_DB_URL" }}
-{{- end }}
-{{- end }}
-
-{{- define "scaletrain.sqliteClaimName" -}}
-{{- default (include "scaletrain.componentName" (list . "telemetry")) .Values.telemetry.persistence.existingClaim }}
-{{- end }}
-
-{{- define "scaletrain.sqliteUrl" -}}
-{{- printf "sqlite:///%s/telemetry.db" (trimSuffix "/" .Values.telemetry.persistence.mountPath) }}
+{{- include "scaletrain.componentName" (list . "db") }}
 {{- end }}
 
 {{/*
-The database of telemetry and ui: "--db URL" arguments for SQLite; for an external database the
-URL comes from the SCALETRAIN_DB_URL variable (scaletrain.dbEnv). Include only in that case.
+Where a component's external database URL is, as (list secretName key), or empty: the UI without
+read-only credentials of its own uses telemetry's.
 */}}
-{{- define "scaletrain.dbArgs" -}}
-{{- if not (include "scaletrain.externalDatabase" .) -}}
-- --db
-- {{ include "scaletrain.sqliteUrl" . | quote }}
+{{- define "scaletrain.externalDbRef" -}}
+{{- $root := index . 0 }}
+{{- $db := index $root.Values (index . 1) "database" }}
+{{- if $db.existingSecret }}
+{{- list $db.existingSecret $db.existingSecretKey | toJson }}
+{{- else if $db.url }}
+{{- list (include "scaletrain.dbSecretName" $root) (printf "%s-url" (index . 1)) | toJson }}
 {{- end }}
 {{- end }}
 
+{{/*
+The env entries that give a component its database URL: include "scaletrain.dbEnv" (list . "ui")
+*/}}
 {{- define "scaletrain.dbEnv" -}}
-{{- if include "scaletrain.externalDatabase" . -}}
+{{- $root := index . 0 }}
+{{- $component := index . 1 }}
+{{- $pg := $root.Values.postgresql }}
+{{- if $pg.enabled }}
+{{- $readOnly := eq $component "ui" -}}
+- name: SCALETRAIN_DB_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "scaletrain.postgresqlSecretName" $root }}
+      key: {{ ternary "readonly-password" "password" $readOnly }}
+- name: SCALETRAIN_DB_URL
+  value: {{ printf "postgresql+psycopg://%s:$(SCALETRAIN_DB_PASSWORD)@%s:%v/%s" (ternary $pg.auth.readOnlyUsername $pg.auth.username $readOnly) (include "scaletrain.postgresqlName" $root) $pg.port $pg.auth.database | quote }}
+{{- else }}
+{{- $ref := include "scaletrain.externalDbRef" (list $root $component) | default (include "scaletrain.externalDbRef" (list $root "telemetry")) | fromJsonArray -}}
 - name: SCALETRAIN_DB_URL
   valueFrom:
     secretKeyRef:
-      name: {{ include "scaletrain.dbSecretName" . }}
-      key: {{ include "scaletrain.dbSecretKey" . }}
+      name: {{ index $ref 0 }}
+      key: {{ index $ref 1 }}
 {{- end }}
 {{- end }}
 
-{{- define "scaletrain.sqliteVolume" -}}
-- name: telemetry-db
-  persistentVolumeClaim:
-    claimName: {{ include "scaletrain.sqliteClaimName" . }}
+{{/*
+Whether the UI reads the database as telemetry's owner because no read-only credentials were given.
+*/}}
+{{- define "scaletrain.uiUsesOwnerCredentials" -}}
+{{- if and (not .Values.postgresql.enabled) (not (include "scaletrain.externalDbRef" (list . "ui"))) }}true{{ end }}
 {{- end }}
 
-{{- define "scaletrain.sqliteVolumeMount" -}}
-- name: telemetry-db
-  mountPath: {{ .Values.telemetry.persistence.mountPath | quote }}
+{{/*
+The metrics container port and Service port of ckptd or telemetry: include ... .Values.ckptd.metrics
+*/}}
+{{- define "scaletrain.metricsPort" -}}
+- name: metrics
+  containerPort: {{ .port }}
+  protocol: TCP
+{{- end }}
+
+{{- define "scaletrain.metricsServicePort" -}}
+- name: metrics
+  port: {{ .port }}
+  targetPort: metrics
+  protocol: TCP
+{{- end }}
+
+{{/*
+Native gRPC probes of a gRPC service: startup (covers migrations and loading the catalog), then
+liveness and readiness. include "scaletrain.grpcProbes" port
+*/}}
+{{- define "scaletrain.grpcProbes" -}}
+startupProbe:
+  grpc:
+    port: {{ . }}
+  periodSeconds: 5
+  failureThreshold: 60
+livenessProbe:
+  grpc:
+    port: {{ . }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+readinessProbe:
+  grpc:
+    port: {{ . }}
+  periodSeconds: 5
+  timeoutSeconds: 5
 {{- end }}
 
 {{/*
@@ -210,16 +266,20 @@ S3 credentials: the Secret's name, or nothing when no credentials are configured
 {{- end }}
 
 {{/*
-Checks of values that the schema cannot express; included by every template that depends on them.
+Checks of values that the schema cannot express; templates/validate.yaml runs them on every render.
 */}}
 {{- define "scaletrain.validate" -}}
 {{- $t := .Values.trainer }}
 {{- if $t.enabled }}
-{{- if lt (int $t.nodes) 1 }}
-{{- fail (printf "trainer.nodes must be at least 1 (got %v)" $t.nodes) }}
+{{- $p := $t.parallel }}
+{{- $world := mul $t.nodes $t.nprocPerNode }}
+{{- $others := mul $p.dpReplicate $p.tp $p.pp $p.cp }}
+{{- $dpShard := eq (int $p.dpShard) -1 | ternary (div $world $others) $p.dpShard }}
+{{- if ne (mul $others $dpShard) $world }}
+{{- fail (printf "trainer: the world size nodes*nprocPerNode = %v*%v = %v does not match the layout trainer.parallel dpReplicate*dpShard*tp*pp*cp = %v*%v*%v*%v*%v" $t.nodes $t.nprocPerNode $world $p.dpReplicate $p.dpShard $p.tp $p.pp $p.cp) }}
 {{- end }}
-{{- if lt (int $t.nprocPerNode) 1 }}
-{{- fail (printf "trainer.nprocPerNode must be at least 1 (got %v)" $t.nprocPerNode) }}
+{{- if ne (mod (mul $dpShard $p.cp) $p.ep) 0 }}
+{{- fail (printf "trainer.parallel.ep = %v must divide dpShard*cp = %v" $p.ep (mul $dpShard $p.cp)) }}
 {{- end }}
 {{- if and (not .Values.ckptd.enabled) (not $t.ckptdAddress) }}
 {{- fail "trainer.enabled needs ckptd.enabled or trainer.ckptdAddress" }}
@@ -235,10 +295,13 @@ Checks of values that the schema cannot express; included by every template that
 {{- if and (not .Values.ckptd.s3.endpoint) (or $c.existingSecret $c.accessKeyId) }}
 {{- fail "ckptd.s3.credentials are set but ckptd.s3.endpoint is empty: ckptd has no S3 tier without an endpoint" }}
 {{- end }}
-{{- if and .Values.telemetry.enabled (not (include "scaletrain.externalDatabase" .)) (gt (int .Values.telemetry.replicas) 1) }}
-{{- fail "telemetry.replicas > 1 needs an external database (telemetry.database.url or existingSecret): SQLite has a single writer" }}
+{{- $external := include "scaletrain.externalDbRef" (list . "telemetry") }}
+{{- if or .Values.telemetry.enabled .Values.ui.enabled }}
+{{- if and .Values.postgresql.enabled $external }}
+{{- fail "telemetry.database is set but postgresql.enabled is true: set postgresql.enabled=false to use an external database" }}
 {{- end }}
-{{- if and .Values.ui.enabled (not (include "scaletrain.externalDatabase" .)) (not .Values.telemetry.enabled) }}
-{{- fail "ui.enabled without telemetry.enabled needs an external database (telemetry.database.url or existingSecret)" }}
+{{- if and (not .Values.postgresql.enabled) (not $external) }}
+{{- fail "postgresql.enabled is false: set telemetry.database.url or telemetry.database.existingSecret to an external database" }}
+{{- end }}
 {{- end }}
 {{- end }}
