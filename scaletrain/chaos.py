@@ -67,7 +67,7 @@ KINDS = (
 DEFAULT_SECONDS = {"kill-ckptd": 1.0, "stop-s3": 30.0, "disk-full": 60.0, "kill-telemetry": 3.0}
 # Faults after which torchrun must restart the job.
 RESTARTING = frozenset({"kill-rank", "stop-rank", "corrupt-shard"})
-# The drill of `scaletrain chaos` without --schedule: every kind, 12 faults over its 300 steps.
+# The drill of `scaletrain chaos` without --schedule: every kind, 12 faults over its 400 steps.
 # The long outages come late: the job trains on through them, so they move later faults on.
 DEFAULT_SCHEDULE = (
     "sdc@5,kill-rank@10,kill-telemetry@20,stop-rank@30,kill-ckptd@40,corrupt-shard@50,sdc@60,"
@@ -116,7 +116,7 @@ class ChaosOptions:
     workdir: Workdir
     schedule: list[Fault]
     ranks: int = 4
-    steps: int = 300
+    steps: int = 400
     ckpt_every: int = 5
     trainer_args: list[str] = field(default_factory=list)
     # Restarts torchrun may do; None: one per restarting fault, plus 2 spare.

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _workdir_arg(drill)
     drill.add_argument("--ranks", type=int, default=4, help="training processes (default 4)")
-    drill.add_argument("--steps", type=int, default=300)
+    drill.add_argument("--steps", type=int, default=400)
     drill.add_argument("--ckpt-every", type=int, default=5)
     drill.add_argument(
         "--schedule",
