@@ -33,6 +33,7 @@ import random
 import re
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -446,15 +447,28 @@ def ssd_dir(workdir: Workdir) -> Path:
     return workdir.ckptd / "ssd"
 
 
-@contextlib.contextmanager
-def small_disk(path: Path, size_mb: int):
-    """A tmpfs of `size_mb` mounted at `path` (root only), unmounted afterwards."""
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(
+def _mount_tmpfs(path: Path, size_mb: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
         capture_output=True,
         text=True,
     )
+
+
+def can_mount_tmpfs() -> bool:
+    """Whether this process may mount a tmpfs (root with CAP_SYS_ADMIN), which disk-full needs."""
+    with tempfile.TemporaryDirectory() as probe:
+        if _mount_tmpfs(Path(probe), 1).returncode != 0:
+            return False
+        subprocess.run(["umount", probe], check=False)
+    return True
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size_mb: int):
+    """A tmpfs of `size_mb` mounted at `path` (root only), unmounted afterwards."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = _mount_tmpfs(path, size_mb)
     if mounted.returncode != 0:
         raise UserError(
             f"disk-full needs a {size_mb} MiB tmpfs at {path}, which needs root: "

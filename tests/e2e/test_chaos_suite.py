@@ -5,18 +5,20 @@ To stay inside the CI budget the eight cases share two jobs: a fault-free refere
 overlap). Each case checks what the issue asks of it: the run completed, its final loss equals the
 reference's bit for bit, no committed checkpoint was lost, and telemetry recorded the fault. The
 S3 outage lasts 2 s here instead of 30 s (`stop-s3@STEP:SECONDS`); `scaletrain chaos` uses 30 s by
-default. The SSD disk fills on a size-limited tmpfs, which needs root: without it that case skips.
+default. The SSD disk fills on a size-limited tmpfs, which needs root (and the right to mount):
+without it that case skips.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import subprocess
 import sys
 
 import pytest
+
+from scaletrain.chaos import can_mount_tmpfs
 
 pytestmark = pytest.mark.e2e
 
@@ -24,7 +26,7 @@ RANKS, STEPS, EVERY = 4, 240, 5
 # A model small enough that a step takes ~0.1 s on two shared cores.
 TINY = ["--dim", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1",
         "--seq-len", "32", "--global-batch", "8"]  # fmt: skip
-CAN_MOUNT = os.geteuid() == 0
+CAN_MOUNT = can_mount_tmpfs()
 SCHEDULE = [
     "sdc@3",
     "kill-rank@6",
@@ -146,7 +148,7 @@ def test_case4_an_s3_outage_ends_with_every_checkpoint_on_s3(drill: dict):
     assert final["step"] == STEPS and "s3" in final["tiers"]
 
 
-@pytest.mark.skipif(not CAN_MOUNT, reason="a size-limited tmpfs for the SSD tier needs root")
+@pytest.mark.skipif(not CAN_MOUNT, reason="mounting a size-limited tmpfs for the SSD needs root")
 def test_case5_a_full_ssd_fails_saves_until_it_is_freed(drill: dict):
     fault = _injected(drill, "disk-full")
     assert "(a save failed)" in fault["detail"]
