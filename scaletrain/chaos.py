@@ -225,7 +225,6 @@ class Drill:
 
     def __init__(self, stack: Stack, options: ChaosOptions, run_id: str, tap: _Tap) -> None:
         self.stack, self.options, self.run_id, self.tap = stack, options, run_id, tap
-        self.rng = random.Random(options.seed)
         self.injected: list[Injected] = []
         self.committed: set[int] = set()
         self.agent: subprocess.Popen[str] | None = None
