@@ -123,6 +123,9 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
 
     def start(self) -> Watchdog:
+        # A first heartbeat at once: a rank that hangs within the first interval is then
+        # named with its phase by its peers, not as one that never beat.
+        self._beat(self._step, self._phase)
         self._thread.start()
         return self
 
@@ -158,7 +161,7 @@ class Watchdog:
             self._thread.join()
 
     def _run(self) -> None:
-        next_beat = 0.0
+        next_beat = time.monotonic() + self.policy.heartbeat_s
         while not self._stop.wait(min(1.0, self.policy.heartbeat_s)):
             with self._lock:
                 step, phase = self._step, self._phase
