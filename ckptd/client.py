@@ -16,6 +16,7 @@ import grpc
 from ckptd.wire import Chunk, crc32c, encode_write_request
 from scaletrain.errors import DataLoss, ScaletrainError
 from scaletrain.rpc import CHUNK_BYTES, DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
+from scaletrain.security import ClientSecurity
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 # A stream's deadline grows with the bytes it carries, assuming at least this throughput.
@@ -54,9 +55,10 @@ def _chunks(data: Bytes | Iterable[Bytes]) -> Iterator[memoryview]:
 class CkptdClient:
     """A connection to one ckptd. Thread-safe; close it (or use `with`) when done."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: ClientSecurity | None = None) -> None:
+        """`security` (TLS and token) defaults to the environment's (ClientSecurity.from_env)."""
         self.address = address
-        self._channel = make_channel(address)
+        self._channel = make_channel(address, security)
         self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
         # WriteFile with a serializer that puts chunk bytes on the wire in one copy (ckptd.wire).
         self._write_file = self._channel.stream_unary(

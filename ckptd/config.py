@@ -7,11 +7,11 @@ and are hidden from `repr`, so a logged config never leaks them.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.retention import RetentionPolicy
+from scaletrain.security import ServerSecurity, secret_from_env
 
 MiB = 1 << 20
 
@@ -39,12 +39,13 @@ class S3Config:
 
     @classmethod
     def from_env(cls, endpoint_url: str, bucket: str = "scaletrain") -> S3Config:
-        """Credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, as S3 tools read them."""
+        """Credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY as S3 tools read them, or
+        from the files named by AWS_ACCESS_KEY_ID_FILE / AWS_SECRET_ACCESS_KEY_FILE."""
         return cls(
             endpoint_url=endpoint_url,
             bucket=bucket,
-            access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", ""),
-            secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", ""),
+            access_key_id=secret_from_env("AWS_ACCESS_KEY_ID") or "",
+            secret_access_key=secret_from_env("AWS_SECRET_ACCESS_KEY") or "",
         )
 
     def __repr__(self) -> str:
@@ -76,10 +77,17 @@ class CkptdConfig:
     # Apply retention, upload what S3 lacks and abort abandoned saves. The command line's offline
     # store turns it off, so that listing, verifying or exporting never changes what is stored.
     maintain: bool = True
+    # The most bytes one checkpoint may hold (all its files together): a client writing more is
+    # refused with RESOURCE_EXHAUSTED, so one misbehaving writer cannot fill the disk.
+    max_checkpoint_bytes: int = 1 << 40
+    # TLS and tokens of the gRPC server; None: from the environment (ServerSecurity.from_env).
+    security: ServerSecurity | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.memory_budget_bytes < 0:
             raise ValueError(f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")
+        if self.max_checkpoint_bytes <= 0:
+            raise ValueError(f"max_checkpoint_bytes must be > 0, got {self.max_checkpoint_bytes}")
         if self.abandon_after_s <= 0:
             raise ValueError(f"abandon_after_s must be > 0, got {self.abandon_after_s}")

@@ -105,6 +105,11 @@ class FileUpload:
         self._to_verify.put((chunk.offset, data, chunk.crc32c))
         self._to_disk.put((chunk.offset, data))
 
+    @property
+    def size(self) -> int:
+        """Bytes received so far."""
+        return self._size
+
     def verified(self) -> None:
         """Wait until every chunk so far is verified; raise what the verifier found wrong."""
         self._to_verify.put(None)

@@ -27,7 +27,16 @@ from ckptd.store import CheckpointStore, TierCommit
 from ckptd.tiers import TIER_NAMES
 from ckptd.wire import decode_write_request
 from scaletrain.errors import InvalidArgument, UserError
-from scaletrain.rpc import CHUNK_BYTES, add_health, bind, make_channel, make_server, maps_errors
+from scaletrain.rpc import (
+    CHUNK_BYTES,
+    Rule,
+    add_health,
+    bind,
+    make_channel,
+    make_server,
+    maps_errors,
+)
+from scaletrain.security import ALL_RUNS, Role
 from scaletrain.v1 import (
     checkpoint_pb2,
     checkpoint_pb2_grpc,
@@ -134,6 +143,30 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     ) -> checkpoint_pb2.DeleteCheckpointResponse:
         removed, pending = self._store.delete(request.ref)
         return checkpoint_pb2.DeleteCheckpointResponse(tiers=removed, pending=pending)
+
+
+def access_rules(store: CheckpointStore) -> dict[str, Rule]:
+    """Who may call what: reading needs a reader's grant on the run, saving a trainer's, deleting
+    an admin's. Writes to an open save are checked against the run the save was opened for."""
+
+    def of_save(save_id: str) -> list[str]:
+        run = store.run_of_save(save_id)
+        return [run] if run is not None else []  # an unknown save: NOT_FOUND tells no secret
+
+    def write_file(message: checkpoint_pb2.WriteFileRequest) -> list[str]:
+        return of_save(message.header.save_id) if message.WhichOneof("part") == "header" else []
+
+    rules = {
+        "OpenSave": Rule(Role.TRAINER, lambda m: [m.ref.run]),
+        "WriteFile": Rule(Role.TRAINER, write_file),
+        "CommitSave": Rule(Role.TRAINER, lambda m: of_save(m.save_id)),
+        "AbortSave": Rule(Role.TRAINER, lambda m: of_save(m.save_id)),
+        "ListCheckpoints": Rule(Role.READER, lambda m: [m.run or ALL_RUNS]),
+        "GetCheckpoint": Rule(Role.READER, lambda m: [m.ref.run]),
+        "ReadFile": Rule(Role.READER, lambda m: [m.ref.run]),
+        "DeleteCheckpoint": Rule(Role.ADMIN, lambda m: [m.ref.run]),
+    }
+    return {f"/{SERVICE_NAME}/{method}": rule for method, rule in rules.items()}
 
 
 class TelemetryReporter:
@@ -258,7 +291,7 @@ def start(config: CkptdConfig) -> RunningCkptd:
         if reporter is not None:
             reporter.close(0)
         raise
-    server = make_server()
+    server = make_server(policy=access_rules(store), security=config.security)
     servicer = CheckpointServicer(store)
     checkpoint_pb2_grpc.add_CheckpointServiceServicer_to_server(servicer, server)
     # WriteFile again, with a deserializer that hands chunk bytes over as views (ckptd.wire).

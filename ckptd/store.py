@@ -51,6 +51,7 @@ from scaletrain.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     Unavailable,
     UserError,
 )
@@ -202,6 +203,8 @@ class _OpenSave:
     files: dict[str, FileUpload] = field(default_factory=dict)
     committing: bool = False
     touched: float = field(default_factory=time.monotonic)
+    # Bytes of its files, accepted or being streamed (checked against max_checkpoint_bytes).
+    bytes: int = 0
 
 
 def _damage(data: bytes, lo: int, hi: int, record: FileRecord) -> str | None:
@@ -232,7 +235,9 @@ class _Stream:
 
     def write(self, chunk: checkpoint_pb2.FileChunk | Chunk) -> None:
         self._save.touched = time.monotonic()
+        before = self.upload.size
         self.upload.write(chunk)
+        self._store._grew(self._save, self.upload.size - before)
 
     def finish(self, trailer: checkpoint_pb2.FileTrailer) -> FileRecord:
         record = self.upload.finish(trailer)
@@ -534,6 +539,27 @@ class CheckpointStore:
         with self._lock:
             save.streaming.discard(upload)
             save.touched = time.monotonic()
+            if save.files.get(upload.path) is not upload:
+                save.bytes -= upload.size  # not accepted: its bytes count no more
+
+    def _grew(self, save: _OpenSave, nbytes: int) -> None:
+        """Count `nbytes` more of a save; refuse them when the checkpoint would be too big."""
+        limit = self.config.max_checkpoint_bytes
+        with self._lock:
+            save.bytes += nbytes
+            total = save.bytes
+        if total > limit:
+            raise ResourceExhausted(
+                f"checkpoint {save.record.key} would hold over {limit} bytes, "
+                "ckptd's max_checkpoint_bytes"
+            )
+
+    def run_of_save(self, save_id: str) -> str | None:
+        """The run a save was opened for (to authorize writes to it); None for an unknown id."""
+        with self._lock:
+            save = self._saves.get(save_id)
+            record = save.record if save is not None else self.catalog.save(save_id)
+        return record.key.run if record is not None else None
 
     def _current(self, save: _OpenSave) -> bool:
         return self._saves.get(save.record.save_id) is save
@@ -549,6 +575,8 @@ class CheckpointStore:
             self.catalog.add_file(save.record.key, record)
             replaced = save.files.get(record.path)
             save.files[record.path] = upload
+            if replaced is not None:
+                save.bytes -= replaced.size
         if replaced is not None:
             replaced.spill()
 

@@ -6,6 +6,8 @@
     scaletrain telemetry  the telemetry service
     scaletrain ui         the run-health UI
     scaletrain ckpt       list, show, verify, export and remove checkpoints
+    scaletrain certs      a development CA and server and client certificates
+    scaletrain token      mint a token and record its hash in a tokens file
 
 Every error is one line on stderr and a non-zero exit, never a traceback.
 """
@@ -88,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="restarts of the job after a rank fails, each from the latest committed checkpoint "
         "(default 0: a failure ends the run, --resume continues it)",
     )
+    run.add_argument(
+        "--secure", action="store_true", help="TLS and per-run tokens between every part"
+    )
     _trainer_options(run)
 
     drill = sub.add_parser(
@@ -140,15 +145,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--abandon-after-s", type=float, default=600.0, help="abort a save idle this long"
     )
     ckptd.add_argument("--log-format", choices=("json", "text"), default="json")
+    _security_args(ckptd)
 
     tel = sub.add_parser("telemetry", help="serve the telemetry service")
     tel.add_argument("--listen", default="127.0.0.1:50052", help="HOST:PORT")
-    tel.add_argument("--db", help="database URL (default: $SCALETRAIN_DB_URL or ./telemetry.db)")
+    tel.add_argument(
+        "--db",
+        help="database URL without a password (default: $SCALETRAIN_DB_URL, the file named by "
+        "$SCALETRAIN_DB_URL_FILE, or ./telemetry.db); a password comes from "
+        "$SCALETRAIN_DB_PASSWORD or $SCALETRAIN_DB_PASSWORD_FILE",
+    )
     tel.add_argument(
         "--metrics",
         metavar="HOST:PORT",
         help="serve Prometheus metrics of the runs here (default: $SCALETRAIN_METRICS_LISTEN)",
     )
+
+    _security_args(tel)
 
     ui = sub.add_parser("ui", help="open the run-health UI")
     _workdir_arg(ui)
@@ -176,6 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     rm = _ckpt_parser(ckpt_sub, "rm", "delete a checkpoint from every tier")
     rm.add_argument("run")
     rm.add_argument("step", type=int)
+
+    certs = sub.add_parser("certs", help="write a development CA and certificates signed by it")
+    certs.add_argument("dir", type=Path, help="where to write ca.pem, server.*, client.*")
+    certs.add_argument(
+        "--host", action="append", default=[], help="another name of the server (repeatable)"
+    )
+    token = sub.add_parser("token", help="mint a token; only its hash is kept in the tokens file")
+    token.add_argument("--tokens", type=Path, required=True, help="the tokens file (JSON)")
+    token.add_argument("--role", choices=("reader", "trainer", "admin"), required=True)
+    token.add_argument("--run", default="*", help="the run it is good for (default: every run)")
+    token.add_argument("--name", default="", help="a label for audit lines")
     return root
 
 
@@ -190,6 +214,15 @@ def _trainer_options(parser: argparse.ArgumentParser) -> None:
         else:
             trainer.add_argument(flag, type=kind)
     health.add_arguments(parser)
+
+
+def _security_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-plaintext",
+        action="store_true",
+        help="listen without TLS on an address other than loopback (TLS: $SCALETRAIN_TLS_DIR, "
+        "tokens: $SCALETRAIN_TOKENS_FILE)",
+    )
 
 
 def _ckpt_parser(
@@ -236,6 +269,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _telemetry(args)
     if args.command == "ui":
         return _ui(args)
+    if args.command in ("certs", "token"):
+        return _credentials(args)
     return _ckpt(args)
 
 
@@ -281,6 +316,7 @@ def _run(args: argparse.Namespace) -> int:
         resume=args.resume,
         trainer_args=_trainer_args(args),
         max_restarts=args.max_restarts,
+        secure=args.secure,
     )
     # With --json, stdout carries only the summary: progress goes to stderr.
     summary = run(options, sys.stderr if args.json else sys.stdout)
@@ -367,6 +403,7 @@ def _ckptd(args: argparse.Namespace) -> int:
     from ckptd.config import CkptdConfig, S3Config
     from ckptd.retention import RetentionPolicy
     from ckptd.server import serve
+    from scaletrain.security import ServerSecurity
 
     if args.s3_part_mb < 5 or args.s3_parallel_parts < 1:
         raise UserError("--s3-part-mb must be >= 5 (S3's minimum) and --s3-parallel-parts >= 1")
@@ -392,6 +429,7 @@ def _ckptd(args: argparse.Namespace) -> int:
             retention=RetentionPolicy(args.keep_memory, args.keep_ssd, args.s3_every),
             abandon_after_s=args.abandon_after_s,
             metrics_listen=None if args.metrics_port is None else metrics,
+            security=ServerSecurity.from_env(allow_plaintext=args.allow_plaintext),
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -400,12 +438,33 @@ def _ckptd(args: argparse.Namespace) -> int:
 
 
 def _telemetry(args: argparse.Namespace) -> int:
+    from scaletrain.security import ServerSecurity, database_url
     from telemetry.config import TelemetryConfig
     from telemetry.server import serve
 
-    db = args.db or os.environ.get("SCALETRAIN_DB_URL") or "sqlite:///telemetry.db"
+    db = database_url(args.db, default="sqlite:///telemetry.db")
     metrics = args.metrics or os.environ.get("SCALETRAIN_METRICS_LISTEN") or None
-    serve(TelemetryConfig(db_url=db, listen=args.listen, metrics_listen=metrics))
+    security = ServerSecurity.from_env(allow_plaintext=args.allow_plaintext)
+    serve(TelemetryConfig(db_url=db, listen=args.listen, metrics_listen=metrics, security=security))
+    return 0
+
+
+def _credentials(args: argparse.Namespace) -> int:
+    from scaletrain import security
+
+    if args.command == "certs":
+        files = security.generate_certs(args.dir, tuple(args.host))
+        print(f"wrote a development CA and certificates to {files.root}")
+        print(f"serve and connect with TLS: export {security.TLS_DIR_ENV}={files.root.resolve()}")
+        print(f"require client certificates too: export {security.TLS_CLIENT_AUTH_ENV}=1")
+        return 0
+    if args.run != security.ALL_RUNS:
+        from ckptd.store import check_run
+
+        check_run(args.run)
+    # The token goes to stdout alone (for `export SCALETRAIN_TOKEN=$(scaletrain token ...)`);
+    # the file keeps its hash.
+    print(security.add_token(args.tokens, args.role, args.run, args.name))
     return 0
 
 

@@ -16,6 +16,7 @@ from typing import IO
 
 from ckptd.client import CkptdClient
 from scaletrain.errors import UserError
+from scaletrain.security import ClientSecurity, Role
 from scaletrain.stack import Stack, Workdir
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 from telemetry import queries
@@ -43,6 +44,8 @@ class RunOptions:
     max_restarts: int = 0
     # How long to wait, after training, for the last checkpoint to reach S3.
     upload_wait_s: float = 120.0
+    # TLS between every part, and tokens: the trainer's may write only this run.
+    secure: bool = False
 
 
 @dataclass
@@ -96,7 +99,7 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
         *(["--resume"] if options.resume else []),
         *options.trainer_args,
     ]  # fmt: skip
-    with Stack(workdir) as stack:
+    with Stack(workdir, secure=options.secure) as stack:
         workdir.remember_run(run_id)
         print(
             f"[scaletrain] run {run_id}: ckptd {stack.ckptd_address}, telemetry "
@@ -108,7 +111,8 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
         if code != 0:
             log = workdir.logs / "trainer.log"
             raise UserError(f"training failed (exit code {code}): {_first_error(log)}; see {log}")
-        checkpoints = _wait_for_tiers(stack.ckptd_address, run_id, options.upload_wait_s)
+        reader = stack.client_security(Role.READER, run_id)
+        checkpoints = _wait_for_tiers(stack.ckptd_address, run_id, options.upload_wait_s, reader)
     return _summary(workdir, run_id, checkpoints, time.monotonic() - started)
 
 
@@ -136,11 +140,11 @@ def check_layout(trainer_args: list[str], ranks: int) -> None:
 
 
 def _wait_for_tiers(
-    address: str, run_id: str, timeout_s: float
+    address: str, run_id: str, timeout_s: float, security: ClientSecurity | None = None
 ) -> list[checkpoint_pb2.CheckpointInfo]:
     """The run's checkpoints, once the newest is committed on every tier (or the time is up)."""
     deadline = time.monotonic() + timeout_s
-    with CkptdClient(address) as client:
+    with CkptdClient(address, security) as client:
         while True:
             checkpoints = client.list(run_id)
             newest = max(checkpoints, key=lambda c: c.ref.step, default=None)

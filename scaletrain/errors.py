@@ -44,3 +44,21 @@ class Unavailable(ScaletrainError):
 
 class UserError(Exception):
     """A problem on the command line or in the environment, printed as one line by the CLI."""
+
+
+class Unauthenticated(ScaletrainError):
+    """A call without a token, or with one the service does not know."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ScaletrainError):
+    """A known token asked for more than its role and run allow."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class ResourceExhausted(ScaletrainError):
+    """A limit was reached: calls of one client, the size of a checkpoint."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED

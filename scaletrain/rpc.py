@@ -1,16 +1,33 @@
 """The one place that creates gRPC servers and channels.
 
-Message-size limits, keepalive, deadlines and (later) TLS and auth live here and nowhere else, so
-every service and client of scaletrain behaves the same on the wire.
+Message-size limits, keepalive, deadlines, TLS and auth live here and nowhere else, so every
+service and client of scaletrain behaves the same on the wire:
+
+- TLS (mutual TLS as an option) from `ServerSecurity` / `ClientSecurity` (`scaletrain.security`,
+  read from the environment by default); plaintext only on loopback unless explicitly allowed.
+- A server interceptor (`_Guard`) in front of every service: it authenticates the bearer token of
+  each call against the tokens file, then authorizes every request message against the service's
+  `Rule` for the method (the role it needs, and the runs the message touches), so a trainer's token
+  writes only its own run and a reader's writes nothing. It also caps the calls one client runs at
+  once and cancels a client stream that goes quiet (`Limits`). The health service needs no token,
+  so that probes work.
+- Clients send their token as `authorization: Bearer ...` metadata, never on a command line.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+import ipaddress
+import logging
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,10 +38,23 @@ from scaletrain.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
+    ResourceExhausted,
     ScaletrainError,
+    Unauthenticated,
     Unavailable,
     UserError,
 )
+from scaletrain.security import (
+    ALL_RUNS,
+    ClientSecurity,
+    Grant,
+    Role,
+    ServerSecurity,
+    token_hash,
+)
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 # Payload of one streamed chunk. The message limit leaves room for framing around a chunk.
@@ -34,6 +64,7 @@ MAX_MESSAGE_BYTES = 16 * MiB
 MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - MiB
 # Default deadline of a unary call; streams set their own from the bytes they carry.
 DEFAULT_TIMEOUT_S = 30.0
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 _COMMON_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -51,22 +82,91 @@ _SERVER_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
-def make_server(max_workers: int = 32) -> grpc.Server:
-    """A gRPC server with the project's limits. Add servicers, then call `bind` and `start`."""
-    return grpc.server(
+@dataclass(frozen=True)
+class Limits:
+    """What one client may hold of a server, so that a misbehaving one cannot exhaust it."""
+
+    # Calls one client (one token; without tokens, one host) runs at once; more are refused
+    # with RESOURCE_EXHAUSTED until one ends.
+    calls_per_client: int = 64
+    # A client stream (WriteFile, ReportSteps) with no message for this long is cancelled, so a
+    # client that goes quiet cannot hold a server thread and its reservations forever.
+    idle_stream_s: float = 120.0
+
+
+class Rule(NamedTuple):
+    """Who may call a method: the role it needs over every run a request message touches.
+
+    `runs(message)` names those runs: `ALL_RUNS` for "every run" (a listing of all runs), none
+    for a message that touches no run by itself (a chunk after its header).
+    """
+
+    role: Role
+    runs: Callable[[Any], Iterable[str]]
+
+
+# Servers made by make_server, with the security `bind` must listen with.
+_SECURITY: weakref.WeakKeyDictionary[grpc.Server, ServerSecurity] = weakref.WeakKeyDictionary()
+
+
+def make_server(
+    max_workers: int = 32,
+    *,
+    policy: Mapping[str, Rule] | None = None,
+    security: ServerSecurity | None = None,
+    limits: Limits | None = None,
+) -> grpc.Server:
+    """A gRPC server with the project's limits, TLS and auth. Add servicers, `bind`, `start`.
+
+    `policy` maps full method names (`/pkg.Service/Method`) to their Rule; with tokens on, a
+    method without a rule is refused. `security` defaults to `ServerSecurity.from_env()`.
+    """
+    security = security if security is not None else ServerSecurity.from_env()
+    server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=_SERVER_OPTIONS,
         maximum_concurrent_rpcs=max_workers * 4,
+        interceptors=[_Guard(dict(policy or {}), security, limits or Limits())],
     )
+    _SECURITY[server] = security
+    return server
+
+
+def _loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bind(server: grpc.Server, address: str) -> int:
     """Bind `address` (HOST:PORT, port 0 picks a free one) and return the port.
 
-    Raises UserError with one readable line when the port is taken or the address is invalid.
+    Listens with TLS when the server's security has it; refuses plaintext on an address other
+    than loopback unless allowed. Raises UserError with one readable line when the port is
+    taken, the address is invalid or plaintext is refused.
     """
+    security = _SECURITY.get(server) or ServerSecurity()
     try:
-        port = server.add_insecure_port(address)
+        if security.tls is not None:
+            tls = security.tls
+            credentials = grpc.ssl_server_credentials(
+                [(tls.read(tls.server_key), tls.read(tls.server_cert))],
+                root_certificates=tls.read(tls.ca) if security.client_auth else None,
+                require_client_auth=security.client_auth,
+            )
+            port = server.add_secure_port(address, credentials)
+        else:
+            if not _loopback(address.rpartition(":")[0]) and not security.allow_plaintext:
+                raise UserError(
+                    f"refusing to listen on {address} in plaintext: give it TLS "
+                    "(SCALETRAIN_TLS_DIR, see `scaletrain certs`), or allow plaintext "
+                    "explicitly (--allow-plaintext or SCALETRAIN_ALLOW_PLAINTEXT=1)"
+                )
+            port = server.add_insecure_port(address)
     except RuntimeError as exc:
         raise UserError(f"cannot listen on {address}: {exc}; is the port in use?") from None
     if port == 0:
@@ -83,14 +183,87 @@ def add_health(server: grpc.Server, *service_names: str) -> health.HealthService
     return servicer
 
 
-def make_channel(address: str) -> grpc.Channel:
-    """A channel to a scaletrain service with the project's limits."""
-    return grpc.insecure_channel(address, options=_COMMON_OPTIONS)
+class _CallDetails(
+    NamedTuple(
+        "_CallDetails",
+        [
+            ("method", str),
+            ("timeout", float | None),
+            ("metadata", Any),
+            ("credentials", Any),
+            ("wait_for_ready", Any),
+            ("compression", Any),
+        ],
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
 
 
-def wait_until_healthy(address: str, timeout_s: float = 30.0, service: str = "") -> None:
+class _Bearer(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the token to every call's metadata."""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            (*(details.metadata or ()), self._header),
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):  # type: ignore[no-untyped-def]
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):  # type: ignore[no-untyped-def]
+        return continuation(self._with_token(details), requests)
+
+
+def make_channel(address: str, security: ClientSecurity | None = None) -> grpc.Channel:
+    """A channel to a scaletrain service with the project's limits, TLS and token.
+
+    `security` defaults to `ClientSecurity.from_env()`.
+    """
+    security = security if security is not None else ClientSecurity.from_env()
+    tls = security.tls
+    if tls is None:
+        channel = grpc.insecure_channel(address, options=_COMMON_OPTIONS)
+    else:
+        mine = tls.client_cert.is_file() and tls.client_key.is_file()
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=tls.read(tls.ca),
+            private_key=tls.read(tls.client_key) if mine else None,
+            certificate_chain=tls.read(tls.client_cert) if mine else None,
+        )
+        channel = grpc.secure_channel(address, credentials, options=_COMMON_OPTIONS)
+    if security.token:
+        return grpc.intercept_channel(channel, _Bearer(security.token))
+    return channel
+
+
+def wait_until_healthy(
+    address: str,
+    timeout_s: float = 30.0,
+    service: str = "",
+    security: ClientSecurity | None = None,
+) -> None:
     """Block until the service at `address` reports SERVING, or raise UserError."""
-    with make_channel(address) as channel:
+    with make_channel(address, security) as channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout_s)
             reply = health_pb2_grpc.HealthStub(channel).Check(
@@ -100,6 +273,236 @@ def wait_until_healthy(address: str, timeout_s: float = 30.0, service: str = "")
             raise UserError(f"service at {address} did not become healthy: {exc}") from None
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
         raise UserError(f"service at {address} is not serving (status {reply.status})")
+
+
+class _Watchdog:
+    """One thread per process that cancels client streams idle for longer than their limit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[int, tuple[grpc.ServicerContext, float, list[float]]] = {}
+        self._thread: threading.Thread | None = None
+
+    def watch(self, context: grpc.ServicerContext, idle_s: float) -> list[float]:
+        """Watch a stream; the caller stores time.monotonic() in the returned cell on activity."""
+        cell = [time.monotonic()]
+        with self._lock:
+            self._streams[id(cell)] = (context, idle_s, cell)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rpc-idle", daemon=True)
+                self._thread.start()
+        if not context.add_callback(lambda: self._forget(cell)):
+            self._forget(cell)
+        return cell
+
+    def _forget(self, cell: list[float]) -> None:
+        with self._lock:
+            self._streams.pop(id(cell), None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.2)
+            now = time.monotonic()
+            with self._lock:
+                idle = [key for key, (_, limit, cell) in self._streams.items()
+                        if now - cell[0] > limit]  # fmt: skip
+                contexts = [self._streams.pop(key)[0] for key in idle]
+            for context in contexts:
+                log.warning("cancelling a client stream from %s: idle too long", context.peer())
+                context.cancel()
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value.removeprefix("Bearer ").strip()
+    return None
+
+
+class _Call(NamedTuple):
+    """What the guard decided about a call before its first message."""
+
+    method: str
+    # Its client's key (a token's hash prefix; empty without tokens), the host is added later.
+    client: str
+    grant: Grant | None
+    rule: Rule | None
+    refusal: tuple[grpc.StatusCode, str] | None
+
+
+class _Guard(grpc.ServerInterceptor):
+    """Authentication, authorization and per-client limits in front of every method.
+
+    A refusal is decided before the servicer sees a message: UNAUTHENTICATED without a known
+    token, PERMISSION_DENIED when a message asks for more than the token's grant, so nothing
+    the servicer would have done happens. Refusals are logged with the grant's name, never the
+    token.
+    """
+
+    def __init__(self, policy: dict[str, Rule], security: ServerSecurity, limits: Limits) -> None:
+        self._policy = policy
+        self._tokens = security.tokens
+        self._limits = limits
+        self._lock = threading.Lock()
+        self._calls: Counter[str] = Counter()
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None or details.method.startswith(_HEALTH_PREFIX):
+            return handler
+        grant: Grant | None = None
+        refusal: tuple[grpc.StatusCode, str] | None = None
+        rule = self._policy.get(details.method)
+        token = _bearer(details.invocation_metadata)
+        if self._tokens is not None:
+            grant = self._tokens.grant(token) if token else None
+            if token is None:
+                refusal = (grpc.StatusCode.UNAUTHENTICATED, "no token: set SCALETRAIN_TOKEN")
+            elif grant is None:
+                refusal = (grpc.StatusCode.UNAUTHENTICATED, "unknown token")
+            elif rule is None:
+                refusal = (grpc.StatusCode.PERMISSION_DENIED, f"{details.method} is not allowed")
+        # One client: one token on one host (a job's ranks share their run's token, so its
+        # nodes count apart); one host without tokens.
+        client = token_hash(token)[:16] if grant is not None and token else ""
+        call = _Call(details.method, client, grant, rule, refusal)
+        return _wrap(handler, functools.partial(self._behave, call))
+
+    def _refuse(
+        self, context: grpc.ServicerContext, call: _Call, why: tuple[grpc.StatusCode, str]
+    ) -> None:
+        grant = call.grant
+        who = (grant.name or f"{grant.role} of {grant.run}") if grant else "an anonymous caller"
+        log.warning("refused %s to %s from %s: %s", call.method, who, context.peer(), why[1])
+        context.abort(*why)
+
+    def _authorize(self, context: grpc.ServicerContext, call: _Call, message: Any) -> None:
+        """Refuse a message that did not parse, or that asks for more than the call's grant."""
+        if isinstance(message, Malformed):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message ({message.error})"
+            )
+        grant, rule = call.grant, call.rule
+        if grant is None or rule is None:
+            return  # no tokens configured: every caller may do everything
+        for run in rule.runs(message):
+            if not grant.allows(rule.role, run):
+                what = "every run" if run == ALL_RUNS else f"run {run[:80]!r}"
+                denied = (
+                    f"a {grant.role} token of {grant.run[:80]!r} may not "
+                    f"{rule.role.value}-access {what}"
+                )
+                self._refuse(context, call, (grpc.StatusCode.PERMISSION_DENIED, denied))
+
+    def _admit(self, context: grpc.ServicerContext, call: _Call) -> None:
+        """Count the call against its client's limit until it ends, or refuse it."""
+        client = f"{call.client}@{_host(context.peer())}"
+        limit = self._limits.calls_per_client
+        with self._lock:
+            full = self._calls[client] >= limit
+            if not full:
+                self._calls[client] += 1
+        if full:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many calls at once from this client (limit {limit})",
+            )
+
+        def leave() -> None:
+            with self._lock:
+                self._calls[client] -= 1
+                if self._calls[client] <= 0:
+                    del self._calls[client]
+
+        if not context.add_callback(leave):
+            leave()
+
+    def _behave(
+        self,
+        call: _Call,
+        behavior: Callable[[Any, grpc.ServicerContext], Any],
+        request_streaming: bool,
+        request: Any,
+        context: grpc.ServicerContext,
+    ) -> Any:
+        if call.refusal is not None:
+            self._refuse(context, call, call.refusal)
+        self._admit(context, call)
+        if not request_streaming:
+            self._authorize(context, call, request)
+            return behavior(request, context)
+        activity = _WATCHDOG.watch(context, self._limits.idle_stream_s)
+
+        def checked() -> Iterator[Any]:
+            for message in request:
+                activity[0] = time.monotonic()
+                self._authorize(context, call, message)
+                yield message
+
+        return behavior(checked(), context)
+
+
+def _host(peer: str) -> str:
+    """The host of a gRPC peer string (`ipv4:127.0.0.1:5555`, `ipv6:[::1]:5555`)."""
+    return peer.rpartition(":")[0] or peer
+
+
+_HANDLER_KINDS = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+class Malformed(NamedTuple):
+    """A request message that did not parse; the guard answers it with INVALID_ARGUMENT."""
+
+    error: str
+
+
+def _parse_or_flag(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """`deserializer` that returns Malformed instead of raising (gRPC would answer INTERNAL)."""
+    if deserializer is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # any parse failure is the sender's
+            return Malformed(f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
+
+    return parse
+
+
+def _wrap(handler: grpc.RpcMethodHandler, around: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    """`handler` with its behaviour called through `around(behavior, request_streaming, ...)`."""
+    kind = (bool(handler.request_streaming), bool(handler.response_streaming))
+    attribute, make = _HANDLER_KINDS[kind]
+    behavior = getattr(handler, attribute)
+    if kind[1]:
+
+        def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            yield from around(behavior, kind[0], request, context)
+
+        wrapped: Callable[..., Any] = streaming
+    else:
+
+        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+            return around(behavior, kind[0], request, context)
+
+    return make(
+        wrapped,
+        request_deserializer=_parse_or_flag(handler.request_deserializer),
+        response_serializer=handler.response_serializer,
+    )
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -142,7 +545,17 @@ def describe_rpc_error(exc: grpc.RpcError, what: str) -> str:
 # The inverse of `maps_errors`: a client turns a status back into the domain error it stands for.
 _ERRORS: dict[grpc.StatusCode, type[ScaletrainError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, DataLoss, Unavailable)
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        AlreadyExists,
+        FailedPrecondition,
+        DataLoss,
+        Unavailable,
+        Unauthenticated,
+        PermissionDenied,
+        ResourceExhausted,
+    )
 }
 _ERRORS[grpc.StatusCode.DEADLINE_EXCEEDED] = Unavailable
 

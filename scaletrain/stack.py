@@ -23,6 +23,7 @@ from typing import IO
 from scaletrain.errors import UserError
 from scaletrain.rpc import wait_until_healthy
 from scaletrain.seaweed import SeaweedS3
+from scaletrain.security import ClientSecurity, EmbeddedCredentials, Role
 
 S3_BUCKET = "scaletrain"
 
@@ -141,10 +142,17 @@ class Stack:
     """S3, telemetry and ckptd on free loopback ports; `close` stops them in reverse order."""
 
     def __init__(
-        self, workdir: Workdir, memory_budget_mb: int = 512, ckptd_args: tuple[str, ...] = ()
+        self,
+        workdir: Workdir,
+        memory_budget_mb: int = 512,
+        secure: bool = False,
+        ckptd_args: tuple[str, ...] = (),
     ) -> None:
         self.workdir = workdir
         self.memory_budget_mb = memory_budget_mb
+        self.secure = secure
+        # With `secure`: TLS between every part and a token for each (EmbeddedCredentials).
+        self.credentials: EmbeddedCredentials | None = None
         # More `scaletrain ckptd` options (retry backoff, retention, ...).
         self.ckptd_args = ckptd_args
         self.children: list[Child] = []
@@ -168,6 +176,11 @@ class Stack:
         self.s3 = SeaweedS3(self.workdir.s3)
         self.s3.start()
         base_env = dict(os.environ)
+        if self.secure:
+            self.credentials = EmbeddedCredentials(
+                self.workdir.root / "tls", self.workdir.root / "tokens.json"
+            )
+            base_env |= self.credentials.server_env()
         self.telemetry_address = f"127.0.0.1:{free_port()}"
         self._start_service(
             "telemetry",
@@ -182,6 +195,8 @@ class Stack:
             "AWS_ACCESS_KEY_ID": self.s3.access_key_id,
             "AWS_SECRET_ACCESS_KEY": self.s3.secret_access_key,
         }
+        if self.credentials is not None:
+            ckptd_env |= self.credentials.client_env(self.credentials.service_token)
         self._start_service(
             "ckptd",
             _scaletrain_argv(
@@ -227,13 +242,20 @@ class Stack:
             if child.proc.poll() is not None:
                 raise UserError(f"could not start {child.failed_message()}")
             try:
-                wait_until_healthy(address, timeout_s=1.0)
+                wait_until_healthy(address, timeout_s=1.0, security=self.client_security())
                 return
             except UserError:
                 if time.monotonic() > deadline:
                     raise UserError(
                         f"{name} did not become healthy at {address} within 60 s; see {child.log}"
                     ) from None
+
+    def client_security(self, role: Role | None = None, run: str = "*") -> ClientSecurity | None:
+        """How this process talks to the stack: with a new `role` token on `run` when secure
+        (none: TLS alone, for health checks); None (the environment's) when not."""
+        if self.credentials is None:
+            return None
+        return self.credentials.client(self.credentials.mint(role, run) if role else None)
 
     def train(
         self,
@@ -261,6 +283,10 @@ class Stack:
             *trainer_args,
         ]  # fmt: skip
         env = dict(os.environ) | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        if self.credentials is not None:
+            # The run's own token: it may write this run's checkpoints and telemetry only.
+            token = self.credentials.mint(Role.TRAINER, run_id, f"trainer of {run_id}")
+            env |= self.credentials.client_env(token)
         log_path = self.workdir.logs / "trainer.log"
         with log_path.open("a") as log:
             proc = subprocess.Popen(

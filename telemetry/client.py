@@ -23,6 +23,7 @@ import grpc
 from google.protobuf.message import Message
 
 from scaletrain.rpc import describe_rpc_error, error_from_rpc, make_channel
+from scaletrain.security import ClientSecurity
 from scaletrain.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
 from telemetry.columns import READ, columns_of_values, stamped
 
@@ -114,6 +115,7 @@ class TelemetryClient:
         max_queue: int = 10_000,
         batch_size: int = 256,
         flush_interval_s: float = 0.5,
+        security: ClientSecurity | None = None,
     ) -> None:
         if max_queue < 1 or batch_size < 1 or not flush_interval_s > 0:
             raise ValueError(
@@ -123,7 +125,7 @@ class TelemetryClient:
         self._address = address
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
-        self._channel = make_channel(address)
+        self._channel = make_channel(address, security)
         self._stub = telemetry_pb2_grpc.TelemetryServiceStub(self._channel)
         self._cond = threading.Condition()
         # Step records wait as tuples of their values (telemetry.columns.READ): a snapshot the

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scaletrain.security import ServerSecurity, redact_url
+
 
 @dataclass(frozen=True)
 class TelemetryConfig:
@@ -13,8 +15,18 @@ class TelemetryConfig:
     `postgresql+psycopg://user@host/db` when several services or a UI elsewhere share it.
     Port 0 in `listen` picks a free port; `RunningTelemetry.address` tells which one.
     `metrics_listen` (HOST:PORT) serves Prometheus metrics of the runs over HTTP; None: no endpoint.
+    `db_url` may hold a password: it is never logged, and the command line reads it from the
+    environment or a file, never from its arguments.
     """
 
     db_url: str
     listen: str = "127.0.0.1:0"
     metrics_listen: str | None = None
+    # TLS and tokens of the gRPC server; None: from the environment (ServerSecurity.from_env).
+    security: ServerSecurity | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"TelemetryConfig(db_url={redact_url(self.db_url)!r}, listen={self.listen!r}, "
+            f"metrics_listen={self.metrics_listen!r}, security={self.security!r})"
+        )

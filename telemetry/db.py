@@ -18,6 +18,7 @@ from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session, sessionmaker
 
 from scaletrain.errors import UserError
+from scaletrain.security import redact_url
 
 MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
 # Not Alembic's default name: the telemetry schema may share a PostgreSQL database with others.
@@ -42,9 +43,10 @@ def connect(url: str, *, read_only: bool = False) -> Engine:
     """
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         raise UserError(
-            f"bad database URL {url!r}: expected sqlite:///PATH or postgresql+psycopg://HOST/DB"
+            f"bad database URL {redact_url(url)!r}: expected sqlite:///PATH or "
+            "postgresql+psycopg://HOST/DB"
         ) from None
     backend = parsed.get_backend_name()
     if backend == "sqlite":

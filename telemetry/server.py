@@ -18,7 +18,8 @@ import grpc
 from sqlalchemy import Engine
 
 from scaletrain.errors import ScaletrainError
-from scaletrain.rpc import add_health, bind, make_server, maps_errors
+from scaletrain.rpc import Rule, add_health, bind, make_server, maps_errors
+from scaletrain.security import Role
 from scaletrain.v1 import telemetry_pb2, telemetry_pb2_grpc
 from telemetry.config import TelemetryConfig
 from telemetry.db import connect, migrate
@@ -98,6 +99,23 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
         return self._store.resume_point(request.run_id, step)
 
 
+def _step_runs(batch: telemetry_pb2.StepBatch) -> set[str]:
+    return {record.run_id for record in batch.records} | set(batch.columns.run_id)
+
+
+# Who may call what: reporting needs a trainer's grant on every run a message names, reading a
+# resume point a reader's.
+ACCESS_RULES = {
+    f"/{SERVICE_NAME}/{method}": rule
+    for method, rule in {
+        "RegisterRun": Rule(Role.TRAINER, lambda m: [m.run_id]),
+        "ReportSteps": Rule(Role.TRAINER, _step_runs),
+        "ReportEvents": Rule(Role.TRAINER, lambda m: {event.run_id for event in m.events}),
+        "GetResumePoint": Rule(Role.READER, lambda m: [m.run_id]),
+    }.items()
+}
+
+
 @dataclass
 class RunningTelemetry:
     """A started telemetry service; `stop` ends it and releases the database."""
@@ -130,7 +148,7 @@ def start(config: TelemetryConfig) -> RunningTelemetry:
         migrate(engine)
         store = TelemetryStore(engine)
         live = LiveRuns(store.run_info)
-        server = make_server()
+        server = make_server(policy=ACCESS_RULES, security=config.security)
         telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(
             TelemetryServicer(store, live), server
         )

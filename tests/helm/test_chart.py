@@ -469,6 +469,7 @@ def test_every_service_has_startup_liveness_and_readiness_probes(case: str) -> N
         c = container(workload(docs, component))
         assert c["command"] == ["scaletrain", component]
         assert flag(c["args"], "--listen") == f"0.0.0.0:{port}"
+        assert "--allow-plaintext" in c["args"]  # plaintext off loopback is refused unless allowed
         for probe in probes:
             # Native gRPC probes ask the standard grpc.health.v1 service both servers run.
             assert c[probe]["grpc"] == {"port": port}, (component, probe)

@@ -1,16 +1,13 @@
 """Fixtures of the telemetry tests: a migrated database on SQLite and on PostgreSQL.
 
-PostgreSQL comes from the shared `pg_url` fixture (SCALETRAIN_TEST_PG_URL, skipped with the reason
-when unset); each test gets a schema of its own, dropped afterwards, so reruns and parallel
-sessions never see each other's rows.
+PostgreSQL comes from the shared fixtures in tests/conftest.py (SCALETRAIN_TEST_PG_URL, skipped
+with the reason when unset); each test gets a schema of its own, dropped afterwards, so reruns and
+parallel sessions never see each other's rows.
 """
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,42 +16,6 @@ from sqlalchemy import Engine
 from scaletrain.v1 import common_pb2, telemetry_pb2
 from telemetry.db import connect, migrate
 from telemetry.store import TelemetryStore
-
-
-@pytest.fixture(scope="session")
-def pg_admin(pg_url: str) -> Iterator[Engine]:
-    engine = connect(pg_url)
-    yield engine
-    engine.dispose()
-
-
-@contextmanager
-def fresh_schema(admin: Engine, prefix: str) -> Iterator[str]:
-    """The URL of the test PostgreSQL database with a new schema first on its search_path; the
-    schema is dropped afterwards."""
-    schema = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    with admin.begin() as connection:
-        connection.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    url = admin.url.update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as connection:
-            connection.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
-
-
-@pytest.fixture
-def pg_schema_url(pg_admin: Engine) -> Iterator[str]:
-    """A fresh schema for one test."""
-    with fresh_schema(pg_admin, "telemetry_test") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def pg_module_schema_url(pg_admin: Engine) -> Iterator[str]:
-    """A fresh schema shared by the tests of one module (whose fixtures are costly to rebuild)."""
-    with fresh_schema(pg_admin, "telemetry_module") as url:
-        yield url
 
 
 @pytest.fixture(

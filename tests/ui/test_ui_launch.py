@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from ui import launch
-from ui.launch import APP_PATH, run_ui, ui_command
+from ui.launch import APP_PATH, run_ui, ui_command, ui_environment
+from ui.source import DB_ENV
 
 
 def free_port() -> int:
@@ -35,6 +36,12 @@ def test_the_command_runs_streamlit_headless_on_the_given_address() -> None:
     }
 
 
+def test_the_database_url_reaches_streamlit_in_its_environment_not_its_command_line() -> None:
+    secret = "postgresql+psycopg://ui:s3cret@db.example/telemetry"
+    assert ui_environment(secret)[DB_ENV] == secret
+    assert not any("s3cret" in argument for argument in ui_command())
+
+
 def test_run_ui_serves_the_dashboard_until_streamlit_exits(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -47,10 +54,9 @@ def test_run_ui_serves_the_dashboard_until_streamlit_exits(
 
     monkeypatch.setattr(launch.subprocess, "Popen", recording_popen)
     port = free_port()
+    db_url = f"sqlite:///{tmp_path / 't.db'}"
     result: list[int] = []
-    runner = threading.Thread(
-        target=lambda: result.append(run_ui(f"sqlite:///{tmp_path / 't.db'}", port=port))
-    )
+    runner = threading.Thread(target=lambda: result.append(run_ui(db_url, port=port)))
     runner.start()
     try:
         deadline = time.monotonic() + 45
@@ -63,6 +69,10 @@ def test_run_ui_serves_the_dashboard_until_streamlit_exits(
                 assert time.monotonic() < deadline, "streamlit did not come up"
                 assert runner.is_alive(), "streamlit exited early"
                 time.sleep(0.2)
+        # What `ps` shows of the server, and what only its own user can read.
+        proc = Path(f"/proc/{started[0].pid}")
+        assert db_url.encode() not in (proc / "cmdline").read_bytes()
+        assert f"{DB_ENV}={db_url}".encode() in (proc / "environ").read_bytes().split(b"\0")
     finally:
         while not started:
             time.sleep(0.05)
@@ -75,7 +85,7 @@ def test_run_ui_serves_the_dashboard_until_streamlit_exits(
 class _InterruptedProcess:
     """A child whose first wait is interrupted by Ctrl-C, as a terminal would do."""
 
-    def __init__(self, command: list[str]) -> None:
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
         self.command = command
         self.terminated = False
         self._waits = 0
@@ -97,28 +107,10 @@ def test_ctrl_c_stops_streamlit_and_reaches_the_caller(monkeypatch: pytest.Monke
     children: list[_InterruptedProcess] = []
 
     def start_child(command: list[str], env: dict[str, str]) -> _InterruptedProcess:
-        children.append(_InterruptedProcess(command))
+        children.append(_InterruptedProcess(command, env))
         return children[-1]
 
     monkeypatch.setattr(launch.subprocess, "Popen", start_child)
     with pytest.raises(KeyboardInterrupt):
         run_ui("sqlite:///t.db")
     assert children[0].terminated
-
-
-def test_the_database_url_reaches_streamlit_in_its_environment_never_its_command_line(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    url = "postgresql+psycopg://reader:s3cr3t@pg:5432/scaletrain"
-    started: list[tuple[list[str], dict[str, str]]] = []
-
-    def start_child(command: list[str], env: dict[str, str]) -> _InterruptedProcess:
-        started.append((command, env))
-        return _InterruptedProcess(command)
-
-    monkeypatch.setattr(launch.subprocess, "Popen", start_child)
-    with pytest.raises(KeyboardInterrupt):
-        run_ui(url)
-    ((command, env),) = started
-    assert env[launch.DB_ENV] == url
-    assert not any("s3cr3t" in arg for arg in command)

@@ -1,0 +1,446 @@
+"""Read-only views of runs for the run-health UI, built to stay fast on 100k steps x 64 ranks.
+
+Kept apart from `telemetry.queries` (which aggregates every record of a run) because the UI must
+answer in well under a second on a long run, where one pass over a run's millions of rank records
+takes seconds on SQLite. So every view here reads bounded slices through the (run_id, step, ...)
+primary key: the latest `window` steps, or a fixed number of steps spread evenly over the run
+("sampled steps"), never the whole run. Sampling can miss a one-step loss spike between two samples;
+the spike detector's events are drawn as markers, so a detected spike always shows.
+
+Where a step was recorded by several attempts, each rank's latest attempt counts, as in
+`telemetry.queries`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import pandas as pd
+from sqlalchemy import ColumnElement, Select, and_, exists, func, select, true
+
+from telemetry import queries
+from telemetry.detect import median_without
+from telemetry.efficiency import mfu
+from telemetry.models import TRAINER_TIER, Checkpoint, Event, RankStep, Run
+from telemetry.queries import LATEST_ATTEMPT, Bind, connection_of
+
+# Storage tiers, fastest first, as ckptd names them.
+TIERS = ("memory", "ssd", "s3")
+# Events that say something is wrong now; counted as a run's open alerts since its latest start.
+ALERT_KINDS = ("alert", "straggler", "sdc", "loss_spike")
+# Events drawn as markers on the loss curve (besides committed checkpoints).
+MARKER_KINDS = ("restart", "loss_spike", "sdc", "replay")
+PHASE_COLUMNS = ("data_s", "forward_s", "backward_s", "optimizer_s", "comm_wait_s")
+
+OVERVIEW_COLUMNS = [
+    "run_id", "name", "status", "world_size", "attempt", "step", "loss", "tokens_per_s", "mfu",
+    "last_checkpoint", "last_checkpoint_at", "open_alerts", "started_at",
+]  # fmt: skip
+LOSS_POINT_COLUMNS = ["step", "loss", "loss_min", "loss_max"]
+RANK_STEP_COLUMNS = ["step", "rank", "step_s", "compute_s", *PHASE_COLUMNS]
+RANK_PHASE_COLUMNS = ["rank", "step_s", "compute_s", *PHASE_COLUMNS, "relative_score"]
+MARKER_COLUMNS = ["step", "kind", "label"]
+TIMELINE_COLUMNS = [
+    "step", "started_at", "blocking_s", "background_s", "tiers", "failed_tiers",
+    *(f"{tier}_bytes" for tier in TIERS),
+]  # fmt: skip
+OFFSET_COLUMNS = ["rank", "global_sample", "rank_sample", "epoch"]
+# A checkpoint row that says the checkpoint is restorable: committed on a storage tier.
+COMMITTED = (Checkpoint.committed_at.is_not(None), Checkpoint.tier != TRAINER_TIER)
+
+
+@dataclass(frozen=True)
+class Headline:
+    """The figures at the top of a run's page: now (the latest `window` steps) and the window
+    before, for trends. NaN when unknown; `last_step` None while no step was recorded."""
+
+    status: str
+    last_step: int | None
+    loss: float
+    previous_loss: float
+    tokens_per_s: float
+    previous_tokens_per_s: float
+    mfu: float
+    previous_mfu: float
+    mfu_label: str
+    last_checkpoint: int | None
+    last_checkpoint_at: datetime | None
+
+
+def runs_table(bind: Bind, *, window: int = 20) -> pd.DataFrame:
+    """One row per run, newest first: OVERVIEW_COLUMNS.
+
+    status is the stored one, except "restarting" for a running run whose latest attempt has not
+    recorded a step yet. loss, tokens_per_s and mfu are over the latest `window` steps;
+    last_checkpoint is the latest step committed on any tier; open_alerts counts ALERT_KINDS
+    events since the run's latest start (its current attempt).
+    """
+    with connection_of(bind) as connection:
+        runs = connection.execute(
+            select(
+                Run.run_id, Run.name, Run.status, Run.world_size, Run.attempt, Run.started_at
+            ).order_by(Run.started_at.desc())
+        ).all()
+        committed = {
+            run_id: (step, time)
+            for run_id, step, time in connection.execute(
+                select(Checkpoint.run_id, Checkpoint.step, Checkpoint.committed_at)
+                .where(*COMMITTED)
+                # The last row per run wins: its latest step, first committed there.
+                .order_by(Checkpoint.run_id, Checkpoint.step, Checkpoint.committed_at.desc())
+            )
+        }
+        rows = []
+        for run in runs:
+            last_step = _last_step(connection, run.run_id)
+            recent = _recent_steps(connection, run.run_id, last_step, window)
+            checkpoint, checkpoint_at = committed.get(run.run_id, (None, None))
+            rows.append(
+                {
+                    "run_id": run.run_id,
+                    "name": run.name,
+                    "status": _status(connection, run.run_id, run.status, run.attempt),
+                    "world_size": run.world_size,
+                    "attempt": run.attempt,
+                    "step": last_step,
+                    "loss": _last_loss(recent),
+                    "tokens_per_s": _throughput(recent),
+                    "mfu": mfu(connection, run.run_id, last_steps=window).mfu,
+                    "last_checkpoint": checkpoint,
+                    "last_checkpoint_at": checkpoint_at,
+                    "open_alerts": _open_alerts(connection, run.run_id),
+                    "started_at": run.started_at,
+                }
+            )
+    return pd.DataFrame(rows, columns=OVERVIEW_COLUMNS)
+
+
+def headline(bind: Bind, run_id: str, *, window: int = 20) -> Headline:
+    """The headline figures of `run_id` (see Headline); NotFound when no such run was registered."""
+    with connection_of(bind) as connection:
+        now = mfu(connection, run_id, last_steps=window)
+        run = connection.execute(select(Run.status, Run.attempt).where(Run.run_id == run_id)).one()
+        last_step = _last_step(connection, run_id)
+        steps = _recent_steps(connection, run_id, last_step, 2 * window)
+        checkpoint = connection.execute(
+            select(Checkpoint.step, Checkpoint.committed_at)
+            .where(
+                Checkpoint.run_id == run_id,
+                *COMMITTED,
+            )
+            .order_by(Checkpoint.step.desc(), Checkpoint.committed_at)
+            .limit(1)
+        ).first()
+        status = _status(connection, run_id, run.status, run.attempt)
+    cut = (last_step or 0) - window
+    recent, before = steps[steps["step"] > cut], steps[steps["step"] <= cut]
+    loss, previous_loss = _last_loss(recent), _last_loss(before)
+    tokens_per_s, previous_tokens_per_s = _throughput(recent), _throughput(before)
+    # MFU is proportional to tokens/s for a given run: scale the current figure.
+    previous_mfu = now.mfu * previous_tokens_per_s / tokens_per_s if tokens_per_s else math.nan
+    return Headline(
+        status=status,
+        last_step=last_step,
+        loss=loss,
+        previous_loss=previous_loss,
+        tokens_per_s=tokens_per_s,
+        previous_tokens_per_s=previous_tokens_per_s,
+        mfu=now.mfu,
+        previous_mfu=previous_mfu,
+        mfu_label=now.label,
+        last_checkpoint=None if checkpoint is None else checkpoint.step,
+        last_checkpoint_at=None if checkpoint is None else checkpoint.committed_at,
+    )
+
+
+def sampled_steps(bind: Bind, run_id: str, max_steps: int) -> list[int]:
+    """At most `max_steps` steps spread evenly from the run's first to its last recorded step
+    (both included); every step when there are no more than that. Empty without records."""
+    with connection_of(bind) as connection:
+        # Two subqueries: SQLite answers a lone MIN or MAX from the index, both at once by a scan.
+        of_run = select(RankStep.step).where(RankStep.run_id == run_id)
+        first, last = connection.execute(
+            select(
+                of_run.with_only_columns(func.min(RankStep.step)).scalar_subquery(),
+                of_run.with_only_columns(func.max(RankStep.step)).scalar_subquery(),
+            )
+        ).one()
+    if first is None:
+        return []
+    count = last - first + 1
+    if count <= max_steps:
+        return list(range(first, last + 1))
+    stride = (count - 1) / (max(max_steps, 2) - 1)
+    return sorted({first + round(index * stride) for index in range(max(max_steps, 2))})
+
+
+def loss_points(bind: Bind, run_id: str, *, max_points: int = 1000) -> pd.DataFrame:
+    """Mean, min and max loss over ranks at up to `max_points` sampled steps: LOSS_POINT_COLUMNS."""
+    steps = sampled_steps(bind, run_id, max_points)
+    rows = _at_steps(
+        bind,
+        select(
+            RankStep.step, func.avg(RankStep.loss), func.min(RankStep.loss), func.max(RankStep.loss)
+        ).group_by(RankStep.step),
+        run_id,
+        steps,
+    )
+    frame = pd.DataFrame(rows, columns=LOSS_POINT_COLUMNS)
+    return frame.astype({column: float for column in LOSS_POINT_COLUMNS[1:]}).sort_values("step")
+
+
+def rank_steps(bind: Bind, run_id: str, *, max_steps: int = 150) -> pd.DataFrame:
+    """Step time, compute time and phases of every rank at up to `max_steps` sampled steps:
+    RANK_STEP_COLUMNS, for a ranks x steps heatmap."""
+    steps = sampled_steps(bind, run_id, max_steps)
+    rows = _at_steps(
+        bind, select(*(getattr(RankStep, column) for column in RANK_STEP_COLUMNS)), run_id, steps
+    )
+    frame = pd.DataFrame(rows, columns=RANK_STEP_COLUMNS)
+    return frame.sort_values(["step", "rank"], ignore_index=True)
+
+
+def rank_phases(bind: Bind, run_id: str, *, window: int = 20) -> pd.DataFrame:
+    """Each rank's mean step time, compute time and phases over the latest `window` steps, with
+    its straggler score: RANK_PHASE_COLUMNS, by rank.
+
+    relative_score is the straggler detector's relative score on those means: the median compute
+    time of the other ranks over the rank's own (1 typical, 0.5 twice as slow as its peers).
+    """
+    columns = ["step_s", "compute_s", *PHASE_COLUMNS]
+    with connection_of(bind) as connection:
+        last_step = _last_step(connection, run_id)
+        if last_step is None:
+            return pd.DataFrame(columns=RANK_PHASE_COLUMNS)
+        rows = connection.execute(
+            select(RankStep.rank, *(func.avg(getattr(RankStep, c)) for c in columns))
+            .where(
+                RankStep.run_id == run_id,
+                RankStep.step > last_step - window,
+                _latest_attempt(connection, run_id),
+            )
+            .group_by(RankStep.rank)
+            .order_by(RankStep.rank)
+        ).all()
+    frame = pd.DataFrame(rows, columns=["rank", *columns]).astype(dict.fromkeys(columns, float))
+    ordered = sorted(frame["compute_s"])
+    frame["relative_score"] = [
+        median_without(ordered, own) / own if own > 0 and len(ordered) > 1 else math.nan
+        for own in frame["compute_s"]
+    ]
+    return frame
+
+
+def markers(bind: Bind, run_id: str, *, limit: int = 2000) -> pd.DataFrame:
+    """What to mark on the loss curve: MARKER_COLUMNS, by step. Kind "checkpoint" for a step
+    committed on some tier, else one of MARKER_KINDS; at most `limit` of the latest of each."""
+    checkpoint_steps = (
+        select(Checkpoint.step)
+        .where(
+            Checkpoint.run_id == run_id,
+            *COMMITTED,
+        )
+        .distinct()
+        .order_by(Checkpoint.step.desc())
+        .limit(limit)
+    )
+    marked = (
+        select(Event.step, Event.kind, Event.message)
+        .where(Event.run_id == run_id, Event.kind.in_(MARKER_KINDS))
+        .order_by(Event.time.desc())
+        .limit(limit)
+    )
+    with connection_of(bind) as connection:
+        checkpoint_rows = [
+            (step, "checkpoint", f"checkpoint of step {step}")
+            for (step,) in connection.execute(checkpoint_steps)
+        ]
+        # Newest first from the database; oldest first within a step on the chart.
+        event_rows = [tuple(row) for row in connection.execute(marked)][::-1]
+    frame = pd.DataFrame(checkpoint_rows + event_rows, columns=MARKER_COLUMNS)
+    return frame.sort_values("step", kind="stable", ignore_index=True)
+
+
+def checkpoint_timeline(bind: Bind, run_id: str) -> pd.DataFrame:
+    """One row per checkpoint of `run_id`, by step: TIMELINE_COLUMNS.
+
+    blocking_s is how long training was blocked (the trainer's staging), background_s how long
+    the save streamed afterwards (its checkpoint_saved event); tiers lists the tiers it was
+    committed on, fastest first, with its size on each in <tier>_bytes (NaN where not committed).
+    Telemetry records commits, not evictions: a tier that dropped the checkpoint under its
+    retention policy is still listed.
+    """
+    saves = queries.checkpoints(bind, run_id)
+    with connection_of(bind) as connection:
+        background = dict(
+            connection.execute(
+                select(Event.step, func.max(Event.seconds))
+                .where(Event.run_id == run_id, Event.kind == "checkpoint_saved")
+                .group_by(Event.step)
+            ).all()
+        )
+    rows = []
+    for step, group in saves.groupby("step", sort=True):
+        by_tier = {row.tier: row for row in group.itertuples()}
+        trainer = by_tier.get(TRAINER_TIER)
+        committed = [t for t in TIERS if t in by_tier and pd.notna(by_tier[t].committed_at)]
+        started = group["started_at"].dropna()
+        rows.append(
+            {
+                "step": int(step),
+                "started_at": started.min() if len(started) else group["committed_at"].min(),
+                "blocking_s": float(trainer.seconds) if trainer is not None else math.nan,
+                "background_s": _float(background.get(step)),
+                "tiers": ", ".join(committed),
+                "failed_tiers": ", ".join(
+                    t for t in TIERS if t in by_tier and pd.notna(by_tier[t].failed_at)
+                ),
+                **{
+                    f"{tier}_bytes": float(by_tier[tier].bytes) if tier in committed else math.nan
+                    for tier in TIERS
+                },
+            }
+        )
+    return pd.DataFrame(rows, columns=TIMELINE_COLUMNS)
+
+
+def resume_offsets(bind: Bind, run_id: str) -> tuple[int | None, pd.DataFrame]:
+    """The latest step committed on some tier and each rank's data-loader offset recorded at it
+    (where that rank resumes): (step, OFFSET_COLUMNS by rank); (None, empty) without a checkpoint.
+    """
+    with connection_of(bind) as connection:
+        step = connection.execute(
+            select(func.max(Checkpoint.step)).where(
+                Checkpoint.run_id == run_id,
+                *COMMITTED,
+            )
+        ).scalar()
+        if step is None:
+            return None, pd.DataFrame(columns=OFFSET_COLUMNS)
+        rows = connection.execute(
+            select(*(getattr(RankStep, column) for column in OFFSET_COLUMNS))
+            .where(
+                RankStep.run_id == run_id,
+                RankStep.step == step,
+                _latest_attempt(connection, run_id),
+            )
+            .order_by(RankStep.rank)
+        ).all()
+    return int(step), pd.DataFrame(rows, columns=OFFSET_COLUMNS)
+
+
+def event_kinds(bind: Bind, run_id: str) -> list[str]:
+    """The kinds of event `run_id` has, alphabetically (for a filter)."""
+    with connection_of(bind) as connection:
+        return list(
+            connection.execute(
+                select(Event.kind).where(Event.run_id == run_id).distinct().order_by(Event.kind)
+            ).scalars()
+        )
+
+
+def _at_steps(bind: Bind, statement: Select[Any], run_id: str, steps: list[int]) -> list[Any]:
+    """Rows of `statement` restricted to the run's records at `steps`, in chunks that stay below
+    the databases' limits on bound parameters; each chunk is a few index range lookups."""
+    rows: list[Any] = []
+    with connection_of(bind) as connection:
+        latest = _latest_attempt(connection, run_id)
+        for start in range(0, len(steps), 500):
+            chunk = steps[start : start + 500]
+            rows.extend(
+                connection.execute(
+                    statement.where(RankStep.run_id == run_id, RankStep.step.in_(chunk), latest)
+                )
+            )
+    return rows
+
+
+def _latest_attempt(connection: Any, run_id: str) -> ColumnElement[bool]:
+    """LATEST_ATTEMPT, or no condition for a run never restarted (attempt 0): then every record
+    is its rank's latest, and skipping the per-record check halves the time of a sampled read."""
+    attempt = connection.execute(select(Run.attempt).where(Run.run_id == run_id)).scalar()
+    return LATEST_ATTEMPT if attempt else true()
+
+
+def _last_step(connection: Any, run_id: str) -> int | None:
+    return connection.execute(
+        select(func.max(RankStep.step)).where(RankStep.run_id == run_id)
+    ).scalar()
+
+
+def _recent_steps(connection: Any, run_id: str, last_step: int | None, count: int) -> pd.DataFrame:
+    """The run's latest `count` steps up to `last_step`: step, mean loss over ranks, tokens of all
+    ranks and wall time (the slowest rank's step time)."""
+    rows: list[Any] = []
+    if last_step is not None:
+        rows = connection.execute(
+            select(
+                RankStep.step,
+                func.avg(RankStep.loss),
+                func.sum(RankStep.tokens),
+                func.max(RankStep.step_s),
+            )
+            .where(
+                RankStep.run_id == run_id,
+                RankStep.step > last_step - count,
+                _latest_attempt(connection, run_id),
+            )
+            .group_by(RankStep.step)
+        ).all()
+    return pd.DataFrame(rows, columns=["step", "loss", "tokens", "wall_s"])
+
+
+def _last_loss(steps: pd.DataFrame) -> float:
+    return _float(steps.loc[steps["step"].idxmax(), "loss"]) if len(steps) else math.nan
+
+
+def _status(connection: Any, run_id: str, status: str, attempt: int) -> str:
+    """The stored status, or "restarting" while a running run's newest attempt has no record."""
+    if status != "running" or attempt == 0:
+        return status
+    stepping = connection.execute(
+        select(exists().where(and_(RankStep.run_id == run_id, RankStep.attempt == attempt)))
+    ).scalar()
+    return status if stepping else "restarting"
+
+
+def _open_alerts(connection: Any, run_id: str) -> int:
+    """ALERT_KINDS events since the run's latest (re)start event."""
+    started = func.coalesce(
+        select(func.max(Event.time))
+        .where(Event.run_id == run_id, Event.kind.in_(("run_started", "restart")))
+        .scalar_subquery(),
+        select(Run.started_at).where(Run.run_id == run_id).scalar_subquery(),
+    )
+    return int(
+        connection.execute(
+            select(func.count()).where(
+                Event.run_id == run_id,
+                Event.kind.in_(ALERT_KINDS),
+                Event.time >= started,
+            )
+        ).scalar()
+        or 0
+    )
+
+
+def _throughput(steps: pd.DataFrame) -> float:
+    """Tokens of all ranks over the steps' wall time; NaN without time."""
+    seconds = float(steps["wall_s"].sum()) if len(steps) else 0.0
+    return float(steps["tokens"].sum()) / seconds if seconds > 0 else math.nan
+
+
+def _float(value: Any) -> float:
+    return math.nan if value is None or pd.isna(value) else float(value)
+
+
+def live(bind: Bind, run_id: str | None = None) -> bool:
+    """Whether `run_id` (any run, when None) is still running, so that a page should refresh."""
+    statement = select(exists().where(Run.status == "running"))
+    if run_id is not None:
+        statement = select(exists().where(Run.status == "running", Run.run_id == run_id))
+    with connection_of(bind) as connection:
+        return bool(connection.execute(statement).scalar())

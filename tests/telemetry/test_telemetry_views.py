@@ -1,0 +1,190 @@
+"""The UI's views of a run (telemetry.views) on SQLite and PostgreSQL: bounded reads that still
+say what a person checking a run's health must know."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import Engine
+
+from scaletrain.v1 import telemetry_pb2
+from telemetry import views
+from telemetry.client import event, rank_step
+from telemetry.store import TelemetryStore
+
+RegisterRun = Callable[..., telemetry_pb2.RegisterRunRequest]
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+
+def stamped(built: telemetry_pb2.Event, seconds: float) -> telemetry_pb2.Event:
+    built.time.FromDatetime(T0 + timedelta(seconds=seconds))
+    return built
+
+
+@pytest.fixture
+def registered(store: TelemetryStore, run_request: RegisterRun) -> TelemetryStore:
+    """run-1, 4 ranks, launched at T0."""
+    request = run_request(world_size=4)
+    request.started_at.FromDatetime(T0)
+    store.register_run(request)
+    return store
+
+
+def steps(
+    store: TelemetryStore, numbers: range, *, ranks: int = 4, attempt: int = 0, **times: float
+) -> None:
+    """Records of `numbers` on every rank: loss 100/step (+rank/100), 1000 tokens, `times`."""
+    store.add_steps(
+        [
+            rank_step(
+                "run-1", number, rank, loss=100 / number + rank / 100, tokens=1000,
+                times={"step": 0.5, **times}, attempt=attempt,
+                offset=(number * ranks, number, 0),
+            )
+            for number in numbers
+            for rank in range(ranks)
+        ]
+    )  # fmt: skip
+
+
+def test_sampled_steps_spread_evenly_from_the_first_to_the_last_step(
+    engine: Engine, registered: TelemetryStore
+) -> None:
+    steps(registered, range(1, 11), ranks=1)
+    assert views.sampled_steps(engine, "run-1", 100) == list(range(1, 11))
+    assert views.sampled_steps(engine, "run-1", 4) == [1, 4, 7, 10]
+    assert views.sampled_steps(engine, "no-such-run", 4) == []
+
+
+def test_the_loss_of_a_long_run_is_read_at_a_bounded_number_of_steps(
+    engine: Engine, registered: TelemetryStore
+) -> None:
+    steps(registered, range(1, 301))
+    points = views.loss_points(engine, "run-1", max_points=30)
+    assert len(points) == 30
+    assert (points["step"].iloc[0], points["step"].iloc[-1]) == (1, 300)
+    last = points.iloc[-1]
+    assert last["loss"] == pytest.approx(100 / 300 + 0.015)
+    assert (last["loss_min"], last["loss_max"]) == pytest.approx((100 / 300, 100 / 300 + 0.03))
+
+
+def test_a_replayed_step_is_shown_as_its_latest_attempt_recorded_it(
+    engine: Engine, registered: TelemetryStore, run_request: RegisterRun
+) -> None:
+    steps(registered, range(1, 6), compute=0.1)
+    registered.register_run(run_request(world_size=4))  # the restart: attempt 1
+    steps(registered, range(4, 6), attempt=1, compute=0.3)
+    grid = views.rank_steps(engine, "run-1")
+    assert grid.groupby("step")["compute_s"].max().to_dict() == pytest.approx(
+        {1: 0.1, 2: 0.1, 3: 0.1, 4: 0.3, 5: 0.3}
+    )
+    assert len(grid) == 5 * 4
+
+
+def test_a_rank_twice_as_slow_as_its_peers_scores_one_half(
+    engine: Engine, registered: TelemetryStore
+) -> None:
+    registered.add_steps(
+        [
+            rank_step("run-1", number, rank, times={"step": 0.5, "compute": 0.1 + 0.1 * (rank == 3),
+                                                    "comm_wait": 0.3 - 0.1 * (rank == 3)})
+            for number in range(1, 31)
+            for rank in range(4)
+        ]
+    )  # fmt: skip
+    phases = views.rank_phases(engine, "run-1", window=20)
+    assert list(phases["rank"]) == [0, 1, 2, 3]
+    assert list(phases["relative_score"]) == pytest.approx([1.0, 1.0, 1.0, 0.5])
+    assert list(phases["comm_wait_s"]) == pytest.approx([0.3, 0.3, 0.3, 0.2])
+
+
+def test_the_headline_compares_the_latest_steps_with_the_ones_before(
+    engine: Engine, registered: TelemetryStore
+) -> None:
+    steps(registered, range(1, 21), step=1.0)
+    steps(registered, range(21, 41), step=0.5)
+    figures = views.headline(engine, "run-1", window=20)
+    assert figures.last_step == 40
+    assert figures.tokens_per_s == pytest.approx(4000 / 0.5)
+    assert figures.previous_tokens_per_s == pytest.approx(4000 / 1.0)
+    assert figures.loss == pytest.approx(100 / 40 + 0.015)
+    assert figures.previous_loss == pytest.approx(100 / 20 + 0.015)
+    assert figures.last_checkpoint is None and figures.last_checkpoint_at is None
+
+
+def test_the_checkpoint_timeline_has_blocking_and_background_time_and_the_tiers_holding_it(
+    engine: Engine, registered: TelemetryStore
+) -> None:
+    registered.add_events(
+        [
+            stamped(event("run-1", "checkpoint_staged", step=10, bytes=500, seconds=0.25), 1),
+            stamped(event("run-1", "checkpoint_committed", step=10, tier="ssd", bytes=900), 2),
+            stamped(event("run-1", "checkpoint_saved", step=10, bytes=900, seconds=1.5), 3),
+            stamped(event("run-1", "checkpoint_committed", step=10, tier="s3", bytes=901), 4),
+            stamped(event("run-1", "checkpoint_failed", step=10, tier="memory"), 5),
+        ]
+    )
+    (row,) = views.checkpoint_timeline(engine, "run-1").to_dict("records")
+    assert row["step"] == 10
+    assert (row["blocking_s"], row["background_s"]) == pytest.approx((0.25, 1.5))
+    assert (row["tiers"], row["failed_tiers"]) == ("ssd, s3", "memory")
+    assert (row["ssd_bytes"], row["s3_bytes"]) == (900, 901)
+    assert math.isnan(row["memory_bytes"])
+    assert row["started_at"] == T0 + timedelta(seconds=0.75)
+
+
+def test_the_resume_point_is_the_latest_committed_step_with_each_ranks_offset(
+    engine: Engine, registered: TelemetryStore
+) -> None:
+    steps(registered, range(1, 9))
+    assert views.resume_offsets(engine, "run-1")[0] is None
+    registered.add_events(
+        [
+            stamped(event("run-1", "checkpoint_committed", step=4, tier="ssd"), 1),
+            stamped(event("run-1", "checkpoint_committed", step=8, tier="memory"), 2),
+            stamped(event("run-1", "checkpoint_failed", step=8, tier="s3"), 3),
+        ]
+    )
+    step, offsets = views.resume_offsets(engine, "run-1")
+    assert step == 8
+    assert offsets.to_dict("list") == {
+        "rank": [0, 1, 2, 3],
+        "global_sample": [32] * 4,
+        "rank_sample": [8] * 4,
+        "epoch": [0] * 4,
+    }
+
+
+def test_a_restarted_run_is_restarting_until_its_new_attempt_records_a_step(
+    engine: Engine, registered: TelemetryStore, run_request: RegisterRun
+) -> None:
+    steps(registered, range(1, 6))
+    registered.add_events(
+        [
+            stamped(event("run-1", "run_started"), 0),
+            stamped(event("run-1", "straggler", step=2, rank=3), 10),
+            stamped(event("run-1", "checkpoint_committed", step=4, tier="ssd"), 11),
+            stamped(event("run-1", "restart", step=4), 20),
+            stamped(event("run-1", "sdc", step=5, rank=1), 21),
+            stamped(event("run-1", "alert", step=5), 22),
+            stamped(event("run-1", "replay", step=5), 23),
+        ]
+    )
+    registered.register_run(run_request(world_size=4))
+    (row,) = views.runs_table(engine).to_dict("records")
+    assert (row["status"], row["attempt"], row["step"]) == ("restarting", 1, 5)
+    assert row["last_checkpoint"] == 4
+    # The straggler was before the restart; the SDC and the alert after it.
+    assert row["open_alerts"] == 2
+    assert views.live(engine) and views.live(engine, "run-1")
+
+    steps(registered, range(5, 6), attempt=1)
+    assert views.runs_table(engine)["status"].tolist() == ["running"]
+    assert views.markers(engine, "run-1")[["step", "kind"]].values.tolist() == [
+        [4, "checkpoint"], [4, "restart"], [5, "sdc"], [5, "replay"],
+    ]  # fmt: skip
+    registered.add_events([stamped(event("run-1", "run_finished", step=5), 30)])
+    assert not views.live(engine)

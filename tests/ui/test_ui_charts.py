@@ -1,0 +1,41 @@
+"""What the run-health charts encode, checked on their Vega-Lite specs (no browser needed)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from ui import charts
+
+
+def rows(spec: dict, part: dict) -> list[dict]:
+    """The data rows `part` of `spec` draws (Altair keeps frames in the spec's datasets)."""
+    return spec["datasets"][part["data"]["name"]]
+
+
+def test_the_loss_chart_puts_checkpoints_on_its_floor_and_events_across_it() -> None:
+    points = pd.DataFrame(
+        {"step": [1, 2, 3], "loss": [3.0, 2.0, 1.5], "loss_min": [2.9, 1.9, 1.4],
+         "loss_max": [3.1, 2.1, 1.6]}
+    )  # fmt: skip
+    markers = pd.DataFrame(
+        {"step": [2, 3], "kind": ["checkpoint", "sdc"], "label": ["checkpoint of step 2", "flip"]}
+    )
+    spec = charts.loss_chart(points, markers).to_dict()
+    _, _, floor, rules = spec["layer"]
+    assert [part["mark"]["type"] for part in spec["layer"]] == ["area", "line", "point", "rule"]
+    assert floor["mark"]["shape"] == "triangle-up"
+    # 3% of the drawn range (1.4 to 3.1) above its floor.
+    assert [(row["step"], row["at"]) for row in rows(spec, floor)] == [(2, pytest.approx(1.451))]
+    assert [(row["step"], row["kind"]) for row in rows(spec, rules)] == [(3, "sdc")]
+
+
+def test_the_heatmap_colours_each_rank_relative_to_the_median_rank_of_its_step() -> None:
+    steps = pd.DataFrame(
+        [(step, rank, 0.2 if rank == 3 else 0.1) for step in (1, 2) for rank in range(5)],
+        columns=["step", "rank", "compute_s"],
+    )
+    spec = charts.rank_heatmap(steps, "compute_s").to_dict()
+    relative = {(row["step"], row["rank"]): row["relative"] for row in rows(spec, spec)}
+    assert relative[(1, 3)] == relative[(2, 3)] == 2.0
+    assert relative[(1, 0)] == relative[(2, 4)] == 1.0

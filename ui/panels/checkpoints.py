@@ -1,0 +1,59 @@
+"""Checkpoints: a timeline of saves with blocking and background time, the tiers that hold each
+one with sizes, and every rank's data-loader offset at the latest (the resume point)."""
+
+from __future__ import annotations
+
+import streamlit as st
+from sqlalchemy import Engine
+
+from telemetry import views
+from ui import charts
+
+NO_CHECKPOINTS = (
+    "No checkpoints for this run yet: `scaletrain run --ckpt-every N` saves one every N steps; "
+    "each appears here once ckptd has committed it on a tier."
+)
+
+
+def render(engine: Engine, run_id: str) -> None:
+    st.subheader("Checkpoints")
+    timeline = views.checkpoint_timeline(engine, run_id)
+    if timeline.empty:
+        st.info(NO_CHECKPOINTS)
+        return
+    chart, tiers = st.columns([3, 2])
+    with chart:
+        st.altair_chart(charts.checkpoint_chart(timeline), width="stretch")
+        st.caption(
+            "Red: training blocked while the state was staged; blue: streamed to ckptd in the "
+            "background while training went on."
+        )
+    with tiers:
+        sizes = timeline[["step", "tiers", "failed_tiers"]].assign(
+            **{f"{tier} MB": timeline[f"{tier}_bytes"] / 1e6 for tier in views.TIERS}
+        )
+        st.dataframe(
+            sizes.sort_values("step", ascending=False),
+            hide_index=True,
+            column_config={
+                **{
+                    f"{tier} MB": st.column_config.NumberColumn(format="%.2f")
+                    for tier in views.TIERS
+                },
+                "failed_tiers": st.column_config.TextColumn("failed on"),
+            },
+        )
+        st.caption(
+            "Tiers each checkpoint was committed on, with its size there (blank: not on it)."
+        )
+    step, offsets = views.resume_offsets(engine, run_id)
+    if step is None:
+        st.info(NO_CHECKPOINTS)
+        return
+    st.markdown(f"**Resume point: step {step:,}** — each rank's data-loader offset there")
+    if offsets.empty:
+        st.warning(
+            f"No rank recorded its offset at step {step}: a resume from it could not be checked."
+        )
+    else:
+        st.dataframe(offsets, hide_index=True)

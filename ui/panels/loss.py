@@ -1,0 +1,37 @@
+"""The loss curve with markers for checkpoints, restarts, loss spikes, SDC events and replays."""
+
+from __future__ import annotations
+
+import streamlit as st
+from sqlalchemy import Engine
+
+from telemetry import views
+from ui import charts
+
+MAX_POINTS = 1000
+
+
+def render(engine: Engine, run_id: str) -> None:
+    st.subheader("Loss")
+    points = views.loss_points(engine, run_id, max_points=MAX_POINTS)
+    if points.empty:
+        st.info(
+            "No steps recorded for this run yet: its ranks report each step as they train. "
+            "If the run started minutes ago, check that its telemetry service is reachable."
+        )
+        return
+    markers = views.markers(engine, run_id)
+    st.altair_chart(charts.loss_chart(points, markers), width="stretch")
+    first, last = int(points["step"].min()), int(points["step"].max())
+    sampled = len(points) < last - first + 1
+    st.caption(
+        "Mean loss over ranks, the band spans the ranks' minimum to maximum. "
+        + (
+            f"{len(points):,} of the {last - first + 1:,} steps are drawn, spread evenly; "
+            "loss spikes the detector found are marked whether drawn or not. "
+            if sampled
+            else ""
+        )
+        + "Green triangles along the bottom: checkpoints; lines: grey restarts, orange loss "
+        "spikes, red silent data corruption, purple replays. Scroll to zoom, drag to pan."
+    )
