@@ -27,14 +27,17 @@ RANKS, STEPS, EVERY = 4, 240, 5
 TINY = ["--dim", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1",
         "--seq-len", "32", "--global-batch", "8"]  # fmt: skip
 CAN_MOUNT = can_mount_tmpfs()
+# The corruption strikes after the last rank is killed: a rank SIGKILLed within half a second of
+# a step takes that step's unsent events with it.
+SDC_STEP = 30
 SCHEDULE = [
-    "sdc@3",
     "kill-rank@6",
     "stop-rank@11",
     "corrupt-shard@17",
     "kill-telemetry@22:1",
     "kill-ckptd@26:1",
-    "stop-s3@30:2",
+    f"sdc@{SDC_STEP}",
+    "stop-s3@32:2",
     *(["disk-full@40:20"] if CAN_MOUNT else []),
 ]
 
@@ -186,8 +189,8 @@ def test_case8_an_injected_silent_data_corruption_is_caught_and_replayed(drill: 
     fault = _injected(drill, "sdc")
     rank = int(fault["target"].removeprefix("rank "))
     sdc = [(step, r) for step, r, *_ in _events(drill, "sdc")]
-    assert (3, rank) in sdc
-    assert any(step == 3 for step, *_ in _events(drill, "replay"))
+    assert (SDC_STEP, rank) in sdc
+    assert any(step == SDC_STEP for step, *_ in _events(drill, "replay"))
 
 
 def test_the_drill_prints_its_report_and_every_rank_heartbeats(drill: dict):
