@@ -1,24 +1,32 @@
 """CkptdClient: readable calls to a ckptd over gRPC, for the trainer's DCP writer and reader.
 
-It hides the wire protocol: files go out as header, CRC-32C'd chunks and a size+SHA-256 trailer;
-byte ranges come back verified chunk by chunk. Failures arrive as `scaletrain.errors` exceptions
-with one-line messages, so callers handle NotFound or DataLoss, not gRPC status codes.
+It hides the wire protocol: files go out as header, CRC-32C'd chunks and a size+SHA-256 trailer,
+over ckptd's data socket when it offers one to this client (the fast path, `ckptd.datapath`),
+else through WriteFile; byte ranges come back verified chunk by chunk. Failures arrive as
+`scaletrain.errors` exceptions with one-line messages, so callers handle NotFound or DataLoss,
+not gRPC status codes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 
 import google_crc32c
 import grpc
 
+from ckptd.datapath import FRAME
 from ckptd.wire import Chunk, crc32c, encode_write_request
 from scaletrain.errors import DataLoss, ScaletrainError
 from scaletrain.rpc import CHUNK_BYTES, DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
 from scaletrain.security import ClientSecurity
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
+# "0" turns the fast path off: every file goes through WriteFile.
+FAST_PATH_ENV = "SCALETRAIN_CKPTD_FAST_PATH"
 # A stream's deadline grows with the bytes it carries, assuming at least this throughput.
 _MIN_BYTES_PER_S = 8 << 20
 
@@ -55,9 +63,19 @@ def _chunks(data: Bytes | Iterable[Bytes]) -> Iterator[memoryview]:
 class CkptdClient:
     """A connection to one ckptd. Thread-safe; close it (or use `with`) when done."""
 
-    def __init__(self, address: str, security: ClientSecurity | None = None) -> None:
-        """`security` (TLS and token) defaults to the environment's (ClientSecurity.from_env)."""
+    def __init__(
+        self, address: str, security: ClientSecurity | None = None, fast_path: bool | None = None
+    ) -> None:
+        """`security` (TLS and token) defaults to the environment's (ClientSecurity.from_env).
+
+        `fast_path` (default: on unless $SCALETRAIN_CKPTD_FAST_PATH is "0") sends the bytes of
+        files given whole over ckptd's data socket; it turns itself off for good when ckptd
+        does not offer it to this client, and the files then go through WriteFile.
+        """
         self.address = address
+        if fast_path is None:
+            fast_path = os.environ.get(FAST_PATH_ENV) != "0"
+        self.fast_path = fast_path
         self._channel = make_channel(address, security)
         self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
         # WriteFile with a serializer that puts chunk bytes on the wire in one copy (ckptd.wire).
@@ -116,12 +134,15 @@ class CkptdClient:
 
         `kind` is checkpoint_pb2.FILE_KIND_SHARD or FILE_KIND_METADATA.
         """
+        header = checkpoint_pb2.FileHeader(save_id=save_id, path=path, rank=rank, kind=kind)
+        if self.fast_path and isinstance(data, bytes | bytearray | memoryview):
+            reply = self._upload(header, memoryview(data).cast("B"))
+            if reply is not None:
+                return reply
         failures: list[BaseException] = []
 
         def requests() -> Iterator[checkpoint_pb2.WriteFileRequest | Chunk]:
-            yield checkpoint_pb2.WriteFileRequest(
-                header=checkpoint_pb2.FileHeader(save_id=save_id, path=path, rank=rank, kind=kind)
-            )
+            yield checkpoint_pb2.WriteFileRequest(header=header)
             sha = hashlib.sha256()
             offset = 0
             try:
@@ -143,6 +164,46 @@ class CkptdClient:
             if failures:
                 raise failures[0] from None
             raise self._error(exc, f"write {path}") from None
+
+    def _upload(
+        self, header: checkpoint_pb2.FileHeader, data: memoryview
+    ) -> checkpoint_pb2.WriteFileResponse | None:
+        """Write a file over the data socket; None (and the fast path off) when ckptd does not
+        offer it to this client. The SHA-256 is taken in a thread while the bytes go out."""
+        what = f"write {header.path}"
+        request = checkpoint_pb2.OpenUploadRequest(header=header, size=len(data))
+        try:
+            opened = self._stub.OpenUpload(request, timeout=DEFAULT_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.fast_path = False
+                return None
+            raise self._error(exc, what) from None
+        host = opened.data_host or self.address.rsplit(":", 1)[0].strip("[]")
+        try:
+            conn = socket.create_connection((host, opened.data_port), timeout=DEFAULT_TIMEOUT_S)
+        except OSError:
+            self.fast_path = False  # the ticket, never presented, expires on its own
+            return None
+        sha = hashlib.sha256()
+        hasher = threading.Thread(target=sha.update, args=(data,), daemon=True)
+        hasher.start()
+        try:
+            with conn:
+                conn.sendall(opened.ticket)
+                for offset in range(0, len(data), CHUNK_BYTES):
+                    piece = data[offset : offset + CHUNK_BYTES]
+                    conn.sendall(FRAME.pack(len(piece), crc32c(piece)))
+                    conn.sendall(piece)
+        except OSError:
+            pass  # ckptd dropped the connection: FinishUpload says why
+        hasher.join()
+        trailer = checkpoint_pb2.FileTrailer(size=len(data), sha256=sha.hexdigest())
+        finish = checkpoint_pb2.FinishUploadRequest(ticket=opened.ticket, trailer=trailer)
+        try:
+            return self._stub.FinishUpload(finish, timeout=_stream_timeout(len(data)))
+        except grpc.RpcError as exc:
+            raise self._error(exc, what) from None
 
     def commit(self, save_id: str) -> checkpoint_pb2.CheckpointInfo:
         request = checkpoint_pb2.CommitSaveRequest(save_id=save_id)

@@ -487,26 +487,37 @@ class CheckpointStore:
             )
         raise FailedPrecondition(f"save {save_id} of {record.key} was aborted")
 
-    def begin_file(self, header: checkpoint_pb2.FileHeader) -> _Stream:
-        """Start receiving one file of an open save (the streaming form of `write_file`)."""
+    def check_header(self, header: checkpoint_pb2.FileHeader) -> None:
+        """Raise what `begin_file` would refuse in `header`, without starting the file (the
+        fast path checks a header before its bytes arrive)."""
+        with self._lock:
+            self._check_header(header)
+
+    def _check_header(self, header: checkpoint_pb2.FileHeader) -> _OpenSave:
+        """The open save `header` writes to, or the reason it may not (under the lock)."""
         check_path(header.path)
         if header.kind not in (SHARD, METADATA):
             raise InvalidArgument(
                 f"{header.path}: kind must be FILE_KIND_SHARD or FILE_KIND_METADATA"
             )
+        save = self._writable(header.save_id)
+        world_size = save.record.world_size
+        if not 0 <= header.rank < world_size:
+            raise InvalidArgument(
+                f"{header.path}: rank {header.rank} is outside 0..{world_size - 1}"
+            )
+        if header.kind == METADATA:
+            for other in self.catalog.files(save.record.key):
+                if other.kind == METADATA and other.path != header.path:
+                    raise InvalidArgument(
+                        f"{header.path}: save already has the metadata file {other.path}"
+                    )
+        return save
+
+    def begin_file(self, header: checkpoint_pb2.FileHeader) -> _Stream:
+        """Start receiving one file of an open save (the streaming form of `write_file`)."""
         with self._lock:
-            save = self._writable(header.save_id)
-            world_size = save.record.world_size
-            if not 0 <= header.rank < world_size:
-                raise InvalidArgument(
-                    f"{header.path}: rank {header.rank} is outside 0..{world_size - 1}"
-                )
-            if header.kind == METADATA:
-                for other in self.catalog.files(save.record.key):
-                    if other.kind == METADATA and other.path != header.path:
-                        raise InvalidArgument(
-                            f"{header.path}: save already has the metadata file {other.path}"
-                        )
+            save = self._check_header(header)
             try:
                 incoming = self.ssd.incoming_file()
             except OSError as exc:

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from scaletrain.v1 import common_pb2 as scaletrain_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1escaletrain/v1/checkpoint.proto\x12\rscaletrain.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1ascaletrain/v1/common.proto\"*\n\rCheckpointRef\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\xee\x01\n\x0fOpenSaveRequest\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.scaletrain.v1.CheckpointRef\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12:\n\x06labels\x18\x03 \x03(\x0b\x32*.scaletrain.v1.OpenSaveRequest.LabelsEntry\x12\x31\n\tretention\x18\x04 \x01(\x0b\x32\x1e.scaletrain.v1.RetentionPolicy\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"J\n\x0fRetentionPolicy\x12\x13\n\x0bmemory_last\x18\x01 \x01(\x05\x12\x10\n\x08ssd_last\x18\x02 \x01(\x05\x12\x10\n\x08s3_every\x18\x03 \x01(\x05\"#\n\x10OpenSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\t\"`\n\nFileHeader\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12%\n\x04kind\x18\x04 \x01(\x0e\x32\x17.scaletrain.v1.FileKind\"9\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\x07\"+\n\x0b\x46ileTrailer\x12\x0c\n\x04size\x18\x01 \x01(\x03\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"\xa1\x01\n\x10WriteFileRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.scaletrain.v1.FileHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.scaletrain.v1.FileChunkH\x00\x12-\n\x07trailer\x18\x03 \x01(\x0b\x32\x1a.scaletrain.v1.FileTrailerH\x00\x42\x06\n\x04part\"?\n\x11WriteFileResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"$\n\x11\x43ommitSaveRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\"3\n\x10\x41\x62ortSaveRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x13\n\x11\x41\x62ortSaveResponse\"\xa6\x01\n\nTierStatus\x12!\n\x04tier\x18\x01 \x01(\x0e\x32\x13.scaletrain.v1.Tier\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.scaletrain.v1.TierState\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12.\n\nupdated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"k\n\x08\x46ileInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12%\n\x04kind\x18\x03 \x01(\x0e\x32\x17.scaletrain.v1.FileKind\x12\x0c\n\x04size\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"\xc8\x03\n\x0e\x43heckpointInfo\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.scaletrain.v1.CheckpointRef\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12(\n\x05tiers\x18\x04 \x03(\x0b\x32\x19.scaletrain.v1.TierStatus\x12&\n\x05\x66iles\x18\x05 \x03(\x0b\x32\x17.scaletrain.v1.FileInfo\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0c\x63ommitted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x39\n\x06labels\x18\t \x03(\x0b\x32).scaletrain.v1.CheckpointInfo.LabelsEntry\x12\x31\n\tretention\x18\n \x01(\x0b\x32\x1e.scaletrain.v1.RetentionPolicy\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"B\n\x16ListCheckpointsRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x1b\n\x13include_uncommitted\x18\x02 \x01(\x08\"M\n\x17ListCheckpointsResponse\x12\x32\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1d.scaletrain.v1.CheckpointInfo\"Q\n\x14GetCheckpointRequest\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.scaletrain.v1.CheckpointRef\x12\x0e\n\x06latest\x18\x02 \x01(\x08\"\x8d\x01\n\x0fReadFileRequest\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.scaletrain.v1.CheckpointRef\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0e\n\x06length\x18\x04 \x01(\x03\x12!\n\x04tier\x18\x05 \x01(\x0e\x32\x13.scaletrain.v1.Tier\"c\n\x10ReadFileResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\x07\x12!\n\x04tier\x18\x04 \x01(\x0e\x32\x13.scaletrain.v1.Tier\"D\n\x17\x44\x65leteCheckpointRequest\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.scaletrain.v1.CheckpointRef\"d\n\x18\x44\x65leteCheckpointResponse\x12\"\n\x05tiers\x18\x01 \x03(\x0e\x32\x13.scaletrain.v1.Tier\x12$\n\x07pending\x18\x02 \x03(\x0e\x32\x13.scaletrain.v1.Tier*R\n\x08\x46ileKind\x12\x19\n\x15\x46ILE_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x46ILE_KIND_SHARD\x10\x01\x12\x16\n\x12\x46ILE_KIND_METADATA\x10\x02*\x87\x01\n\tTierState\x12\x1a\n\x16TIER_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11TIER_STATE_ABSENT\x10\x01\x12\x16\n\x12TIER_STATE_PENDING\x10\x02\x12\x18\n\x14TIER_STATE_COMMITTED\x10\x03\x12\x15\n\x11TIER_STATE_FAILED\x10\x04\x32\xbc\x05\n\x11\x43heckpointService\x12K\n\x08OpenSave\x12\x1e.scaletrain.v1.OpenSaveRequest\x1a\x1f.scaletrain.v1.OpenSaveResponse\x12P\n\tWriteFile\x12\x1f.scaletrain.v1.WriteFileRequest\x1a .scaletrain.v1.WriteFileResponse(\x01\x12M\n\nCommitSave\x12 .scaletrain.v1.CommitSaveRequest\x1a\x1d.scaletrain.v1.CheckpointInfo\x12N\n\tAbortSave\x12\x1f.scaletrain.v1.AbortSaveRequest\x1a .scaletrain.v1.AbortSaveResponse\x12`\n\x0fListCheckpoints\x12%.scaletrain.v1.ListCheckpointsRequest\x1a&.scaletrain.v1.ListCheckpointsResponse\x12S\n\rGetCheckpoint\x12#.scaletrain.v1.GetCheckpointRequest\x1a\x1d.scaletrain.v1.CheckpointInfo\x12M\n\x08ReadFile\x12\x1e.scaletrain.v1.ReadFileRequest\x1a\x1f.scaletrain.v1.ReadFileResponse0\x01\x12\x63\n\x10\x44\x65leteCheckpoint\x12&.scaletrain.v1.DeleteCheckpointRequest\x1a\'.scaletrain.v1.DeleteCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1escaletrain/v1/checkpoint.proto\x12\rscaletrain.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1ascaletrain/v1/common.proto\"*\n\rCheckpointRef\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\xee\x01\n\x0fOpenSaveRequest\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.scaletrain.v1.CheckpointRef\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12:\n\x06labels\x18\x03 \x03(\x0b\x32*.scaletrain.v1.OpenSaveRequest.LabelsEntry\x12\x31\n\tretention\x18\x04 \x01(\x0b\x32\x1e.scaletrain.v1.RetentionPolicy\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"J\n\x0fRetentionPolicy\x12\x13\n\x0bmemory_last\x18\x01 \x01(\x05\x12\x10\n\x08ssd_last\x18\x02 \x01(\x05\x12\x10\n\x08s3_every\x18\x03 \x01(\x05\"#\n\x10OpenSaveResponse\x12\x0f\n\x07save_id\x18\x01 \x01(\t\"`\n\nFileHeader\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12%\n\x04kind\x18\x04 \x01(\x0e\x32\x17.scaletrain.v1.FileKind\"9\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\x07\"+\n\x0b\x46ileTrailer\x12\x0c\n\x04size\x18\x01 \x01(\x03\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"\xa1\x01\n\x10WriteFileRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.scaletrain.v1.FileHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.scaletrain.v1.FileChunkH\x00\x12-\n\x07trailer\x18\x03 \x01(\x0b\x32\x1a.scaletrain.v1.FileTrailerH\x00\x42\x06\n\x04part\"?\n\x11WriteFileResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"L\n\x11OpenUploadRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.scaletrain.v1.FileHeader\x12\x0c\n\x04size\x18\x02 \x01(\x03\"`\n\x12OpenUploadResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x11\n\tdata_host\x18\x02 \x01(\t\x12\x11\n\tdata_port\x18\x03 \x01(\x05\x12\x14\n\x0cticket_ttl_s\x18\x04 \x01(\x01\"R\n\x13\x46inishUploadRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12+\n\x07trailer\x18\x02 \x01(\x0b\x32\x1a.scaletrain.v1.FileTrailer\"$\n\x11\x43ommitSaveRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\"3\n\x10\x41\x62ortSaveRequest\x12\x0f\n\x07save_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x13\n\x11\x41\x62ortSaveResponse\"\xa6\x01\n\nTierStatus\x12!\n\x04tier\x18\x01 \x01(\x0e\x32\x13.scaletrain.v1.Tier\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.scaletrain.v1.TierState\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12.\n\nupdated_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"k\n\x08\x46ileInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12%\n\x04kind\x18\x03 \x01(\x0e\x32\x17.scaletrain.v1.FileKind\x12\x0c\n\x04size\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"\xc8\x03\n\x0e\x43heckpointInfo\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.scaletrain.v1.CheckpointRef\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x11\n\tcommitted\x18\x03 \x01(\x08\x12(\n\x05tiers\x18\x04 \x03(\x0b\x32\x19.scaletrain.v1.TierStatus\x12&\n\x05\x66iles\x18\x05 \x03(\x0b\x32\x17.scaletrain.v1.FileInfo\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0c\x63ommitted_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x39\n\x06labels\x18\t \x03(\x0b\x32).scaletrain.v1.CheckpointInfo.LabelsEntry\x12\x31\n\tretention\x18\n \x01(\x0b\x32\x1e.scaletrain.v1.RetentionPolicy\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"B\n\x16ListCheckpointsRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x1b\n\x13include_uncommitted\x18\x02 \x01(\x08\"M\n\x17ListCheckpointsResponse\x12\x32\n\x0b\x63heckpoints\x18\x01 \x03(\x0b\x32\x1d.scaletrain.v1.CheckpointInfo\"Q\n\x14GetCheckpointRequest\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.scaletrain.v1.CheckpointRef\x12\x0e\n\x06latest\x18\x02 \x01(\x08\"\x8d\x01\n\x0fReadFileRequest\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.scaletrain.v1.CheckpointRef\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0e\n\x06length\x18\x04 \x01(\x03\x12!\n\x04tier\x18\x05 \x01(\x0e\x32\x13.scaletrain.v1.Tier\"c\n\x10ReadFileResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\x07\x12!\n\x04tier\x18\x04 \x01(\x0e\x32\x13.scaletrain.v1.Tier\"D\n\x17\x44\x65leteCheckpointRequest\x12)\n\x03ref\x18\x01 \x01(\x0b\x32\x1c.scaletrain.v1.CheckpointRef\"d\n\x18\x44\x65leteCheckpointResponse\x12\"\n\x05tiers\x18\x01 \x03(\x0e\x32\x13.scaletrain.v1.Tier\x12$\n\x07pending\x18\x02 \x03(\x0e\x32\x13.scaletrain.v1.Tier*R\n\x08\x46ileKind\x12\x19\n\x15\x46ILE_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x46ILE_KIND_SHARD\x10\x01\x12\x16\n\x12\x46ILE_KIND_METADATA\x10\x02*\x87\x01\n\tTierState\x12\x1a\n\x16TIER_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11TIER_STATE_ABSENT\x10\x01\x12\x16\n\x12TIER_STATE_PENDING\x10\x02\x12\x18\n\x14TIER_STATE_COMMITTED\x10\x03\x12\x15\n\x11TIER_STATE_FAILED\x10\x04\x32\xe5\x06\n\x11\x43heckpointService\x12K\n\x08OpenSave\x12\x1e.scaletrain.v1.OpenSaveRequest\x1a\x1f.scaletrain.v1.OpenSaveResponse\x12P\n\tWriteFile\x12\x1f.scaletrain.v1.WriteFileRequest\x1a .scaletrain.v1.WriteFileResponse(\x01\x12Q\n\nOpenUpload\x12 .scaletrain.v1.OpenUploadRequest\x1a!.scaletrain.v1.OpenUploadResponse\x12T\n\x0c\x46inishUpload\x12\".scaletrain.v1.FinishUploadRequest\x1a .scaletrain.v1.WriteFileResponse\x12M\n\nCommitSave\x12 .scaletrain.v1.CommitSaveRequest\x1a\x1d.scaletrain.v1.CheckpointInfo\x12N\n\tAbortSave\x12\x1f.scaletrain.v1.AbortSaveRequest\x1a .scaletrain.v1.AbortSaveResponse\x12`\n\x0fListCheckpoints\x12%.scaletrain.v1.ListCheckpointsRequest\x1a&.scaletrain.v1.ListCheckpointsResponse\x12S\n\rGetCheckpoint\x12#.scaletrain.v1.GetCheckpointRequest\x1a\x1d.scaletrain.v1.CheckpointInfo\x12M\n\x08ReadFile\x12\x1e.scaletrain.v1.ReadFileRequest\x1a\x1f.scaletrain.v1.ReadFileResponse0\x01\x12\x63\n\x10\x44\x65leteCheckpoint\x12&.scaletrain.v1.DeleteCheckpointRequest\x1a\'.scaletrain.v1.DeleteCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,10 +37,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENSAVEREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_CHECKPOINTINFO_LABELSENTRY']._loaded_options = None
   _globals['_CHECKPOINTINFO_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_FILEKIND']._serialized_start=2435
-  _globals['_FILEKIND']._serialized_end=2517
-  _globals['_TIERSTATE']._serialized_start=2520
-  _globals['_TIERSTATE']._serialized_end=2655
+  _globals['_FILEKIND']._serialized_start=2695
+  _globals['_FILEKIND']._serialized_end=2777
+  _globals['_TIERSTATE']._serialized_start=2780
+  _globals['_TIERSTATE']._serialized_end=2915
   _globals['_CHECKPOINTREF']._serialized_start=110
   _globals['_CHECKPOINTREF']._serialized_end=152
   _globals['_OPENSAVEREQUEST']._serialized_start=155
@@ -61,34 +61,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WRITEFILEREQUEST']._serialized_end=872
   _globals['_WRITEFILERESPONSE']._serialized_start=874
   _globals['_WRITEFILERESPONSE']._serialized_end=937
-  _globals['_COMMITSAVEREQUEST']._serialized_start=939
-  _globals['_COMMITSAVEREQUEST']._serialized_end=975
-  _globals['_ABORTSAVEREQUEST']._serialized_start=977
-  _globals['_ABORTSAVEREQUEST']._serialized_end=1028
-  _globals['_ABORTSAVERESPONSE']._serialized_start=1030
-  _globals['_ABORTSAVERESPONSE']._serialized_end=1049
-  _globals['_TIERSTATUS']._serialized_start=1052
-  _globals['_TIERSTATUS']._serialized_end=1218
-  _globals['_FILEINFO']._serialized_start=1220
-  _globals['_FILEINFO']._serialized_end=1327
-  _globals['_CHECKPOINTINFO']._serialized_start=1330
-  _globals['_CHECKPOINTINFO']._serialized_end=1786
+  _globals['_OPENUPLOADREQUEST']._serialized_start=939
+  _globals['_OPENUPLOADREQUEST']._serialized_end=1015
+  _globals['_OPENUPLOADRESPONSE']._serialized_start=1017
+  _globals['_OPENUPLOADRESPONSE']._serialized_end=1113
+  _globals['_FINISHUPLOADREQUEST']._serialized_start=1115
+  _globals['_FINISHUPLOADREQUEST']._serialized_end=1197
+  _globals['_COMMITSAVEREQUEST']._serialized_start=1199
+  _globals['_COMMITSAVEREQUEST']._serialized_end=1235
+  _globals['_ABORTSAVEREQUEST']._serialized_start=1237
+  _globals['_ABORTSAVEREQUEST']._serialized_end=1288
+  _globals['_ABORTSAVERESPONSE']._serialized_start=1290
+  _globals['_ABORTSAVERESPONSE']._serialized_end=1309
+  _globals['_TIERSTATUS']._serialized_start=1312
+  _globals['_TIERSTATUS']._serialized_end=1478
+  _globals['_FILEINFO']._serialized_start=1480
+  _globals['_FILEINFO']._serialized_end=1587
+  _globals['_CHECKPOINTINFO']._serialized_start=1590
+  _globals['_CHECKPOINTINFO']._serialized_end=2046
   _globals['_CHECKPOINTINFO_LABELSENTRY']._serialized_start=348
   _globals['_CHECKPOINTINFO_LABELSENTRY']._serialized_end=393
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1788
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1854
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1856
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1933
-  _globals['_GETCHECKPOINTREQUEST']._serialized_start=1935
-  _globals['_GETCHECKPOINTREQUEST']._serialized_end=2016
-  _globals['_READFILEREQUEST']._serialized_start=2019
-  _globals['_READFILEREQUEST']._serialized_end=2160
-  _globals['_READFILERESPONSE']._serialized_start=2162
-  _globals['_READFILERESPONSE']._serialized_end=2261
-  _globals['_DELETECHECKPOINTREQUEST']._serialized_start=2263
-  _globals['_DELETECHECKPOINTREQUEST']._serialized_end=2331
-  _globals['_DELETECHECKPOINTRESPONSE']._serialized_start=2333
-  _globals['_DELETECHECKPOINTRESPONSE']._serialized_end=2433
-  _globals['_CHECKPOINTSERVICE']._serialized_start=2658
-  _globals['_CHECKPOINTSERVICE']._serialized_end=3358
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=2048
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=2114
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=2116
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=2193
+  _globals['_GETCHECKPOINTREQUEST']._serialized_start=2195
+  _globals['_GETCHECKPOINTREQUEST']._serialized_end=2276
+  _globals['_READFILEREQUEST']._serialized_start=2279
+  _globals['_READFILEREQUEST']._serialized_end=2420
+  _globals['_READFILERESPONSE']._serialized_start=2422
+  _globals['_READFILERESPONSE']._serialized_end=2521
+  _globals['_DELETECHECKPOINTREQUEST']._serialized_start=2523
+  _globals['_DELETECHECKPOINTREQUEST']._serialized_end=2591
+  _globals['_DELETECHECKPOINTRESPONSE']._serialized_start=2593
+  _globals['_DELETECHECKPOINTRESPONSE']._serialized_end=2693
+  _globals['_CHECKPOINTSERVICE']._serialized_start=2918
+  _globals['_CHECKPOINTSERVICE']._serialized_end=3787
 # @@protoc_insertion_point(module_scope)

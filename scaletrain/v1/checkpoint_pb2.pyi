@@ -126,6 +126,34 @@ class WriteFileResponse(_message.Message):
     sha256: str
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
+class OpenUploadRequest(_message.Message):
+    __slots__ = ("header", "size")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    header: FileHeader
+    size: int
+    def __init__(self, header: _Optional[_Union[FileHeader, _Mapping]] = ..., size: _Optional[int] = ...) -> None: ...
+
+class OpenUploadResponse(_message.Message):
+    __slots__ = ("ticket", "data_host", "data_port", "ticket_ttl_s")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_HOST_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    data_host: str
+    data_port: int
+    ticket_ttl_s: float
+    def __init__(self, ticket: _Optional[bytes] = ..., data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket_ttl_s: _Optional[float] = ...) -> None: ...
+
+class FinishUploadRequest(_message.Message):
+    __slots__ = ("ticket", "trailer")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    trailer: FileTrailer
+    def __init__(self, ticket: _Optional[bytes] = ..., trailer: _Optional[_Union[FileTrailer, _Mapping]] = ...) -> None: ...
+
 class CommitSaveRequest(_message.Message):
     __slots__ = ("save_id",)
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
