@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import google_crc32c
 import grpc
 
-from ckptd.datapath import FRAME
+from ckptd.datapath import FRAME, timeval
 from ckptd.wire import Chunk, crc32c, encode_write_request
 from scaletrain.errors import DataLoss, ScaletrainError
 from scaletrain.rpc import CHUNK_BYTES, DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
@@ -185,6 +185,12 @@ class CkptdClient:
         except OSError:
             self.fast_path = False  # the ticket, never presented, expires on its own
             return None
+        # A frame's head is a small write after a big one: without NODELAY, Nagle holds it
+        # until ckptd's delayed ACK, 40 ms a frame. Blocking sends (bounded by SO_SNDTIMEO) hand
+        # a whole frame to the kernel in one call, without taking the GIL back in between.
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(None)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(_stream_timeout(0)))
         sha = hashlib.sha256()
         hasher = threading.Thread(target=sha.update, args=(data,), daemon=True)
         hasher.start()

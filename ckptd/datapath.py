@@ -15,7 +15,9 @@ FinishUpload reports the reason in one line.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import secrets
 import socket
 import struct
@@ -42,15 +44,36 @@ TICKET_BYTES = 32
 FRAME = struct.Struct("<II")
 
 
+def _chunk_buffer(length: int) -> memoryview:
+    """Fresh memory for one received frame, kept as long as the chunk is (by the memory tier).
+
+    Anonymous memory asked for in huge pages where the kernel offers them: faulting in 4 KiB
+    pages costs more than the transfer itself (~0.5 GB/s against ~12 GB/s on the project's VMs).
+    """
+    memory = mmap.mmap(-1, length)
+    if length >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # no transparent huge pages: small pages it is
+            memory.madvise(mmap.MADV_HUGEPAGE)
+    return memoryview(memory)
+
+
+def timeval(seconds: float) -> bytes:
+    """A `struct timeval` for SO_RCVTIMEO / SO_SNDTIMEO."""
+    return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+
+
 class _Short(Exception):
     """The connection ended (or went quiet) before the bytes expected."""
 
 
 def _recv_into(conn: socket.socket, buffer: bytearray | memoryview) -> None:
+    """Fill `buffer`, waiting in the kernel for all of it (MSG_WAITALL on a blocking socket): a
+    thread that took the GIL back after each piece the socket delivers would wait for it behind
+    the hashing threads again and again."""
     view, got = memoryview(buffer), 0
     try:
         while got < len(view):
-            n = conn.recv_into(view[got:])
+            n = conn.recv_into(view[got:], 0, socket.MSG_WAITALL)
             if n == 0:
                 raise _Short
             got += n
@@ -206,7 +229,8 @@ class DataPlane:
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
         with conn:
-            conn.settimeout(self._idle_s)
+            conn.settimeout(None)  # blocking, for MSG_WAITALL; the kernel enforces idleness
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(self._idle_s))
             raw = bytearray(TICKET_BYTES)
             try:
                 _recv_into(conn, raw)
@@ -246,9 +270,9 @@ class DataPlane:
                             f"{path}: data frame at offset {offset} runs past the {size} "
                             "bytes announced"
                         )
-                    data = bytearray(length)
+                    data = _chunk_buffer(length)
                     _recv_into(conn, data)
-                    stream.write(Chunk(offset, memoryview(data), crc))
+                    stream.write(Chunk(offset, data, crc))
                     offset += length
             except _Short:
                 stream.upload.verified()  # a bad chunk is the better reason to report
