@@ -22,6 +22,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from ckptd import logs
 from ckptd.config import CkptdConfig
 from ckptd.datapath import DataPlane
+from ckptd.manifest import FileRecord
 from ckptd.metrics import serve_metrics
 from ckptd.retention import RetentionPolicy
 from ckptd.store import CheckpointStore, TierCommit
@@ -49,6 +50,13 @@ from scaletrain.v1 import (
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "scaletrain.v1.CheckpointService"
+
+
+def _written(record: FileRecord) -> checkpoint_pb2.WriteFileResponse:
+    """WriteFile's (and FinishUpload's) answer for a file that joined its save."""
+    return checkpoint_pb2.WriteFileResponse(
+        path=record.path, size=record.size, sha256=record.sha256
+    )
 
 
 class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
@@ -93,10 +101,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
                 elif part == "trailer":
                     if next(request_iterator, None) is not None:
                         raise InvalidArgument(f"{path}: messages after the trailer")
-                    record = stream.finish(message.trailer)
-                    return checkpoint_pb2.WriteFileResponse(
-                        path=record.path, size=record.size, sha256=record.sha256
-                    )
+                    return _written(stream.finish(message.trailer))
                 else:
                     raise InvalidArgument(f"{path}: a second header or an empty message")
             stream.upload.verified()  # a bad chunk is the better reason to report
@@ -106,31 +111,31 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     def OpenUpload(
         self, request: checkpoint_pb2.OpenUploadRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.OpenUploadResponse:
-        if self._data is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "ckptd runs without a data socket")
+        data = self._data_plane(context)
         if self._loopback_only and not peer_is_loopback(context.peer()):
             context.abort(
                 grpc.StatusCode.UNIMPLEMENTED,
                 "with TLS on, the data socket serves only clients on ckptd's host",
             )
-        ticket = self._data.issue(request.header, request.size)
         return checkpoint_pb2.OpenUploadResponse(
-            ticket=ticket,
+            ticket=data.issue(request.header, request.size),
             data_host="127.0.0.1" if self._loopback_only else "",
-            data_port=self._data.port,
-            ticket_ttl_s=self._data.ttl_s,
+            data_port=data.port,
+            ticket_ttl_s=data.ttl_s,
         )
 
     @maps_errors
     def FinishUpload(
         self, request: checkpoint_pb2.FinishUploadRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.WriteFileResponse:
+        return _written(self._data_plane(context).finish(request.ticket, request.trailer))
+
+    def _data_plane(self, context: grpc.ServicerContext) -> DataPlane:
+        """The data socket, or UNIMPLEMENTED (the client then falls back to WriteFile)."""
         if self._data is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "ckptd runs without a data socket")
-        record = self._data.finish(request.ticket, request.trailer)
-        return checkpoint_pb2.WriteFileResponse(
-            path=record.path, size=record.size, sha256=record.sha256
-        )
+        assert self._data is not None  # abort raised
+        return self._data
 
     @maps_errors
     def CommitSave(
