@@ -15,7 +15,9 @@ node's ckptd, interleaved run by run, best of a few each:
 5. for reference, SHA-256 of the shard in one thread, in this process: both ends of (2) and (3)
    hash the whole file once, so this bounds any path that checks it.
 
-Prints MB/s and the ratios of both ckptd paths to raw TCP (target >= 0.5).
+Prints MB/s and the ratios of both ckptd paths to raw TCP (target >= 0.5), and the CPU seconds
+per GB that each ckptd path costs both processes together (user + system, from one more run of
+each): on a shared machine the CPU cost varies less than the wall time.
 Run: `.venv/bin/python bench/ckptd_ingest.py [--mib 256] [--runs 3]`.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import socket
 import subprocess
 import sys
@@ -72,6 +75,13 @@ def serve_grpc_sink() -> None:
     server.start()
     print(port, flush=True)
     server.wait_for_termination()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of every thread of this process and of process `pid`."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = os.times()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") + own.user + own.system
 
 
 def _child(*flag: str) -> tuple[subprocess.Popen[str], int]:
@@ -135,6 +145,11 @@ def main() -> None:
                 )
                 if not fast.fast_path:
                     raise SystemExit("ckptd did not offer its fast path to this client")
+                cpu = []
+                for client in (fast, slow):
+                    before = _cpu_seconds(ckptd.process.pid)
+                    ckptd_ingest(client)
+                    cpu.append((_cpu_seconds(ckptd.process.pid) - before) / (len(data) / 1e9))
         finally:
             ckptd.stop()
             tcp.kill()
@@ -148,6 +163,7 @@ def main() -> None:
     print(f"ratio ckptd gRPC path/raw: {raw / grpc_ingest:.2f}  (target >= 0.5)")
     print(f"ratio gRPC transport alone/raw: {raw / transport:.2f}  (the transport's ceiling)")
     print(f"ratio SHA-256 alone/raw: {raw / sha:.2f}  (the per-file checksum's ceiling)")
+    print(f"CPU per GB, client + ckptd: fast path {cpu[0]:.2f} s, gRPC path {cpu[1]:.2f} s")
 
 
 if __name__ == "__main__":
