@@ -109,7 +109,9 @@ class DataPlane:
         self._idle_s = idle_s
         self._max_tickets = max_tickets
         try:
-            self._listener = socket.create_server((host.strip("[]"), 0))
+            bare = host.strip("[]")
+            family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+            self._listener = socket.create_server((bare, 0), family=family)
         except OSError as exc:
             raise UserError(f"cannot open ckptd's data socket on {host}: {exc}") from None
         self._listener.settimeout(1.0)  # wakes the accept loop to drop expired tickets
