@@ -1,6 +1,7 @@
 """The `scaletrain` command: argument parsing and printing over the packages, nothing more.
 
     scaletrain run        the embedded stack and a training job, then a summary
+    scaletrain chaos      the same under a schedule of injected faults, then a report
     scaletrain ckptd      the checkpoint daemon
     scaletrain telemetry  the telemetry service
     scaletrain ui         the run-health UI
@@ -83,18 +84,42 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the last run of --workdir")
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restarts of the job after a rank fails, each from the latest committed checkpoint "
+        "(default 0: a failure ends the run, --resume continues it)",
+    )
+    run.add_argument(
         "--secure", action="store_true", help="TLS and per-run tokens between every part"
     )
-    trainer = run.add_argument_group(
-        "trainer options, passed through (see `python -m trainer --help`); the layout is checked "
-        "before anything starts"
+    _trainer_options(run)
+
+    drill = sub.add_parser(
+        "chaos", help="train on the embedded stack under a schedule of faults, then a report"
     )
-    for flag, kind in TRAINER_FLAGS.items():
-        if kind is bool:
-            trainer.add_argument(flag, action="store_true", default=None)
-        else:
-            trainer.add_argument(flag, type=kind)
-    health.add_arguments(run)
+    _workdir_arg(drill)
+    drill.add_argument("--ranks", type=int, default=4, help="training processes (default 4)")
+    drill.add_argument("--steps", type=int, default=400)
+    drill.add_argument("--ckpt-every", type=int, default=5)
+    drill.add_argument(
+        "--schedule",
+        help="KIND@STEP[:SECONDS],... with KIND one of kill-rank, stop-rank, kill-ckptd, stop-s3, "
+        "disk-full, corrupt-shard, kill-telemetry, sdc (default: 12 faults of every kind)",
+    )
+    drill.add_argument(
+        "--max-restarts", type=int, help="default: one per fault that needs a restart, plus 2"
+    )
+    drill.add_argument("--seed", type=int, default=0, help="picks the ranks the faults strike")
+    drill.add_argument(
+        "--ssd-mb",
+        type=int,
+        default=256,
+        help="size of the SSD tier's tmpfs for disk-full: room for the checkpoints the SSD keeps "
+        "(--keep-ssd 5) and those that pile up while S3 is down (default 256)",
+    )
+    drill.add_argument("--json", action="store_true", help="print the report as JSON")
+    _trainer_options(drill)
 
     ckptd = sub.add_parser("ckptd", help="serve the checkpoint daemon")
     ckptd.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT")
@@ -178,6 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
     return root
 
 
+def _trainer_options(parser: argparse.ArgumentParser) -> None:
+    trainer = parser.add_argument_group(
+        "trainer options, passed through (see `python -m trainer --help`); the layout is checked "
+        "before anything starts"
+    )
+    for flag, kind in TRAINER_FLAGS.items():
+        if kind is bool:
+            trainer.add_argument(flag, action="store_true", default=None)
+        else:
+            trainer.add_argument(flag, type=kind)
+    health.add_arguments(parser)
+
+
 def _security_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-plaintext",
@@ -223,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return _run(args)
+    if args.command == "chaos":
+        return _chaos(args)
     if args.command == "ckptd":
         return _ckptd(args)
     if args.command == "telemetry":
@@ -234,16 +274,15 @@ def _dispatch(args: argparse.Namespace) -> int:
     return _ckpt(args)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from scaletrain.embedded import RunOptions, run
-    from scaletrain.stack import Workdir
-
+def _trainer_args(args: argparse.Namespace) -> list[str]:
+    """The trainer's command-line options among `args`, checked now, in one line, rather than
+    after the whole stack has started."""
     trainer_args: list[str] = []
     for flag, kind in TRAINER_FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             trainer_args += [flag] if kind is bool else [flag, str(value)]
-    for flag in ("--health-policy", "--peak-flops"):
+    for flag in health.VALUE_FLAGS:
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
         if value is not None:
             trainer_args += [flag, str(value)]
@@ -258,10 +297,16 @@ def _run(args: argparse.Namespace) -> int:
         flag: getattr(args, flag.removeprefix("--").replace("-", "_"))
         for flag in health.FAULT_FLAGS
     }
-    # Refuse a bad flag now, in one line, rather than after the whole stack has started.
     FaultPlan.parse(*faults.values())
     for flag, values in faults.items():
         trainer_args += [x for value in values for x in (flag, value)]
+    return trainer_args
+
+
+def _run(args: argparse.Namespace) -> int:
+    from scaletrain.embedded import RunOptions, run
+    from scaletrain.stack import Workdir
+
     options = RunOptions(
         workdir=Workdir(args.workdir),
         ranks=args.ranks,
@@ -269,7 +314,8 @@ def _run(args: argparse.Namespace) -> int:
         ckpt_every=args.ckpt_every,
         run_id=args.run_id,
         resume=args.resume,
-        trainer_args=trainer_args,
+        trainer_args=_trainer_args(args),
+        max_restarts=args.max_restarts,
         secure=args.secure,
     )
     # With --json, stdout carries only the summary: progress goes to stderr.
@@ -298,6 +344,49 @@ def _print_summary(s) -> None:
     for c in s.checkpoints:
         print(f"  step {c['step']:>6}  {c['bytes'] / 1e6:8.2f} MB  tiers: {', '.join(c['tiers'])}")
     print(f"open the UI  {s.ui_command}")
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from scaletrain.chaos import DEFAULT_SCHEDULE, ChaosOptions, chaos, parse_schedule
+    from scaletrain.stack import Workdir
+
+    options = ChaosOptions(
+        workdir=Workdir(args.workdir),
+        schedule=parse_schedule(args.schedule or DEFAULT_SCHEDULE),
+        ranks=args.ranks,
+        steps=args.steps,
+        ckpt_every=args.ckpt_every,
+        trainer_args=_trainer_args(args),
+        max_restarts=args.max_restarts,
+        seed=args.seed,
+        ssd_mb=args.ssd_mb,
+    )
+    report = chaos(options, sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        _print_report(report)
+    if not report.completed:
+        raise UserError(f"the run did not survive the drill (exit code {report.exit_code})")
+    if report.checkpoints_lost:
+        raise UserError(f"committed checkpoints lost: steps {report.checkpoints_lost}")
+    return 0
+
+
+def _print_report(r) -> None:
+    goodput = "n/a" if r.goodput is None else f"{r.goodput:.1%}"
+    print(f"\nrun                  {r.run_id} ({'completed' if r.completed else 'FAILED'})")
+    print(f"faults injected      {r.faults_injected} of {r.faults_scheduled} scheduled")
+    print(f"faults survived      {r.faults_survived}")
+    print(f"checkpoints lost     {len(r.checkpoints_lost)} of {r.checkpoints_committed} committed")
+    print(f"restarts             {r.restarts}")
+    print(f"steps replayed       {r.steps_replayed} after restarts, "
+          f"{r.steps_replayed_in_place} in place (step guard)")  # fmt: skip
+    print(f"goodput              {goodput}  badput: {_badput(r.badput_s)}")
+    print(f"final loss           {r.last_loss!r}  params sha256 {r.params_sha256}")
+    print(f"wall time            {r.wall_s:.1f} s")
+    for f in r.faults:
+        print(f"  step {f['step']:>5}  {f['kind']:<15} {f['target']:<10} {f['detail']}")
 
 
 def _badput(seconds: dict[str, float]) -> str:

@@ -39,6 +39,9 @@ class RunOptions:
     run_id: str | None = None
     resume: bool = False
     trainer_args: list[str] = field(default_factory=list)
+    # How many times torchrun may restart the job after a rank failed (each resumes from the
+    # latest committed checkpoint).
+    max_restarts: int = 0
     # How long to wait, after training, for the last checkpoint to reach S3.
     upload_wait_s: float = 120.0
     # TLS between every part, and tokens: the trainer's may write only this run.
@@ -83,6 +86,8 @@ def committed_tiers(info: checkpoint_pb2.CheckpointInfo) -> list[str]:
 def run(options: RunOptions, out: IO[str]) -> RunSummary:
     if options.ranks < 1:
         raise UserError(f"--ranks must be at least 1, got {options.ranks}")
+    if options.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {options.max_restarts}")
     workdir = options.workdir
     run_id = options.run_id or (workdir.last_run_id() if options.resume else None) or new_run_id()
     if options.resume and not workdir.last_run_id() and not options.run_id:
@@ -102,7 +107,7 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
             file=out,
             flush=True,
         )
-        code = stack.train(run_id, options.ranks, trainer_args, out)
+        code = stack.train(run_id, options.ranks, trainer_args, out, options.max_restarts)
         if code != 0:
             log = workdir.logs / "trainer.log"
             raise UserError(f"training failed (exit code {code}): {_first_error(log)}; see {log}")

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -91,15 +91,31 @@ class Child:
 
     def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str]) -> None:
         self.name, self.log = name, log
+        self._argv, self._env = argv, env
         self._log_file: IO[bytes] = log.open("ab")
-        self.proc = subprocess.Popen(
-            argv,
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            self._argv,
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=self._env,
             start_new_session=True,
         )
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once: the child dies as in a crash."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def restart(self) -> None:
+        """Start the same command again (after it died or was killed), logging to the same file."""
+        if self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} is still running")
+        self.proc = self._spawn()
 
     def failed_message(self) -> str:
         return f"{self.name} exited with code {self.proc.returncode}: {_tail(self.log)}"
@@ -125,12 +141,20 @@ def _scaletrain_argv(*args: str) -> list[str]:
 class Stack:
     """S3, telemetry and ckptd on free loopback ports; `close` stops them in reverse order."""
 
-    def __init__(self, workdir: Workdir, memory_budget_mb: int = 512, secure: bool = False) -> None:
+    def __init__(
+        self,
+        workdir: Workdir,
+        memory_budget_mb: int = 512,
+        secure: bool = False,
+        ckptd_args: tuple[str, ...] = (),
+    ) -> None:
         self.workdir = workdir
         self.memory_budget_mb = memory_budget_mb
         self.secure = secure
         # With `secure`: TLS between every part and a token for each (EmbeddedCredentials).
         self.credentials: EmbeddedCredentials | None = None
+        # More `scaletrain ckptd` options (retry backoff, retention, ...).
+        self.ckptd_args = ckptd_args
         self.children: list[Child] = []
         self.s3: SeaweedS3 | None = None
         self.ckptd_address = ""
@@ -189,6 +213,7 @@ class Stack:
                 S3_BUCKET,
                 "--telemetry",
                 self.telemetry_address,
+                *self.ckptd_args,
             ),
             self.ckptd_address,
             ckptd_env,
@@ -197,6 +222,21 @@ class Stack:
     def _start_service(self, name: str, argv: list[str], address: str, env: dict) -> None:
         child = Child(name, argv, self.workdir.logs / f"{name}.log", env)
         self.children.append(child)
+        self._wait_healthy(child, address)
+
+    def service(self, name: str) -> Child:
+        """The running child `name` ("telemetry" or "ckptd")."""
+        return next(child for child in self.children if child.name == name)
+
+    def restart_service(self, name: str) -> None:
+        """Start service `name` again at its address (it died or was killed), wait until healthy."""
+        child = self.service(name)
+        child.restart()
+        address = self.ckptd_address if name == "ckptd" else self.telemetry_address
+        self._wait_healthy(child, address)
+
+    def _wait_healthy(self, child: Child, address: str) -> None:
+        name = child.name
         deadline = time.monotonic() + 60
         while True:
             if child.proc.poll() is not None:
@@ -217,11 +257,25 @@ class Stack:
             return None
         return self.credentials.client(self.credentials.mint(role, run) if role else None)
 
-    def train(self, run_id: str, nproc: int, trainer_args: list[str], out: IO[str]) -> int:
-        """Run the training job under torchrun; its output goes to `out` and to the log."""
+    def train(
+        self,
+        run_id: str,
+        nproc: int,
+        trainer_args: list[str],
+        out: IO[str],
+        max_restarts: int = 0,
+        on_start: Callable[[subprocess.Popen[str]], None] | None = None,
+    ) -> int:
+        """Run the training job under torchrun; its output goes to `out` and to the log.
+
+        torchrun's elastic agent (c10d rendezvous on this host) restarts every rank up to
+        `max_restarts` times after any rank fails; the ranks then resume from the latest committed
+        checkpoint. `on_start` is handed the agent's process once it runs.
+        """
         argv = [
             sys.executable, "-m", "torch.distributed.run",
             "--standalone", "--nproc-per-node", str(nproc),
+            "--max-restarts", str(max_restarts),
             "-m", "trainer",
             "--run-id", run_id,
             "--ckptd", self.ckptd_address,
@@ -245,6 +299,8 @@ class Stack:
                 start_new_session=True,
             )
             try:
+                if on_start is not None:
+                    on_start(proc)
                 assert proc.stdout is not None
                 for line in proc.stdout:
                     log.write(line)

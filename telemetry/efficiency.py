@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, case, func, select
+from sqlalchemy import ColumnElement, Select, Subquery, case, false, func, or_, select, true
 
 from scaletrain.errors import NotFound
 from telemetry import mfu as flops
@@ -98,7 +99,7 @@ def mfu(bind: Bind, run_id: str, *, last_steps: int | None = None) -> Mfu:
         ).first()
         if run is None:
             raise NotFound(f"run {run_id!r} is not registered")
-        per_step = _per_step(run_id)
+        per_step = _per_step(run_id, LATEST_ATTEMPT)
         if last_steps is not None:
             newest = select(func.max(RankStep.step)).where(RankStep.run_id == run_id)
             cutoff = connection.execute(newest).scalar()
@@ -134,46 +135,32 @@ def mfu(bind: Bind, run_id: str, *, last_steps: int | None = None) -> Mfu:
 def goodput(bind: Bind, run_id: str) -> Goodput:
     """Goodput and badput by cause of `run_id` (see the module docstring); NotFound if no run."""
     with connection_of(bind) as connection:
-        started_at, finished_at = connection.execute(
-            select(Run.started_at, Run.finished_at).where(Run.run_id == run_id)
-        ).first() or (None, None)
-        if started_at is None:
+        run = connection.execute(
+            select(Run.started_at, Run.finished_at, Run.attempt).where(Run.run_id == run_id)
+        ).first()
+        if run is None:
             raise NotFound(f"run {run_id!r} is not registered")
-        latest = _per_step(run_id).subquery()
-        data, checkpoint, replay, productive = connection.execute(
-            select(
-                func.sum(latest.c.data_s),
-                func.sum(latest.c.checkpoint_s),
-                func.sum(latest.c.replay_s),
-                func.sum(latest.c.productive_s),
-            )
-        ).one()
-        # Steps an attempt computed and a later attempt computed again: lost progress.
-        superseded = (
-            select(func.max(RankStep.step_s).label("wall_s"))
-            .where(RankStep.run_id == run_id, ~LATEST_ATTEMPT)
-            .group_by(RankStep.attempt, RankStep.step)
-            .subquery()
-        )
-        lost = connection.execute(select(func.sum(superseded.c.wall_s))).scalar() or 0.0
-        attempts = _attempt_spans(connection, run_id)
-        skipped = _skipped_steps_seconds(connection, run_id)
+        totals = _single_attempt_totals(connection, run_id) if run.attempt == 0 else None
+        if totals is None:
+            totals = _restarted_totals(connection, run_id)
+        skipped = _skipped_steps_seconds(connection, run_id, totals.latest)
+    attempts = totals.attempts
     if not attempts:
         return Goodput(wall_s=0.0, productive_s=0.0, badput_s=dict.fromkeys(BADPUT_CAUSES, 0.0))
-    end = finished_at or attempts[-1][2]
-    wall_s = max((end - started_at).total_seconds(), 0.0)
-    startup = max((attempts[0][1] - started_at).total_seconds(), 0.0)
+    end = run.finished_at or attempts[-1][2]
+    wall_s = max((end - run.started_at).total_seconds(), 0.0)
+    startup = max((attempts[0][1] - run.started_at).total_seconds(), 0.0)
     gaps = sum(
         max((first - previous_last).total_seconds(), 0.0)
         for (_, _, previous_last), (_, first, _) in itertools.pairwise(attempts)
     )
-    productive_s = max(float(productive or 0.0) - skipped, 0.0)
+    productive_s = max(totals.sums["productive_s"] - skipped, 0.0)
     badput = {
         "startup": startup,
-        "checkpoint_stall": float(checkpoint or 0.0),
-        "restart": gaps + float(lost),
-        "replay": float(replay or 0.0) + skipped,
-        "data_wait": float(data or 0.0),
+        "checkpoint_stall": totals.sums["checkpoint_s"],
+        "restart": gaps + totals.lost_s,
+        "replay": totals.sums["replay_s"] + skipped,
+        "data_wait": totals.sums["data_s"],
     }
     accounted = productive_s + sum(badput.values())
     # Per-step time is measured on each rank; clocks and rounding can make the parts exceed the
@@ -182,9 +169,151 @@ def goodput(bind: Bind, run_id: str) -> Goodput:
     return Goodput(wall_s=wall_s, productive_s=productive_s, badput_s=badput)
 
 
-def _per_step(run_id: str) -> Select[Any]:
-    """One row per step of the run's latest attempts: tokens, wall time (slowest rank), the badput
-    phases (slowest rank in each), and the productive rest, never below zero."""
+# The per-step figures of `_per_step` that goodput sums over a run.
+_SUMMED = ("data_s", "checkpoint_s", "replay_s", "productive_s")
+
+
+@dataclass(frozen=True)
+class _Totals:
+    """What goodput adds up over a run's records: the _SUMMED per-step figures over its latest
+    attempts, the wall time of the steps a later attempt computed again, and each attempt's span
+    as (attempt, start of its first step, time of its last record), in order. `latest` is the
+    condition that keeps only records no later attempt replaced."""
+
+    sums: dict[str, float]
+    lost_s: float
+    attempts: list[tuple[int, datetime, datetime]]
+    latest: ColumnElement[bool]
+
+
+def _single_attempt_totals(connection: Any, run_id: str) -> _Totals | None:
+    """The totals of a run whose records all belong to one attempt, in one pass over them; None
+    when they turn out not to (records of several attempts), for `_restarted_totals` to redo.
+
+    With one attempt every record is its rank's latest: no per-record probe for a newer attempt,
+    no superseded steps, and the only span runs from the first step to the latest record. That
+    pass is the least a whole-run figure can read; the general way first reads every record
+    once more for the attempts' spans.
+    """
+    per_step = (
+        _per_step(run_id, true())
+        .add_columns(
+            func.min(RankStep.attempt).label("low"),
+            func.max(RankStep.attempt).label("high"),
+            func.max(RankStep.time).label("last"),
+        )
+        .subquery()
+    )
+    row = connection.execute(
+        select(
+            *_sums(per_step),
+            func.min(per_step.c.low),
+            func.max(per_step.c.high),
+            func.max(per_step.c.last),
+            func.min(per_step.c.step),
+        )
+    ).one()
+    low, high, last, first_step = row[len(_SUMMED) :]
+    if low != high:
+        return None
+    attempts = []
+    if first_step is not None:
+        start = _first_step_start(connection, run_id, low, first_step)
+        attempts.append((low, start, _aware(last)))
+    return _Totals(
+        sums=_summed(row),
+        lost_s=0.0,
+        attempts=attempts,
+        latest=true(),
+    )
+
+
+def _restarted_totals(connection: Any, run_id: str) -> _Totals:
+    """The totals of any run: one pass for each attempt's steps and last record, then one over
+    the latest attempts' steps, which checks for a newer record only at contested steps (those
+    in the step ranges of two attempts: elsewhere a step's records all come from one attempt)."""
+    spans = connection.execute(
+        select(
+            RankStep.attempt,
+            func.min(RankStep.step),
+            func.max(RankStep.step),
+            func.max(RankStep.time),
+        )
+        .where(RankStep.run_id == run_id)
+        .group_by(RankStep.attempt)
+        .order_by(RankStep.attempt)
+    ).all()
+    contested = or_(
+        false(),
+        *(
+            RankStep.step.between(low, high)
+            for low, high in _overlaps([(first, last) for _, first, last, _ in spans])
+        ),
+    )
+    latest = or_(~contested, LATEST_ATTEMPT)
+    sums = connection.execute(select(*_sums(_per_step(run_id, latest).subquery()))).one()
+    # Steps an attempt computed and a later attempt computed again: lost progress.
+    superseded = (
+        select(func.max(RankStep.step_s).label("wall_s"))
+        .where(RankStep.run_id == run_id, contested, ~LATEST_ATTEMPT)
+        .group_by(RankStep.attempt, RankStep.step)
+        .subquery()
+    )
+    lost = connection.execute(select(func.sum(superseded.c.wall_s))).scalar()
+    return _Totals(
+        sums=_summed(sums),
+        lost_s=float(lost or 0.0),
+        attempts=[
+            (attempt, _first_step_start(connection, run_id, attempt, first), _aware(last_time))
+            for attempt, first, _, last_time in spans
+        ],
+        latest=latest,
+    )
+
+
+def _sums(steps: Subquery) -> list[ColumnElement[Any]]:
+    """The SQL sums of the _SUMMED columns of a `_per_step` subquery."""
+    return [func.sum(steps.c[name]) for name in _SUMMED]
+
+
+def _summed(row: Sequence[Any]) -> dict[str, float]:
+    """The _SUMMED figures from the head of a row that starts with `_sums` (0 for no steps)."""
+    return {name: float(value or 0.0) for name, value in zip(_SUMMED, row, strict=False)}
+
+
+def _overlaps(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The steps covered by two or more of `ranges` (inclusive), as disjoint ranges."""
+    shared = sorted(
+        (max(a[0], b[0]), min(a[1], b[1]))
+        for a, b in itertools.combinations(ranges, 2)
+        if max(a[0], b[0]) <= min(a[1], b[1])
+    )
+    merged: list[tuple[int, int]] = []
+    for low, high in shared:
+        if merged and low <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], high))
+        else:
+            merged.append((low, high))
+    return merged
+
+
+def _first_step_start(connection: Any, run_id: str, attempt: int, step: int) -> datetime:
+    """When `attempt` started its first step `step`: the earliest rank's record time minus its
+    step time (a few primary-key lookups)."""
+    return min(
+        time - timedelta(seconds=step_s)
+        for time, step_s in connection.execute(
+            select(RankStep.time, RankStep.step_s).where(
+                RankStep.run_id == run_id, RankStep.step == step, RankStep.attempt == attempt
+            )
+        )
+    )
+
+
+def _per_step(run_id: str, latest: ColumnElement[bool]) -> Select[Any]:
+    """One row per step of the run's records that satisfy `latest` (their ranks' latest attempts):
+    tokens, wall time (slowest rank), the badput phases (slowest rank in each), and the productive
+    rest, never below zero."""
     wall = func.max(RankStep.step_s)
     data = func.max(RankStep.data_s)
     checkpoint = func.max(RankStep.checkpoint_s)
@@ -200,41 +329,12 @@ def _per_step(run_id: str) -> Select[Any]:
             replay.label("replay_s"),
             (wall - case((lost < wall, lost), else_=wall)).label("productive_s"),
         )
-        .where(RankStep.run_id == run_id, LATEST_ATTEMPT)
+        .where(RankStep.run_id == run_id, latest)
         .group_by(RankStep.step)
     )
 
 
-def _attempt_spans(connection: Any, run_id: str) -> list[tuple[int, datetime, datetime]]:
-    """(attempt, start of its first step, time of its last record) of each attempt, in order."""
-    firsts = (
-        select(RankStep.attempt, func.min(RankStep.step).label("step"))
-        .where(RankStep.run_id == run_id)
-        .group_by(RankStep.attempt)
-        .subquery()
-    )
-    starts: dict[int, datetime] = {}
-    for attempt, time, step_s in connection.execute(
-        select(RankStep.attempt, RankStep.time, RankStep.step_s)
-        .join(
-            firsts,
-            (firsts.c.attempt == RankStep.attempt) & (firsts.c.step == RankStep.step),
-        )
-        .where(RankStep.run_id == run_id)
-    ):
-        start = time - timedelta(seconds=step_s)
-        starts[attempt] = min(starts.get(attempt, start), start)
-    ends = dict(
-        connection.execute(
-            select(RankStep.attempt, func.max(RankStep.time))
-            .where(RankStep.run_id == run_id)
-            .group_by(RankStep.attempt)
-        ).all()
-    )
-    return [(attempt, starts[attempt], _aware(ends[attempt])) for attempt in sorted(starts)]
-
-
-def _skipped_steps_seconds(connection: Any, run_id: str) -> float:
+def _skipped_steps_seconds(connection: Any, run_id: str, latest: ColumnElement[bool]) -> float:
     """Productive-looking seconds of steps whose update the trainer threw away (a skipped batch)."""
     skipped = {
         step
@@ -247,7 +347,7 @@ def _skipped_steps_seconds(connection: Any, run_id: str) -> float:
     }
     if not skipped:
         return 0.0
-    steps = _per_step(run_id).subquery()
+    steps = _per_step(run_id, latest).subquery()
     seconds = connection.execute(
         select(func.sum(steps.c.productive_s)).where(steps.c.step.in_(skipped))
     ).scalar()

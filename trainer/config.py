@@ -10,6 +10,7 @@ from trainer import health
 from trainer.fp8 import DEFAULT_KEEP_HIGH_PRECISION, RECIPE_CHOICES, make_recipe
 from trainer.fp8.fsdp import check_all_gather
 from trainer.health.faults import FaultPlan
+from trainer.health.watchdog import WatchdogPolicy
 from trainer.model.llama import ModelArgs
 from trainer.model.moe import BALANCE_MODES, MoEArgs
 from trainer.parallel.pipeline import SCHEDULES
@@ -69,6 +70,10 @@ class TrainConfig:
     # Dense peak FLOP/s of one device for MFU; None: the datasheet table, or calibration on CPU.
     peak_flops: float | None = None
     faults: FaultPlan = field(default_factory=FaultPlan)
+    # Every collective fails after this long instead of waiting forever (set explicitly: torch's
+    # default differs between backends and versions).
+    collective_timeout_s: float = 600.0
+    watchdog: WatchdogPolicy = field(default_factory=WatchdogPolicy)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -90,6 +95,10 @@ class TrainConfig:
         if self.peak_flops is not None and not self.peak_flops > 0:
             raise ValueError(
                 f"--peak-flops must be a positive FLOP/s figure, got {self.peak_flops}"
+            )
+        if not self.collective_timeout_s > 0:
+            raise ValueError(
+                f"--collective-timeout-s must be positive, got {self.collective_timeout_s}"
             )
         if self.fp8 != "none":
             recipe = make_recipe(self.fp8, self.fp8_options)
@@ -222,5 +231,21 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         model=model,
         health_policy=args.health_policy or TrainConfig.health_policy,
         peak_flops=args.peak_flops,
-        faults=FaultPlan.parse(args.inject_sdc, args.inject_straggler, args.inject_loss_spike),
+        faults=FaultPlan.parse(
+            args.inject_sdc, args.inject_straggler, args.inject_loss_spike, args.inject_bad_device
+        ),
+        collective_timeout_s=TrainConfig.collective_timeout_s
+        if args.collective_timeout_s is None
+        else args.collective_timeout_s,
+        watchdog=WatchdogPolicy(
+            **{
+                name: getattr(args, arg)
+                for name, arg in (
+                    ("min_s", "watchdog_min_s"),
+                    ("factor", "watchdog_factor"),
+                    ("heartbeat_s", "heartbeat_s"),
+                )
+                if getattr(args, arg) is not None
+            }
+        ),
     )

@@ -23,6 +23,7 @@ from trainer.health.peak import resolve_peak, training_precision
 if TYPE_CHECKING:
     from trainer.checkpoint.checkpointer import SaveDone, SaveStarted
     from trainer.config import TrainConfig
+    from trainer.health.watchdog import Hang
     from trainer.train import Phases
 
 
@@ -161,6 +162,37 @@ class Reporter:
             rank=rank,
             attributes=attributes,
         )
+
+    def heartbeat(self, step: int, phase: str) -> None:
+        """This rank is alive, in `phase` of `step` (the watchdog's thread calls it)."""
+        self._event(
+            telemetry_pb2.EVENT_KIND_HEARTBEAT,
+            step,
+            f"rank {self.rank} alive in phase {phase} of step {step}",
+            rank=self.rank,
+            attributes={"phase": phase},
+        )
+
+    def hang(self, hang: Hang, wait_s: float) -> None:
+        """The watchdog fired on this rank: report it, waiting up to `wait_s` for delivery."""
+        self._event(
+            telemetry_pb2.EVENT_KIND_HANG,
+            hang.step,
+            hang.message(),
+            rank=self.rank,
+            attributes={
+                "phase": hang.phase,
+                "waited_s": f"{hang.waited_s:.3f}",
+                "deadline_s": f"{hang.deadline_s:.3f}",
+                "stale_peers": "; ".join(hang.stale_peers),
+            },
+        )
+        self.flush(wait_s)
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` until telemetry received every record queued so far."""
+        if self.client is not None:
+            self.client.flush(timeout_s=timeout_s)
 
     def save_started(self, started: SaveStarted) -> None:
         """The save blocked training for `blocking_s` while its state was staged."""

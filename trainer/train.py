@@ -11,15 +11,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from scaletrain.errors import ScaletrainError, UserError
+from scaletrain.errors import NotFound, ScaletrainError, UserError
 from trainer.checkpoint.checkpointer import Checkpointer, SaveDone, SavePolicy, SaveStarted
 from trainer.checkpoint.digest import probe_logits_sha256, state_sha256
 from trainer.config import TrainConfig
@@ -28,6 +30,8 @@ from trainer.data.loader import DeterministicLoader, LoaderOffset
 from trainer.fp8 import convert_to_fp8, make_recipe
 from trainer.health.guard import StepGuard, replica_groups
 from trainer.health.inject import FaultInjector
+from trainer.health.preflight import check_ranks
+from trainer.health.watchdog import REPORT_WAIT_S, PeerBoard, Watchdog
 from trainer.model.llama import Transformer
 from trainer.parallel.dims import MESH_DIMS, validate_layout
 from trainer.parallel.parallelize import parallelize
@@ -47,17 +51,45 @@ class Phases:
     replay: float = 0.0
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join the process group torchrun set up; NCCL with one GPU per rank, else gloo on CPU."""
+def init_distributed(timeout: timedelta) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun set up; NCCL with one GPU per rank, else gloo on CPU.
+
+    Every collective on it fails after `timeout` rather than waiting forever for a dead peer.
+    """
+    options: dict[str, object] = {"timeout": timeout, **_attempt_store(timeout)}
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **options)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **options)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _attempt_store(timeout: timedelta) -> dict[str, object]:
+    """After a restart, the agent's store seen under a prefix of its own for this attempt.
+
+    torchrun's agent keeps one key-value store across restarts, where the earlier attempt left
+    its ranks' addresses: read them and the new ranks try to reach dead ones ("Connection refused").
+    """
+    restarts = restart_count()
+    if restarts == 0:
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return {
+        "store": dist.PrefixStore(f"scaletrain/attempt-{restarts}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
+
+
+def restart_count() -> int:
+    """How many times torchrun's elastic agent restarted this job (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def lr_lambda(warmup: int, total: int):
@@ -77,8 +109,10 @@ def train(cfg: TrainConfig) -> None:
     launched_at.GetCurrentTime()
     # The layout is checked against the model and data before any process group exists.
     dims = validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    rank, world, device = init_distributed()
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    rank, world, device = init_distributed(timeout)
     cfg.faults.check_world(world)
+    check_ranks(device, corrupt=any(f.rank == rank for f in cfg.faults.bad_devices))
     torch.use_deterministic_algorithms(True)
     mesh = dims.build_mesh(device.type)
 
@@ -109,6 +143,7 @@ def train(cfg: TrainConfig) -> None:
         cfg, world, dims.layout(), n_params, _hardware(device), corpus.sha256,
         device=device, param_dtype=next(model.parameters()).dtype, launched_at=launched_at,
     )  # fmt: skip
+    _flush_on_termination(reporter)
     faults = FaultInjector(cfg.faults, rank, cfg.model.vocab_size, device)
     guard = StepGuard(
         cfg.health_policy, model, optimizer,
@@ -125,15 +160,21 @@ def train(cfg: TrainConfig) -> None:
             loader,
             SavePolicy(cfg.ckpt_policy),
             fp8=fp8,
+            timeout=timeout,
         )
         if cfg.ckptd
         else None
     )
 
     start_step = 0
-    if cfg.resume:
-        start_step = resume(cfg, checkpointer, reporter, loader, rank)
+    # After torchrun restarted the job, every rank resumes from the latest committed checkpoint.
+    if cfg.resume or restart_count() > 0:
+        start_step = resume(cfg, checkpointer, reporter, loader, rank, required=cfg.resume)
         reporter.restarted(start_step)
+    watchdog = Watchdog(
+        cfg.watchdog, rank, heartbeat=reporter.heartbeat,
+        on_hang=lambda hang: reporter.hang(hang, REPORT_WAIT_S), peers=_peer_board(rank, world),
+    ).start()  # fmt: skip
 
     if rank == 0:
         print(
@@ -150,6 +191,7 @@ def train(cfg: TrainConfig) -> None:
     run_start = time.perf_counter()
     for step in range(start_step + 1, cfg.steps + 1):
         phases = Phases()
+        watchdog.enter(step, "data")
         t = time.perf_counter()
         inputs, targets = (x.to(device) for x in loader.next_batch())
         inputs, targets = faults.corrupt_batch(step, inputs, targets)
@@ -157,16 +199,20 @@ def train(cfg: TrainConfig) -> None:
 
         for attempt in guard.attempts(step, phases):  # once; twice if the step is replayed
             t = time.perf_counter()
+            watchdog.enter(step, "forward")
             # Under pipeline parallelism forward runs the whole schedule, backward included.
             loss = parallel.forward(inputs, targets)
             phases.forward, t = _lap(t)
+            watchdog.enter(step, "backward")
             parallel.backward(loss)
             attempt.gradients_ready()
             phases.backward, t = _lap(t)
+            watchdog.enter(step, "optimizer")
             grad_norm = parallel.clip_grad_norm_(cfg.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             phases.optimizer, t = _lap(t)
+            watchdog.enter(step, "loss all-reduce")
 
             # The mean loss over ranks is what the run reports; its all-reduce is our comm wait.
             global_loss = parallel.mean_loss(loss)
@@ -178,6 +224,7 @@ def train(cfg: TrainConfig) -> None:
         expert_load = parallel.after_optimizer_step()
 
         saved = None
+        watchdog.enter(step, "checkpoint")
         if checkpointer:
             # Background saves that ended are reported (and their failures surfaced) here.
             _report_saves(checkpointer.poll(), reporter, rank)
@@ -187,6 +234,7 @@ def train(cfg: TrainConfig) -> None:
                 phases.checkpoint, t = _lap(t)
 
         step_seconds = sum(vars(phases).values())
+        watchdog.step_done(step_seconds)
         reporter.step(
             step=step,
             # Pipeline ranks without the last stage have no loss of their own.
@@ -216,6 +264,7 @@ def train(cfg: TrainConfig) -> None:
                 flush=True,
             )
 
+    watchdog.enter(cfg.steps, "finish")
     if checkpointer:
         final = checkpointer.finish()
         _report_saves(final, reporter, rank)
@@ -232,9 +281,30 @@ def train(cfg: TrainConfig) -> None:
         print(
             f"[trainer] done: final loss {global_loss:.4f}, params sha256 {digest[:16]}", flush=True
         )
+    watchdog.stop()
     reporter.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _flush_on_termination(reporter: Reporter) -> None:
+    """When one rank fails, torchrun's agent stops the others with SIGTERM: first hand telemetry
+    the records it has not received yet (waiting briefly), so the steps before the failure keep
+    their records."""
+
+    def stop(signum: int, _frame: object) -> None:
+        reporter.flush(REPORT_WAIT_S)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def _peer_board(rank: int, world: int) -> PeerBoard | None:
+    """The ranks' heartbeats in torchrun's rendezvous store, when there is one."""
+    try:
+        return PeerBoard(dist.distributed_c10d._get_default_store(), rank, world)
+    except (RuntimeError, ValueError):
+        return None
 
 
 def _report_save_start(
@@ -271,20 +341,41 @@ def resume(
     reporter: Reporter,
     loader: DeterministicLoader,
     rank: int,
+    required: bool = True,
 ) -> int:
-    """Restore the latest committed checkpoint; refuse if telemetry disagrees with it."""
+    """Restore the latest committed checkpoint; refuse if telemetry disagrees with it.
+
+    ckptd serves it from its fastest tier with a verified copy: memory first, then SSD, then S3.
+    Not `required` (a restart by torchrun), a run without a checkpoint yet starts over at step 0.
+    """
     if checkpointer is None:
+        if not required:
+            return 0
         raise UserError("--resume needs --ckptd: there is no checkpoint store to resume from")
     from ckptd.client import CkptdClient
 
     with CkptdClient(cfg.ckptd) as client:
-        latest = client.get(cfg.run_id)
+        try:
+            latest = client.get(cfg.run_id)
+        except NotFound:
+            if required:
+                raise
+            if rank == 0:
+                print(f"[trainer] run {cfg.run_id}: no checkpoint yet, starting over", flush=True)
+            return 0
     step = int(latest.ref.step)
     train_state = checkpointer.load(step)
     expected = loader.offset()
     recorded = reporter.resume_offsets(step)
-    if recorded is not None:
+    if recorded is not None and (recorded or required):
         check_offsets(cfg.run_id, step, rank, expected, recorded, loader.dp_size)
+    elif recorded is not None and rank == 0:
+        # A rank killed right after the save took its unsent records of the step with it.
+        print(
+            f"[trainer] telemetry has no record of step {step} (lost with the failed attempt): "
+            "resuming at the checkpoint's own data-loader offsets",
+            flush=True,
+        )
     if rank == 0:
         print(
             f"[trainer] resumed run {cfg.run_id} from step {train_state['step']} "

@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ui.source import DB_ENV
+# The variable that carries the database URL to the dashboard; kept here, away from Streamlit's
+# imports, so that `scaletrain ui` can report a bad command line without starting Streamlit.
+DB_ENV = "SCALETRAIN_DB_URL"
 
 APP_PATH = Path(__file__).resolve().with_name("app.py")
 # How long Streamlit may take to stop after Ctrl-C before it is killed.

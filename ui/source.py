@@ -18,8 +18,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from scaletrain.errors import UserError
 from telemetry.db import MissingDatabase, connect
 from telemetry.efficiency import Goodput, goodput
+from ui.launch import DB_ENV
 
-DB_ENV = "SCALETRAIN_DB_URL"
 NO_RUNS = "No runs yet: run `scaletrain run` to start one; its ranks report here as they train."
 NO_URL = (
     f"No telemetry database given: start the UI with `scaletrain ui --db URL` "

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, func, select
 
-from telemetry import queries
+from telemetry import queries, views
 from telemetry.config import TelemetryConfig
 from telemetry.db import connect
 from telemetry.health import run_health
@@ -139,7 +139,7 @@ def engine(backend: str) -> Iterator[Engine]:
 
 
 def losses(engine: Engine, run_id: str) -> list[float]:
-    return queries.loss_curve(engine, run_id)["loss"].tolist()
+    return views.loss_points(engine, run_id)["loss"].tolist()
 
 
 def test_an_injected_gradient_flip_is_caught_at_its_step_on_its_rank_and_replayed(
@@ -179,9 +179,9 @@ def test_the_straggler_is_flagged_within_five_steps_and_no_other_rank(
     flagged = queries.events(engine, injected, kinds=["straggler"])
     assert set(flagged["rank"]) == {STRAGGLER}
     assert flagged["step"].min() <= 5
-    heatmap = queries.rank_heatmap(engine, injected, metric="compute_s")
-    slowest = heatmap[heatmap["step"] > 1].groupby("step")["value"].idxmax()
-    assert set(heatmap.loc[slowest, "rank"]) == {STRAGGLER}
+    steps = views.rank_steps(engine, injected)
+    slowest = steps[steps["step"] > 1].groupby("step")["compute_s"].idxmax()
+    assert set(steps.loc[slowest, "rank"]) == {STRAGGLER}
 
 
 def test_a_clean_run_whose_telemetry_went_down_flags_nothing_and_all_its_records_arrive(

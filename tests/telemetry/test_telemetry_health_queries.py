@@ -1,4 +1,4 @@
-"""Run health in SQL on SQLite and PostgreSQL: MFU, goodput by cause, heatmap, checkpoints.
+"""Run health in SQL on SQLite and PostgreSQL: MFU, goodput by cause, findings, checkpoints.
 
 One hand-made run whose every figure below is worked out by hand in the comments: 2 ranks, 10^6
 parameters, a 10^12 FLOP/s peak per device; attempt 0 trains steps 1-4 and dies, attempt 1 resumes
@@ -12,14 +12,15 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, update
 
-from scaletrain.errors import InvalidArgument, NotFound
+from scaletrain.errors import NotFound
 from scaletrain.v1 import telemetry_pb2
 from telemetry import queries
 from telemetry.client import event, rank_step
 from telemetry.efficiency import BADPUT_CAUSES, goodput, mfu
 from telemetry.health import run_health
+from telemetry.models import Run
 from telemetry.store import TelemetryStore
 
 RegisterRun = Callable[..., telemetry_pb2.RegisterRunRequest]
@@ -160,6 +161,50 @@ def test_goodput_of_a_run_without_records_is_empty(
     assert math.isnan(empty.goodput)
 
 
+def test_goodput_of_a_running_never_restarted_run_ends_at_its_latest_record(
+    store: TelemetryStore, engine: Engine, run_request: RegisterRun
+) -> None:
+    request = run_request(world_size=2)
+    request.started_at.FromDatetime(T0)
+    store.register_run(request)
+    # Steps of 2 s on rank 1 (0.5 s of it waiting for data) ending at 12, 14 and 19 s: the first
+    # starts at 10 s; step 2 saved a checkpoint for 0.5 s; nothing explains 14-17 s.
+    ends = {1: 12, 2: 14, 3: 19}
+    store.add_steps(
+        [
+            record(step, rank, 0, ends[step], step=1.0 + rank, data=0.5 * rank, **extra)
+            for step in ends
+            for rank in (0, 1)
+            for extra in [{"checkpoint": 0.5 * rank} if step == 2 else {}]
+        ]
+    )
+    # Wall: 0 to 19 s (no run_finished: the latest record). Productive 1.5 + 1 + 1.5 s.
+    result = goodput(engine, "run-1")
+    assert result.wall_s == pytest.approx(19.0)
+    assert result.productive_s == pytest.approx(4.0)
+    expected = {
+        "startup": 10.0,
+        "checkpoint_stall": 0.5,
+        "restart": 0.0,
+        "replay": 0.0,
+        "data_wait": 1.5,
+        "other": 3.0,
+    }
+    assert result.badput_s == pytest.approx(expected)
+
+
+def test_goodput_counts_restarts_from_the_records_when_the_run_never_registered_again(
+    run: TelemetryStore, engine: Engine
+) -> None:
+    # Records of attempts 0 and 1 under a run whose registration says attempt 0 (a client that
+    # numbered its attempts itself): the same split as when the restart registered.
+    registered_again = goodput(engine, "run-1")
+    with engine.begin() as connection:
+        connection.execute(update(Run).values(attempt=0))
+    assert goodput(engine, "run-1") == registered_again
+    assert registered_again.badput_s["restart"] == pytest.approx(16.0)
+
+
 def test_run_health_counts_findings_stragglers_and_dropped_records(
     run: TelemetryStore, engine: Engine
 ) -> None:
@@ -185,19 +230,6 @@ def test_run_health_counts_findings_stragglers_and_dropped_records(
     assert health.goodput.productive_s == pytest.approx(6.3)
     with pytest.raises(NotFound):
         run_health(engine, "ghost")
-
-
-def test_the_heatmap_shows_each_rank_relative_to_the_median_of_its_step(
-    run: TelemetryStore, engine: Engine
-) -> None:
-    heatmap = queries.rank_heatmap(engine, "run-1", metric="step_s")
-    assert list(heatmap.columns) == queries.HEATMAP_COLUMNS
-    step5 = heatmap[heatmap["step"] == 5].set_index("rank")
-    # Step 5: 1 s and 4 s, median 2.5 s.
-    assert step5["value"].to_dict() == {0: 1.0, 1: 4.0}
-    assert step5["relative"].to_dict() == {0: pytest.approx(0.4), 1: pytest.approx(1.6)}
-    with pytest.raises(InvalidArgument, match="unknown metric 'run_id': use one of step_s"):
-        queries.rank_heatmap(engine, "run-1", metric="run_id")
 
 
 def test_checkpoint_events_fill_one_row_per_tier_with_the_trainers_stall(

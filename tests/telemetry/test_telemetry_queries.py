@@ -1,4 +1,4 @@
-"""The UI's queries on SQLite and PostgreSQL: aggregates, latest attempts and downsampling."""
+"""Queries on SQLite and PostgreSQL: events, and run summaries counting only latest attempts."""
 
 from __future__ import annotations
 
@@ -55,60 +55,7 @@ def filled(store: TelemetryStore, run_request: RegisterRun) -> TelemetryStore:
     return store
 
 
-def test_runs_overview_summarises_each_run_with_its_latest_step(
-    filled: TelemetryStore, engine: Engine
-) -> None:
-    runs = queries.runs_overview(engine).set_index("run_id")
-    assert list(runs.reset_index().columns) == queries.RUNS_COLUMNS
-    assert set(runs.index) == {"run-1", "run-2"}
-    first = runs.loc["run-1"]
-    assert (first["status"], first["world_size"], first["last_step"]) == ("running", 2, 99)
-    assert first["last_loss"] == pytest.approx(1.0)
-    # The last 20 steps: 2 ranks x 1000 tokens per step, each step 0.5 s (steps 90-99, replayed)
-    # or 1.0 s (steps 80-89, where rank 1 is the slowest).
-    assert first["tokens_per_s"] == pytest.approx(20 * 2000 / (10 * 0.5 + 10 * 1.0))
-    assert math.isnan(runs.loc["run-2"]["last_loss"])
-
-
-def test_runs_overview_of_an_empty_database_has_the_columns_and_no_rows(engine: Engine) -> None:
-    runs = queries.runs_overview(engine)
-    assert runs.empty
-    assert list(runs.columns) == queries.RUNS_COLUMNS
-
-
-def test_loss_curve_averages_ranks_skipping_nan_and_counting_only_the_latest_attempt(
-    filled: TelemetryStore, engine: Engine
-) -> None:
-    curve = queries.loss_curve(engine, "run-1").set_index("step")
-    assert len(curve) == 100
-    assert curve.loc[1, "loss"] == pytest.approx((50.0 + 100.0) / 2)
-    assert curve.loc[3, "loss"] == pytest.approx(50.0)
-    assert curve.loc[95, "loss"] == pytest.approx(1.0)
-
-
-def test_loss_curve_of_a_long_run_is_downsampled_keeping_each_buckets_extremes(
-    filled: TelemetryStore, engine: Engine
-) -> None:
-    curve = queries.loss_curve(engine, "run-1", max_points=10)
-    assert len(curve) == 10
-    first = curve.iloc[0]
-    assert first["step"] == 9
-    assert (first["loss_min"], first["loss_max"]) == (pytest.approx(10.0), pytest.approx(200.0))
-
-
-def test_rank_step_times_show_each_rank_per_step_bucket(
-    filled: TelemetryStore, engine: Engine
-) -> None:
-    times = queries.rank_step_times(engine, "run-1", max_steps=25)
-    assert list(times.columns) == queries.STEP_TIME_COLUMNS
-    assert len(times) == 25 * 2
-    early = times[times["step"] == 3].set_index("rank")["step_s"]
-    assert early.to_dict() == {0: pytest.approx(0.5), 1: pytest.approx(1.0)}
-
-
-def test_queries_of_a_run_without_records_are_empty(filled: TelemetryStore, engine: Engine) -> None:
-    assert queries.loss_curve(engine, "run-2").empty
-    assert queries.rank_step_times(engine, "run-2").empty
+def test_a_run_without_events_lists_none(filled: TelemetryStore, engine: Engine) -> None:
     assert queries.events(engine, "run-2").empty
 
 
@@ -123,8 +70,8 @@ def test_queries_read_through_a_session_as_well_as_an_engine(
     filled: TelemetryStore, engine: Engine
 ) -> None:
     with Session(engine) as session:
-        through_session = queries.loss_curve(session, "run-1")
-    assert through_session.equals(queries.loss_curve(engine, "run-1"))
+        through_session = queries.events(session, "run-1")
+    assert through_session.equals(queries.events(engine, "run-1"))
 
 
 def test_run_summary_gives_the_headline_numbers_of_a_finished_run(

@@ -18,6 +18,7 @@ import enum
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -72,6 +73,7 @@ class Checkpointer:
         loader: DeterministicLoader,
         policy: SavePolicy = SavePolicy.WAIT,
         fp8: Fp8Training | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         self.address, self.run_id = address, run_id
         self.model, self.optimizer = model, optimizer
@@ -80,7 +82,7 @@ class Checkpointer:
         self.fp8 = fp8
         self.rank = dist.get_rank()
         # Background saves run their collectives here, never on the training loop's group.
-        self._group = dist.new_group(backend="gloo")
+        self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._stager = HostStager()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._inflight: Future[SaveDone] | None = None
@@ -133,7 +135,8 @@ class Checkpointer:
         error: BaseException | None = None
         try:
             dcp.save(staged, storage_writer=writer, process_group=self._group)
-        except Exception as exc:  # the loop must hear of any failure: never lose it here
+        # CheckpointException derives from BaseException: name it, or it escapes into the loop.
+        except (Exception, CheckpointException) as exc:  # the loop hears of any failure, later
             error = first_cause(exc) if isinstance(exc, CheckpointException) else exc
             with contextlib.suppress(ScaletrainError):  # ckptd collects abandoned saves anyway
                 writer.abort(f"save of step {step} failed: {error}")

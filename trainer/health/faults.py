@@ -10,6 +10,8 @@
     --inject-loss-spike step=K
         replace the targets of step K's batch by bytes no text contains: bad data, which a replay
         reproduces.
+    --inject-bad-device rank=R
+        make rank R's small matmul of the health check before start come out wrong.
 Each flag may be given several times. This module parses them and imports no torch, so that
 `scaletrain run` can refuse a bad flag before it starts anything; `trainer.health.inject` injects.
 """
@@ -41,12 +43,18 @@ class LossSpikeFault:
 
 
 @dataclass(frozen=True)
+class BadDeviceFault:
+    rank: int
+
+
+@dataclass(frozen=True)
 class FaultPlan:
     """Every fault to inject in a run; empty for a normal run."""
 
     sdc: tuple[SdcFault, ...] = ()
     stragglers: tuple[StragglerFault, ...] = ()
     loss_spikes: tuple[LossSpikeFault, ...] = field(default_factory=tuple)
+    bad_devices: tuple[BadDeviceFault, ...] = ()
 
     @classmethod
     def parse(
@@ -54,6 +62,7 @@ class FaultPlan:
         sdc: Iterable[str] = (),
         stragglers: Iterable[str] = (),
         loss_spikes: Iterable[str] = (),
+        bad_devices: Iterable[str] = (),
     ) -> FaultPlan:
         """The plan of the command-line flags; ValueError names the flag and the problem."""
         return cls(
@@ -63,11 +72,19 @@ class FaultPlan:
                 LossSpikeFault(**_fields("--inject-loss-spike", text, {"step": _step}))
                 for text in loss_spikes
             ),
+            bad_devices=tuple(
+                BadDeviceFault(**_fields("--inject-bad-device", text, {"rank": _rank}))
+                for text in bad_devices
+            ),
         )
 
     def check_world(self, world: int) -> None:
         """ValueError when a fault names a rank outside a world of `world` ranks."""
-        for flag, faults in (("--inject-sdc", self.sdc), ("--inject-straggler", self.stragglers)):
+        for flag, faults in (
+            ("--inject-sdc", self.sdc),
+            ("--inject-straggler", self.stragglers),
+            ("--inject-bad-device", self.bad_devices),
+        ):
             for fault in faults:
                 if fault.rank >= world:
                     raise ValueError(

@@ -1,0 +1,163 @@
+"""The pieces of fault tolerance that need no job: the watchdog, the health check before start,
+the chaos schedule and the restart budget's option."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from scaletrain.chaos import DEFAULT_SCHEDULE, KINDS, Fault, parse_schedule
+from scaletrain.cli import main
+from trainer.health.preflight import check_ranks, matmul_ok
+from trainer.health.watchdog import HANG_EXIT_CODE, Hang, PeerBoard, Watchdog, WatchdogPolicy
+
+
+class DictStore:
+    """The three calls PeerBoard makes of a c10d store."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.data for key in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+def _watchdog(policy: WatchdogPolicy, peers: PeerBoard | None = None):
+    fired: list[Hang] = []
+    exits: list[int] = []
+    beats: list[tuple[int, str]] = []
+    dog = Watchdog(
+        policy, 2, heartbeat=lambda s, p: beats.append((s, p)), on_hang=fired.append,
+        peers=peers, exit=exits.append,
+    )  # fmt: skip
+    return dog, fired, exits, beats
+
+
+def test_the_watchdog_does_not_judge_start_up_before_the_first_step_ended():
+    dog, *_ = _watchdog(WatchdogPolicy(min_s=0.01))
+    dog.enter(1, "forward")
+    time.sleep(0.05)
+    assert dog.deadline_s() is None
+    assert dog.check() is None
+
+
+def test_the_deadline_is_the_floor_or_a_multiple_of_the_slowest_recent_step():
+    dog, *_ = _watchdog(WatchdogPolicy(min_s=5.0, factor=10.0))
+    dog.step_done(0.1)
+    assert dog.deadline_s() == 5.0
+    dog.step_done(2.0)
+    assert dog.deadline_s() == 20.0
+
+
+def test_a_hung_phase_fires_once_naming_rank_step_phase_and_the_stale_peer():
+    store = DictStore()
+    PeerBoard(store, 0, 3).publish(7, "forward")
+    stale = {"step": 6, "phase": "backward", "time": time.time() - 60}
+    store.data["heartbeat/1"] = json.dumps(stale).encode()
+    dog, fired, exits, beats = _watchdog(
+        WatchdogPolicy(min_s=0.2, factor=1.0, heartbeat_s=0.5), PeerBoard(store, 2, 3)
+    )
+    dog.step_done(0.01)
+    dog.enter(7, "forward")
+    dog.start()
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dog.stop()
+    assert exits == [HANG_EXIT_CODE]
+    (hang,) = fired
+    assert (hang.rank, hang.step, hang.phase) == (2, 7, "forward")
+    assert hang.waited_s > hang.deadline_s == 0.2
+    (stale_peer,) = hang.stale_peers  # rank 0 beat recently, rank 1 a minute ago
+    assert stale_peer.startswith("rank 1 60.") and stale_peer.endswith("backward of step 6")
+    assert "rank 2 made no progress in phase forward of step 7" in hang.message()
+    assert beats[0] == (7, "forward")  # the first one as the watchdog starts
+    assert json.loads(store.data["heartbeat/2"])["phase"] == "forward"
+
+
+def test_progress_keeps_the_watchdog_quiet():
+    dog, fired, exits, _ = _watchdog(WatchdogPolicy(min_s=0.3, factor=1.0, heartbeat_s=0.05))
+    dog.step_done(0.01)
+    dog.start()
+    for step in range(10):
+        dog.enter(step, "forward")
+        time.sleep(0.1)
+    dog.stop()
+    assert fired == [] and exits == []
+
+
+def test_a_peer_that_never_beat_is_named():
+    assert PeerBoard(DictStore(), 0, 2).stale(1.0) == ("rank 1 (never)",)
+
+
+@pytest.mark.parametrize("field", ["min_s", "factor", "heartbeat_s"])
+def test_a_watchdog_setting_that_is_not_positive_is_refused(field: str):
+    with pytest.raises(ValueError, match="must be positive"):
+        WatchdogPolicy(**{field: 0.0})
+
+
+def test_a_healthy_device_passes_the_matmul_check_and_a_corrupted_one_fails():
+    assert matmul_ok(torch.device("cpu"))
+    assert not matmul_ok(torch.device("cpu"), corrupt=True)
+
+
+def test_a_failing_rank_is_named_by_the_health_check_before_start(tmp_path: Path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(30))
+    try:
+        check_ranks(torch.device("cpu"))
+        with pytest.raises(Exception, match=r"health check before start failed: rank 0 on \S+ "
+                           r"\(matmul wrong\)"):  # fmt: skip
+            check_ranks(torch.device("cpu"), corrupt=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_schedule_is_parsed_in_step_order_with_default_outages():
+    assert parse_schedule("stop-s3@9,kill-rank@4:0,kill-telemetry@6:2.5") == [
+        Fault("kill-rank", 4, 0.0),
+        Fault("kill-telemetry", 6, 2.5),
+        Fault("stop-s3", 9, 30.0),
+    ]
+
+
+def test_the_default_drill_has_at_least_ten_faults_of_every_kind():
+    faults = parse_schedule(DEFAULT_SCHEDULE)
+    assert len(faults) >= 10
+    assert {f.kind for f in faults} == set(KINDS)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "message"),
+    [
+        ("melt-cpu@3", "KIND@STEP"),
+        ("kill-rank@0", "the step must be 1 or more"),
+        (" , ", "--schedule is empty"),
+    ],
+)
+def test_a_bad_schedule_is_refused_in_one_line(schedule: str, message: str):
+    with pytest.raises(ValueError, match=message):
+        parse_schedule(schedule)
+
+
+def test_a_bad_restart_budget_or_late_fault_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    assert main(["run", "--workdir", str(tmp_path), "--max-restarts", "-1"]) == 1
+    assert "--max-restarts must be 0 or more, got -1" in capsys.readouterr().err
+    code = main(["chaos", "--workdir", str(tmp_path), "--steps", "5", "--schedule", "kill-rank@5"])
+    assert code == 1
+    assert "kill-rank@5 at or after the last step 5" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
