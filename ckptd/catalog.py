@@ -218,6 +218,13 @@ class Catalog:
         )
         return FileRecord(*rows[0]) if rows else None
 
+    def remove_file(self, key: CheckpointKey, path: str) -> None:
+        with self._tx() as db:
+            db.execute(
+                "DELETE FROM files WHERE run = ? AND step = ? AND path = ?",
+                (key.run, key.step, path),
+            )
+
     def remove_files(self, key: CheckpointKey) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM files WHERE run = ? AND step = ?", (key.run, key.step))

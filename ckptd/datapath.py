@@ -257,7 +257,7 @@ class DataPlane:
                             f"{path}: data frame at offset {offset} runs past the {size} "
                             "bytes announced"
                         )
-                    data = bytearray(length)
+                    data = self._store.budget.buffer(length)
                     _recv_into(conn, data)
                     stream.write(Chunk(offset, memoryview(data), crc))
                     offset += length

@@ -1,14 +1,21 @@
-"""Receiving one file of a save: a pipeline in which the gRPC thread only receives.
+"""Receiving one file of a save: a pipeline in which the receiving thread only receives.
 
-The gRPC thread checks each chunk's size and place in the file, reserves its bytes in the memory
-budget (waiting when the budget is full: backpressure) and hands the chunk to two threads that
-work side by side: a verifier checks its CRC-32C and feeds the file's SHA-256 and per-block CRCs,
-and a writer appends it to a temporary SSD file and keeps it for the memory tier. SHA-256, CRC and
-file writes release the GIL, so receiving, hashing and writing overlap. A chunk's memory is
-released once it is both verified and written (unless the memory tier keeps it). The WriteFile
-reply waits only for the verifier (it reports the SHA-256 check); the temporary file joins the
-save only after that check, and a commit waits for the disk, because a checkpoint is committed
-only once it is durable.
+The receiving thread (gRPC's, or the data socket's) checks each chunk's size and place in the
+file, reserves its bytes in the memory budget (waiting when the budget is full: backpressure)
+and hands the chunk to three threads that work side by side: a verifier checks its CRC-32C and
+feeds the per-block CRCs, a hasher feeds the file's SHA-256, and a writer appends it to a
+temporary SSD file and keeps it for the memory tier. CRC, SHA-256 and file writes release the
+GIL, so receiving, checking, hashing and writing overlap. A chunk's memory is released once it
+is verified, hashed and written (unless the memory tier keeps it).
+
+The WriteFile (FinishUpload) reply waits only for the verifier: every chunk arrived as the
+client checksummed it, and the trailer's size matches. The SHA-256 takes longer than the bytes
+take to arrive (one serial stream, slower than a loopback socket), so it is checked after the
+reply and before the file can count: the writer compares it with the trailer's once the file is
+on disk, and only a file that matches joins the save's staging dir. A commit waits for that (it
+waits for the disk anyway, because a checkpoint is committed only once it is durable), and a
+file whose bytes do not match its SHA-256 makes the commit fail, naming the file, which is
+discarded and must be written again; nothing committed before is touched.
 
 A chunk whose bytes do not match its CRC, or a file whose bytes do not match its trailer, is bad
 input (INVALID_ARGUMENT): the client sent something other than what it described and must send
@@ -63,23 +70,29 @@ class FileUpload:
         self._metrics = metrics
         self._lock = threading.Lock()
         self._size = 0
-        self._inflight = 0  # reserved bytes not yet both verified and written
+        self._inflight = 0  # reserved bytes not yet verified, hashed and written
         self._verified_to = 0  # the verifier is done with bytes [0, _verified_to)
-        # Chunks on disk whose memory waits for the verifier: (end offset, bytes, kept).
-        self._unsettled: deque[tuple[int, int, bool]] = deque()
+        self._hashed_to = 0  # the hasher is done with bytes [0, _hashed_to)
+        # Chunks on disk whose memory waits for the verifier or the hasher: (end, bytes, kept).
+        self._unsettled: deque[tuple[int, Data, bool]] = deque()
         self._memory: MemoryFile | None = MemoryFile() if retain else None
+        # Kept chunks spilled while the pipeline still ran: recycled when it ends.
+        self._spilled: list[MemoryFile] = []
+        self._ended = False
         self._error: ScaletrainError | None = None
         self._cancelled = False
         self._sha = hashlib.sha256()
+        self._expected_sha: str | None = None  # the trailer's, once `finish` has it
         self._crcs = BlockCrcs()
-        self._to_verify: queue.SimpleQueue[tuple[int, bytes | memoryview, int] | None] = (
-            queue.SimpleQueue()
-        )
+        self._to_verify: queue.SimpleQueue[tuple[int, Data, int] | None] = queue.SimpleQueue()
+        self._to_hash: queue.SimpleQueue[tuple[int, Data] | None] = queue.SimpleQueue()
         self._to_disk: queue.SimpleQueue[tuple[int, Data] | None] = queue.SimpleQueue()
         self._written = threading.Event()
         self._verifier = threading.Thread(target=self._verify_loop, daemon=True)
+        self._hasher = threading.Thread(target=self._hash_loop, daemon=True)
         self._writer = threading.Thread(target=self._write_loop, daemon=True)
         self._verifier.start()
+        self._hasher.start()
         self._writer.start()
 
     # -- the gRPC thread -------------------------------------------------------------------------
@@ -103,6 +116,7 @@ class FileUpload:
         self._size += len(data)
         self.touched = time.monotonic()
         self._to_verify.put((chunk.offset, data, chunk.crc32c))
+        self._to_hash.put((chunk.offset, data))
         self._to_disk.put((chunk.offset, data))
 
     @property
@@ -122,7 +136,8 @@ class FileUpload:
             return self._inflight + (self._memory.size if self._memory is not None else 0)
 
     def finish(self, trailer: checkpoint_pb2.FileTrailer) -> FileRecord:
-        """Wait for the verifier, check the trailer; the writer goes on in the background."""
+        """Wait for the verifier, check the trailer's size; the hasher and the writer go on in
+        the background, and the writer checks the trailer's SHA-256 (see the module doc)."""
         self.verified()
         if trailer.size != self._size:
             self._fail(
@@ -130,26 +145,20 @@ class FileUpload:
                     f"{self.path}: trailer says {trailer.size} bytes, {self._size} were received"
                 )
             )
-        digest = self._sha.hexdigest()
-        if trailer.sha256.lower() != digest:
-            self._fail(
-                InvalidArgument(
-                    f"{self.path}: SHA-256 mismatch (trailer {trailer.sha256[:16]}..., "
-                    f"received bytes give {digest[:16]}...)"
-                )
-            )
         self._raise_if_failed()
+        self._expected_sha = trailer.sha256.lower()
         return FileRecord(
             path=self.path,
             rank=self.header.rank,
             kind=self.header.kind,
             size=self._size,
-            sha256=digest,
+            sha256=self._expected_sha,
             block_crcs=self._crcs.packed(),
         )
 
     def end_input(self) -> None:
-        """No more chunks: let the writer finish the file."""
+        """No more chunks: let the hasher and the writer finish the file."""
+        self._to_hash.put(None)
         self._to_disk.put(None)
 
     def cancel(self) -> None:
@@ -157,7 +166,7 @@ class FileUpload:
         self._cancelled = True
         self._to_verify.put(None)
         self._verifier.join()
-        self._to_disk.put(None)
+        self.end_input()
         self._writer.join()
 
     # -- the store, at commit --------------------------------------------------------------------
@@ -178,8 +187,13 @@ class FileUpload:
         with self._lock:
             memory, self._memory = self._memory, None
             kept = memory.size if memory is not None else 0
+            if memory is not None and not self._ended:
+                self._spilled.append(memory)  # the hasher may still read them
+                memory = None
         if kept:
             self._budget.release(kept)
+        if memory is not None:
+            self._budget.recycle(memory.chunks)
         return kept
 
     # -- the pipeline threads --------------------------------------------------------------------
@@ -206,26 +220,49 @@ class FileUpload:
                         )
                     )
                 else:
-                    self._sha.update(data)
                     self._crcs.update(data)
             with self._lock:
                 self._verified_to = offset + len(data)
             self._settle()
 
-    def _settle(self, final: bool = False) -> None:
-        """Release the memory of written chunks the verifier is done with (all, if `final`).
+    def _hash_loop(self) -> None:
+        while (item := self._to_hash.get()) is not None:
+            offset, data = item
+            if not self._cancelled and self._error is None:
+                self._sha.update(data)
+            with self._lock:
+                self._hashed_to = offset + len(data)
+            self._settle()
 
-        Both threads call it: the writer after each write, the verifier after each check.
+    def _settle(self, final: bool = False) -> None:
+        """Release the memory of written chunks the verifier and the hasher are done with (all,
+        if `final`); the buffers of those not kept go back to the budget for reuse.
+
+        The three threads call it, each after it is done with a chunk.
         """
-        released = 0
+        released: list[Data] = []
         with self._lock:
-            while self._unsettled and (final or self._unsettled[0][0] <= self._verified_to):
-                _end, nbytes, kept = self._unsettled.popleft()
-                self._inflight -= nbytes
+            done_to = min(self._verified_to, self._hashed_to)
+            while self._unsettled and (final or self._unsettled[0][0] <= done_to):
+                _end, data, kept = self._unsettled.popleft()
+                self._inflight -= len(data)
                 if not kept:
-                    released += nbytes
+                    released.append(data)
         if released:
-            self._budget.release(released)
+            self._budget.release(sum(len(data) for data in released))
+            self._budget.recycle(released)
+
+    def _check_sha256(self) -> None:
+        """After the hasher: a file whose bytes do not match its trailer's SHA-256 fails."""
+        digest = self._sha.hexdigest()
+        if self._expected_sha is not None and self._expected_sha != digest:
+            self._fail(
+                InvalidArgument(
+                    f"{self.path}: SHA-256 mismatch (trailer {self._expected_sha[:16]}..., "
+                    f"received bytes give {digest[:16]}...); the file was discarded, write it "
+                    "again"
+                )
+            )
 
     def _write_loop(self) -> None:
         started = time.perf_counter()
@@ -242,9 +279,12 @@ class FileUpload:
                         self._memory.append(data)
                         kept = True
             with self._lock:
-                self._unsettled.append((offset + len(data), len(data), kept))
+                self._unsettled.append((offset + len(data), data, kept))
             self._settle()
         self._verifier.join()  # finish() or cancel() ended it before ending this loop
+        self._hasher.join()  # end_input() ended it with this loop
+        if not self._cancelled and self._error is None:
+            self._check_sha256()
         self._settle(final=True)
         try:
             if self._cancelled or self._error is not None:
@@ -263,4 +303,8 @@ class FileUpload:
             self._fail(exc)
             self.spill()
         finally:
+            with self._lock:
+                self._ended = True
+                spilled, self._spilled = self._spilled, []
+            self._budget.recycle(chunk for memory in spilled for chunk in memory.chunks)
             self._written.set()

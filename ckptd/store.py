@@ -52,6 +52,7 @@ from scaletrain.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    ScaletrainError,
     Unavailable,
     UserError,
 )
@@ -601,6 +602,15 @@ class CheckpointStore:
         upload.incoming.discard()
         upload.spill()
 
+    def _forget_file(self, save: _OpenSave, upload: FileUpload) -> None:
+        """A file of the save failed after it was accepted (its SHA-256, or the disk): it leaves
+        the save, which needs it written again."""
+        with self._lock:
+            if save.files.get(upload.path) is upload:
+                del save.files[upload.path]
+                save.bytes -= upload.size
+                self.catalog.remove_file(save.record.key, upload.path)
+
     def commit(self, save_id: str) -> checkpoint_pb2.CheckpointInfo:
         """Make the save a checkpoint: durable on SSD and in memory now, on S3 in the background."""
         started = time.perf_counter()
@@ -614,7 +624,11 @@ class CheckpointStore:
             save.committing = True
         try:
             for upload in list(save.files.values()):
-                upload.wait_written()
+                try:
+                    upload.wait_written()
+                except ScaletrainError as exc:
+                    self._forget_file(save, upload)
+                    raise type(exc)(f"cannot commit {key}: {exc}") from None
             with self._lock:
                 files = self.catalog.files(key)
                 self._check_complete(save.record, files)
@@ -656,6 +670,7 @@ class CheckpointStore:
                 for m in memory.values():
                     if m is not None:
                         self.budget.release(m.size)
+                        self.budget.recycle(m.chunks)  # the files are written: nothing reads
             self._apply_retention(key.run)
             info = self.catalog.info(key)
         log.info(

@@ -19,7 +19,7 @@ from ckptd.client import CkptdClient
 from ckptd.datapath import FRAME
 from ckptd.server import RunningCkptd
 from ckptd.wire import crc32c
-from scaletrain.errors import FailedPrecondition, PermissionDenied
+from scaletrain.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from scaletrain.rpc import make_channel
 from scaletrain.security import (
     ClientSecurity,
@@ -178,13 +178,15 @@ def test_truncated_oversized_or_damaged_data_is_refused_and_nothing_is_committed
             assert (code, expected) == (grpc.StatusCode.INVALID_ARGUMENT, expected)
             assert expected in details and "\n" not in details
 
-        opened = open_upload(stub, save_id, "__0_0.distcp", len(data))
-        send(opened.data_port, opened.ticket, (data, crc32c(data)))
-        code, details = refused(lambda: finish(stub, opened.ticket, data[::-1]))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "SHA-256 mismatch" in details
-
         client.write_file(save_id, ".metadata", 0, METADATA, b"meta")
         with pytest.raises(FailedPrecondition, match=r"rank\(s\) 0"):
+            client.commit(save_id)
+
+        # The SHA-256 is checked after FinishUpload answers, and before the file can count.
+        opened = open_upload(stub, save_id, "__0_0.distcp", len(data))
+        send(opened.data_port, opened.ticket, (data, crc32c(data)))
+        finish(stub, opened.ticket, data[::-1])
+        with pytest.raises(InvalidArgument, match=r"__0_0\.distcp: SHA-256 mismatch"):
             client.commit(save_id)
         (info,) = client.list(include_uncommitted=True)
         assert [f.path for f in info.files] == [".metadata"]

@@ -122,17 +122,46 @@ def test_an_out_of_order_chunk_is_an_invalid_argument_and_stores_nothing(
     assert_nothing_stored(store, "run", 1)
 
 
-def test_a_trailer_that_disagrees_with_the_bytes_is_an_invalid_argument(
+def test_a_trailer_whose_size_disagrees_with_the_bytes_is_an_invalid_argument(
     open_store: OpenStore,
 ) -> None:
     store = open_store()
     save_id = store.open_save(ref("run", 1), world_size=1)
     data = payload(2000, 1)
-    with pytest.raises(InvalidArgument, match="SHA-256 mismatch"):
-        store.write_file(header(save_id, "x"), [chunk(0, data)], trailer(data[::-1]))
     with pytest.raises(InvalidArgument, match="trailer says 1999 bytes"):
         store.write_file(header(save_id, "x"), [chunk(0, data)], trailer(data[1:]))
     assert_nothing_stored(store, "run", 1)
+
+
+def test_a_file_whose_bytes_do_not_match_its_sha256_is_refused_at_commit_and_discarded(
+    open_store: OpenStore,
+) -> None:
+    store = open_store()
+    before = checkpoint_files(world_size=1, shard_bytes=3 << 20, seed=1)
+    store_save(store, "run", 1, before)
+    save_id = store.open_save(ref("run", 2), world_size=1)
+    shard = payload(3 << 20, 2)
+    store_write(store, save_id, ".metadata", 0, METADATA, b"meta")
+    chunks = [chunk(i, shard[i : i + (1 << 20)]) for i in range(0, len(shard), 1 << 20)]
+    # The reply comes before the SHA-256 is known: the write is accepted, the commit is not.
+    store.write_file(header(save_id, "__0_0.distcp"), chunks, trailer(shard[::-1]))
+    with pytest.raises(
+        InvalidArgument,
+        match=r"cannot commit run/2: __0_0.distcp: SHA-256 mismatch .*the file was discarded",
+    ):
+        store.commit(save_id)
+    with pytest.raises(FailedPrecondition, match=r"no shard file from rank\(s\) 0"):
+        store.commit(save_id)
+    (pending,) = [i for i in store.list("run", include_uncommitted=True) if i.ref.step == 2]
+    assert not pending.committed and [f.path for f in pending.files] == [".metadata"]
+    assert not (store.ssd.staging_dir(save_id) / "__0_0.distcp").exists()
+    assert not any((store.ssd.root / ".incoming").iterdir())
+
+    store_write(store, save_id, "__0_0.distcp", 0, SHARD, shard)
+    assert store.commit(save_id).committed
+    assert store.read_range(ref("run", 2), "__0_0.distcp", 0, 0) == shard
+    for path, (_, _, data) in before.items():
+        assert store.read_range(ref("run", 1), path, 0, 0) == data
 
 
 @pytest.mark.parametrize("path", ["../escape", "/abs/file", "a/../../b", "x\x00y", ""])
