@@ -15,6 +15,7 @@ from typing import Protocol
 
 import google_crc32c
 
+from ckptd.wire import crc32c
 from scaletrain.v1 import common_pb2
 
 # Verification granularity: a small read costs at most one block of extra I/O.
@@ -60,11 +61,10 @@ class BlockCrcs:
         self._fill = 0
 
     def update(self, data: bytes | memoryview) -> None:
-        # google_crc32c takes only bytes: each block is copied out (a small, reused allocation).
         pos = 0
         while pos < len(data):
             take = min(len(data) - pos, BLOCK_BYTES - self._fill)
-            self._crc = google_crc32c.extend(self._crc, bytes(data[pos : pos + take]))
+            self._crc = crc32c(data[pos : pos + take], self._crc)
             self._fill += take
             pos += take
             if self._fill == BLOCK_BYTES:
