@@ -6,14 +6,15 @@ node's ckptd, interleaved run by run, best of a few each:
 1. raw TCP: `sendall` of 4 MiB slices into a receiver process that `recv_into`s a preallocated
    buffer (the baseline);
 2. ckptd fast path: `CkptdClient.write_file` into a ckptd process over its data socket
-   (OpenUpload, CRC-32C'd frames, FinishUpload; SHA-256 per file on both sides, block CRCs,
-   memory tier and SSD write behind it) until FinishUpload answers;
+   (OpenUpload, CRC-32C'd frames, FinishUpload; the client's SHA-256 of the file taken while
+   sending, CRC-32C per frame and per block checked by ckptd before the reply, ckptd's SHA-256,
+   memory tier and SSD write behind it: a commit waits for those) until FinishUpload answers;
 3. ckptd gRPC path: the same through WriteFile (the client with `fast_path=False`), as a client
    on another host or with the fast path off sends;
 4. for reference, gRPC alone: the same chunks streamed to a handler that only counts bytes, in a
    process started the same way: the ceiling that grpcio's Python transport puts on (3);
-5. for reference, SHA-256 of the shard in one thread, in this process: both ends of (2) and (3)
-   hash the whole file once, so this bounds any path that checks it.
+5. for reference, SHA-256 of the shard in one thread, in this process: the client of (2) and (3)
+   hashes the whole file before its trailer can go, so this bounds both paths.
 
 Prints MB/s and the ratios of both ckptd paths to raw TCP (target >= 0.5), and the CPU seconds
 per GB that each ckptd path costs both processes together (user + system, from one more run of
@@ -162,7 +163,7 @@ def main() -> None:
     print(f"ratio ckptd fast path/raw: {raw / fast_ingest:.2f}  (target >= 0.5)")
     print(f"ratio ckptd gRPC path/raw: {raw / grpc_ingest:.2f}  (target >= 0.5)")
     print(f"ratio gRPC transport alone/raw: {raw / transport:.2f}  (the transport's ceiling)")
-    print(f"ratio SHA-256 alone/raw: {raw / sha:.2f}  (the per-file checksum's ceiling)")
+    print(f"ratio SHA-256 alone/raw: {raw / sha:.2f}  (the client's checksum's ceiling)")
     print(f"CPU per GB, client + ckptd: fast path {cpu[0]:.2f} s, gRPC path {cpu[1]:.2f} s")
 
 

@@ -169,7 +169,8 @@ class CkptdClient:
         self, header: checkpoint_pb2.FileHeader, data: memoryview
     ) -> checkpoint_pb2.WriteFileResponse | None:
         """Write a file over the data socket; None (and the fast path off) when ckptd does not
-        offer it to this client. The SHA-256 is taken in a thread while the bytes go out."""
+        offer it to this client. The SHA-256 is taken in a thread while the bytes go out (it is
+        the slower of the two, and hashlib releases the GIL)."""
         what = f"write {header.path}"
         request = checkpoint_pb2.OpenUploadRequest(header=header, size=len(data))
         try:

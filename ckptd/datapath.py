@@ -4,8 +4,10 @@ Why it exists: grpcio's Python transport moves bytes at a fraction of what a pla
 does (bench/ckptd_ingest.py), and a save is almost all bytes. So the control stays on gRPC
 (authentication, authorization, the header's checks, the trailer's check, the reply) and only the
 bytes of one file take a plain TCP socket, into the same `FileUpload` pipeline as WriteFile:
-CRC-32C per frame, SHA-256 of the file, memory budget and backpressure, SSD write. A file joins
-its save only when FinishUpload's trailer matches, exactly as with WriteFile's trailer.
+CRC-32C per frame, SHA-256 of the file (checked before the commit), memory budget and
+backpressure, SSD write. A file joins its save only through FinishUpload's trailer, exactly as
+with WriteFile's trailer. Frames are received into buffers the memory budget lends and takes
+back (`MemoryBudget.buffer`), so a steady stream of saves does not touch fresh memory.
 
 The socket trusts nothing it did not issue: a connection must open with a ticket that OpenUpload
 issued (32 random bytes) less than `ttl_s` ago and that no connection used before; it carries

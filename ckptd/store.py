@@ -5,7 +5,8 @@ a store directly on a data dir to list, verify, export and remove offline. The s
 rules that make a checkpoint trustworthy:
 
 - names are validated before they touch a path or an object key;
-- every chunk is CRC-32C checked and every file SHA-256 checked before it counts (`ckptd.ingest`);
+- every chunk is CRC-32C checked before the write's reply and every file SHA-256 checked before
+  it can be committed (`ckptd.ingest`);
 - a checkpoint commits only with the metadata file and a shard file from every rank, and becomes
   visible only once durable on SSD with its marker (memory is filled at the same moment, S3 in
   the background, marker last); "latest" only ever names such a checkpoint;
@@ -541,7 +542,8 @@ class CheckpointStore:
         chunks: Iterable[checkpoint_pb2.FileChunk | Chunk],
         trailer: checkpoint_pb2.FileTrailer,
     ) -> FileRecord:
-        """Receive a whole file: chunks in order, each CRC-checked, then size and SHA-256."""
+        """Receive a whole file: chunks in order, each CRC-checked, then the size (the SHA-256
+        is checked before the commit)."""
         with self.begin_file(header) as stream:
             for chunk in chunks:
                 stream.write(chunk)
