@@ -8,8 +8,10 @@ import pytest
 from ckptd.config import CkptdConfig, S3Config
 from ckptd.store import check_path, check_run
 from ckptd.tiers import BLOCK_BYTES, BlockCrcs, block_span, first_bad_block
+from ckptd.tiers.memory import MemoryBudget
 from ckptd.wire import Chunk, crc32c, decode_write_request, encode_write_request
 from scaletrain.errors import InvalidArgument
+from scaletrain.rpc import CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
 
@@ -99,3 +101,20 @@ def test_messages_that_are_not_a_canonical_chunk_are_decoded_by_protobuf() -> No
     chunk = checkpoint_pb2.FileChunk(offset=3, data=b"abc", crc32c=9).SerializeToString()
     reordered = b"\x12" + bytes([len(chunk) + 2]) + b"\x18\x01" + chunk  # an unknown field first
     assert decode_write_request(reordered).chunk.data == b"abc"
+
+
+def test_receive_buffers_are_reused_within_the_memory_budget_and_give_way_to_reservations() -> None:
+    budget = MemoryBudget(3 * CHUNK_BYTES)
+    first = budget.buffer(CHUNK_BYTES)
+    budget.recycle([memoryview(first), memoryview(bytearray(CHUNK_BYTES))[:10], b"x" * 10])
+    assert budget.buffer(CHUNK_BYTES) is first  # only a whole buffer of the size lent comes back
+    assert budget.buffer(CHUNK_BYTES) is not first
+
+    budget.recycle([memoryview(first), memoryview(bytearray(CHUNK_BYTES))])
+    budget.reserve(2 * CHUNK_BYTES, holding=lambda: 0)  # leaves room for one spare buffer only
+    kept = budget.buffer(CHUNK_BYTES)
+    assert budget.buffer(CHUNK_BYTES) is not kept  # the other spare gave way
+    other = bytearray(CHUNK_BYTES)
+    budget.recycle([memoryview(kept), memoryview(other)])  # room for one beside the reserved
+    assert budget.buffer(CHUNK_BYTES) is kept
+    assert budget.buffer(CHUNK_BYTES) is not other
