@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -41,6 +42,7 @@ from scaletrain.errors import InvalidArgument, ScaletrainError, Unavailable
 from scaletrain.rpc import MAX_CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # A chunk's bytes: a view into the received message (ckptd.wire), or bytes from protobuf.
 Data = bytes | memoryview
 
@@ -145,8 +147,11 @@ class FileUpload:
                     f"{self.path}: trailer says {trailer.size} bytes, {self._size} were received"
                 )
             )
+        expected = trailer.sha256.lower()
+        if not _SHA256_HEX.fullmatch(expected):
+            self._fail(InvalidArgument(f"{self.path}: the trailer's SHA-256 is not 64 hex digits"))
         self._raise_if_failed()
-        self._expected_sha = trailer.sha256.lower()
+        self._expected_sha = expected
         return FileRecord(
             path=self.path,
             rank=self.header.rank,

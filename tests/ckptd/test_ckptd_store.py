@@ -122,7 +122,7 @@ def test_an_out_of_order_chunk_is_an_invalid_argument_and_stores_nothing(
     assert_nothing_stored(store, "run", 1)
 
 
-def test_a_trailer_whose_size_disagrees_with_the_bytes_is_an_invalid_argument(
+def test_a_trailer_with_a_wrong_size_or_a_malformed_sha256_is_an_invalid_argument(
     open_store: OpenStore,
 ) -> None:
     store = open_store()
@@ -130,6 +130,9 @@ def test_a_trailer_whose_size_disagrees_with_the_bytes_is_an_invalid_argument(
     data = payload(2000, 1)
     with pytest.raises(InvalidArgument, match="trailer says 1999 bytes"):
         store.write_file(header(save_id, "x"), [chunk(0, data)], trailer(data[1:]))
+    malformed = checkpoint_pb2.FileTrailer(size=len(data), sha256="not a digest")
+    with pytest.raises(InvalidArgument, match="x: the trailer's SHA-256 is not 64 hex digits"):
+        store.write_file(header(save_id, "x"), [chunk(0, data)], malformed)
     assert_nothing_stored(store, "run", 1)
 
 
