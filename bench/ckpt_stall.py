@@ -73,7 +73,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=12, n_kv_heads=4))
     model.init_weights(0)
-    apply_fsdp(model, ParallelDims(1).build_mesh("cpu"))
+    apply_fsdp([model], ParallelDims(1).build_mesh("cpu").fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     loader = DeterministicLoader(stdlib_corpus(2 << 20), 128, 8, 0, 1, seed=0)

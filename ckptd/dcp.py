@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptd.client import CkptdClient
+from ckptd.uploader import Uploader
 from scaletrain.rpc import CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
@@ -175,8 +176,11 @@ class _RangeReadStream(io.RawIOBase):
 class _CkptdFileSystem(FileSystemBase):
     """DCP's filesystem interface over one checkpoint in ckptd."""
 
-    def __init__(self, client: CkptdClient, run: str, step: int) -> None:
+    def __init__(
+        self, client: CkptdClient, run: str, step: int, uploader: Uploader | None = None
+    ) -> None:
         self.client, self.run, self.step = client, run, step
+        self.uploader = uploader
         self.save_id = ""
         self.rank = 0
         self._sizes: dict[str, int] | None = None
@@ -193,6 +197,11 @@ class _CkptdFileSystem(FileSystemBase):
             # bytes here and send them under the final name at the rename.
             buffer = self._held[name] = _HeldBuffer()
             yield buffer
+        elif self.uploader is not None:
+            with self.uploader.spool(name) as spool:
+                yield spool
+            kind = checkpoint_pb2.FILE_KIND_SHARD
+            self.uploader.upload(self.client.address, self.save_id, name, self.rank, kind)
         else:
             with _UploadStream(self.client, self.save_id, name, self.rank) as stream:
                 yield stream
@@ -261,11 +270,14 @@ class CkptdStorageWriter(FileSystemWriter):
         step: int,
         labels: dict[str, str] | None = None,
         thread_count: int = 1,
+        uploader: Uploader | None = None,
     ) -> None:
+        """With `uploader`, shard files are streamed by its low-priority child process (see
+        `ckptd.uploader`); without, by this process."""
         # ckptd makes the files durable itself: no fsync (DCP would call os.sync()) on our side.
         super().__init__(_checkpoint_id(run, step), sync_files=False, thread_count=thread_count)
         self.client = CkptdClient(address)
-        self.fs = _CkptdFileSystem(self.client, run, step)
+        self.fs = _CkptdFileSystem(self.client, run, step, uploader)
         self.run, self.step = run, step
         self.labels = labels or {}
         self.committed: checkpoint_pb2.CheckpointInfo | None = None

@@ -2,9 +2,12 @@
 
 A save blocks training only while the state is copied into reused host buffers (`HostStager`);
 a background thread then runs DCP with scaletrain's storage writer, on a process group of its own
-so its collectives never interleave with the training loop's. At most one save is in flight: a new
-request waits for it (policy "wait") or is skipped on every rank alike (policy "skip"). A
-background failure is never swallowed: `poll` hands it to the loop at the next step.
+so its collectives never interleave with the training loop's. The thread only plans and serialises
+into reused shared-memory spool files; a low-priority child process (`ckptd.uploader.Uploader`,
+one per rank, started with the Checkpointer) streams them to ckptd, so the hashing and gRPC work
+neither holds the training loop's GIL nor takes CPU the loop could use. At most one save is in
+flight: a new request waits for it (policy "wait") or is skipped on every rank alike (policy
+"skip"). A background failure is never swallowed: `poll` hands it to the loop at the next step.
 
 The state holds the model and optimizer (sharded DTensors, so DCP reshards them on load), the LR
 schedule, the step, the data loader's global sample index, each rank's RNG states, and with FP8
@@ -28,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter, first_cause
+from ckptd.uploader import Uploader
 from scaletrain.errors import ScaletrainError
 from scaletrain.v1 import checkpoint_pb2
 from trainer.checkpoint import rng
@@ -84,6 +88,7 @@ class Checkpointer:
         # Background saves run their collectives here, never on the training loop's group.
         self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._stager = HostStager()
+        self._uploader = Uploader()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._inflight: Future[SaveDone] | None = None
         self._done: list[SaveDone] = []
@@ -131,7 +136,9 @@ class Checkpointer:
         nbytes: int,
     ) -> SaveDone:
         start = time.perf_counter()
-        writer = CkptdStorageWriter(self.address, self.run_id, step, labels=labels)
+        writer = CkptdStorageWriter(
+            self.address, self.run_id, step, labels=labels, uploader=self._uploader
+        )
         error: BaseException | None = None
         try:
             dcp.save(staged, storage_writer=writer, process_group=self._group)
@@ -164,6 +171,7 @@ class Checkpointer:
     def close(self) -> None:
         self._collect(block=True)
         self._executor.shutdown(wait=True)
+        self._uploader.close()
         dist.destroy_process_group(self._group)
 
     def load(self, step: int) -> dict[str, Any]:
