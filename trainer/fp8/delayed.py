@@ -34,14 +34,16 @@ class Slot:
     fails autograd's version check.
     """
 
-    def __init__(self, history: torch.Tensor, pending: torch.Tensor, recipe: Fp8Recipe) -> None:
-        self.history, self.pending, self.recipe = history, pending, recipe
-        self.pending_grad = torch.zeros((), device=pending.device)
+    def __init__(self, owner: AmaxHistory, row: int) -> None:
+        self.owner, self.recipe = owner, owner.recipe
+        self.history, self.pending = owner.history[row], owner.pending[row]
+        self.pending_grad = torch.zeros((), device=owner.pending.device)
 
     def record(self, role: Role, amax: torch.Tensor) -> None:
         """Fold a tensor's current amax (a 1-element tensor) into this step's pending value."""
         slot = self.pending_grad if role == Role.GRAD_OUTPUT else self.pending[role]
         torch.maximum(slot, amax.reshape(()), out=slot)
+        self.owner.has_pending = True
 
     def scale(self, role: Role, amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
         """The quantization scale of `role`: from its history, or from `amax` without one."""
@@ -68,13 +70,12 @@ class AmaxHistory:
         rows, roles = len(self.names), len(Role)
         self.history = torch.zeros(rows, roles, recipe.amax_history_len, device=device)
         self.pending = torch.zeros(rows, roles, device=device)
-        self.slots = [Slot(self.history[row], self.pending[row], recipe) for row in range(rows)]
+        self.slots = [Slot(self, row) for row in range(rows)]
         self.has_pending = False
 
     def record(self, row: int, role: Role, amax: torch.Tensor) -> None:
         """Fold a tensor's current amax into row `row`'s pending value for this step."""
         self.slots[row].record(role, amax)
-        self.has_pending = True
 
     def scale(self, row: int, role: Role, amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
         """The quantization scale of (row, role): from its history, or from `amax` without one."""

@@ -254,10 +254,7 @@ class Fp8Linear(nn.Linear):
         if torch.is_autocast_enabled(device):  # as nn.Linear would: output in autocast's dtype
             x = x.to(torch.get_autocast_dtype(device))
         flat = x.reshape(-1, x.shape[-1])
-        training = torch.is_grad_enabled()
-        if training and self.caster.history is not None:  # outside the autograd.Function, which
-            self.caster.history.has_pending = True  # torch.compile traces free of side effects
-        y = _Fp8Matmul.apply(flat, weight, self.caster, training)
+        y = _Fp8Matmul.apply(flat, weight, self.caster, torch.is_grad_enabled())
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     def _forward_tensor_parallel(self, x: torch.Tensor) -> torch.Tensor:
