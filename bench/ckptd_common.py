@@ -8,7 +8,6 @@ figures taken side by side means something.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ckptd.manifest import data_crc32c
 from ckptd.store import CheckpointStore
 from ckptd.wire import Chunk, crc32c
 from scaletrain.rpc import CHUNK_BYTES
@@ -100,7 +100,7 @@ def chunked(data: bytes) -> tuple[list[Chunk], FileTrailer]:
     for offset in range(0, len(data), CHUNK_BYTES):
         piece = view[offset : offset + CHUNK_BYTES]
         chunks.append(Chunk(offset, piece, crc32c(piece)))
-    return chunks, FileTrailer(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    return chunks, FileTrailer(size=len(data), crc32c=data_crc32c(data))
 
 
 def save_one_shard(store: CheckpointStore, step: int, shard: tuple[list, FileTrailer]) -> None:

@@ -1,22 +1,30 @@
-"""How close does ckptd's gRPC ingest of one shard come to a raw TCP loopback transfer?
+"""How close does ckptd's ingest of one shard come to a raw TCP loopback transfer?
 
-Three transfers of the same shard from this process to another one, as a trainer rank sends to
-the node's ckptd, interleaved run by run, best of a few each:
+Transfers of the same shard from this process to another one, as a trainer rank sends to the
+node's ckptd, interleaved run by run, best of a few each:
 
 1. raw TCP: `sendall` of 4 MiB slices into a receiver process that `recv_into`s a preallocated
    buffer (the baseline);
-2. ckptd: `CkptdClient.write_file` into a ckptd process (CRC-32C per chunk and SHA-256 per file on
-   both sides, block CRCs, memory tier and SSD write behind it) until WriteFile answers;
-3. for reference, gRPC alone: the same chunks streamed to a handler that only counts bytes, in a
-   process started the same way: the ceiling that grpcio's Python transport puts on (2).
+2. ckptd fast path: `CkptdClient.write_file` into a ckptd process over its data socket
+   (OpenUpload, frames with a CRC-32C per 256 KiB block computed by the client, FinishUpload with
+   the file's checksum; ckptd checks every block and the file's checksum before the reply, and
+   keeps the bytes in its memory tier; the SSD write runs behind the reply, a commit waits for
+   it) until FinishUpload answers;
+3. ckptd gRPC path: the same through WriteFile (the client with `fast_path=False`), as a client
+   on another host or with the fast path off sends;
+4. for reference, gRPC alone: the same chunks streamed to a handler that only counts bytes, in a
+   process started the same way: the ceiling that grpcio's Python transport puts on (3).
 
-Prints MB/s and the ratio ckptd / raw TCP (target >= 0.5).
+Prints MB/s and the ratios of both ckptd paths to raw TCP (target >= 0.5), and the CPU seconds
+per GB that each ckptd path costs both processes together (user + system, from one more run of
+each): on a shared machine the CPU cost varies less than the wall time.
 Run: `.venv/bin/python bench/ckptd_ingest.py [--mib 256] [--runs 3]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
@@ -68,6 +76,13 @@ def serve_grpc_sink() -> None:
     server.wait_for_termination()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of every thread of this process and of process `pid`."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = os.times()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") + own.user + own.system
+
+
 def _child(*flag: str) -> tuple[subprocess.Popen[str], int]:
     child = subprocess.Popen([sys.executable, __file__, *flag], stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
@@ -91,7 +106,11 @@ def main() -> None:
         ckptd = CkptdProcess(Path(tmp), "--memory-budget-mb", str(2 * args.mib + 64))
         steps = iter(range(1, 1000))
         try:
-            with CkptdClient(ckptd.address) as client, make_channel(f"127.0.0.1:{sink_port}") as ch:
+            with (
+                CkptdClient(ckptd.address, fast_path=True) as fast,
+                CkptdClient(ckptd.address, fast_path=False) as slow,
+                make_channel(f"127.0.0.1:{sink_port}") as ch,
+            ):
                 stream_to_sink = ch.stream_unary(_SINK_METHOD)
 
                 def raw_tcp() -> None:
@@ -100,7 +119,7 @@ def main() -> None:
                             conn.sendall(view[offset : offset + CHUNK_BYTES])
                         conn.recv(1)
 
-                def ckptd_ingest() -> float:
+                def ckptd_ingest(client: CkptdClient) -> float:
                     save_id = client.open_save("bench", next(steps), world_size=1)
                     seconds = timed(
                         lambda: client.write_file(
@@ -115,18 +134,32 @@ def main() -> None:
                         bytes(view[i : i + CHUNK_BYTES]) for i in range(0, len(data), CHUNK_BYTES)
                     )
 
-                raw, ingest, transport = best_of(
-                    args.runs, lambda: timed(raw_tcp), ckptd_ingest, lambda: timed(grpc_only)
+                raw, fast_ingest, grpc_ingest, transport = best_of(
+                    args.runs,
+                    lambda: timed(raw_tcp),
+                    lambda: ckptd_ingest(fast),
+                    lambda: ckptd_ingest(slow),
+                    lambda: timed(grpc_only),
                 )
+                if not fast.fast_path:
+                    raise SystemExit("ckptd did not offer its fast path to this client")
+                cpu = []
+                for client in (fast, slow):
+                    before = _cpu_seconds(ckptd.process.pid)
+                    ckptd_ingest(client)
+                    cpu.append((_cpu_seconds(ckptd.process.pid) - before) / (len(data) / 1e9))
         finally:
             ckptd.stop()
             tcp.kill()
             sink.kill()
     print(line("raw TCP loopback (process to process)", len(data), raw))
-    print(line("ckptd gRPC ingest (WriteFile answered)", len(data), ingest))
+    print(line("ckptd fast path (FinishUpload answered)", len(data), fast_ingest))
+    print(line("ckptd gRPC path (WriteFile answered)", len(data), grpc_ingest))
     print(line("gRPC transport alone (reference)", len(data), transport))
-    print(f"ratio ckptd/raw: {raw / ingest:.2f}  (target >= 0.5)")
+    print(f"ratio ckptd fast path/raw: {raw / fast_ingest:.2f}  (target >= 0.5)")
+    print(f"ratio ckptd gRPC path/raw: {raw / grpc_ingest:.2f}  (target >= 0.5)")
     print(f"ratio gRPC transport alone/raw: {raw / transport:.2f}  (the transport's ceiling)")
+    print(f"CPU per GB, client + ckptd: fast path {cpu[0]:.2f} s, gRPC path {cpu[1]:.2f} s")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ from scaletrain.v1 import checkpoint_pb2
 
 CATALOG_FILE = "catalog.db"
 # 2 added `runs` (retention per run) and `deletions`; a version-1 catalog gains them on open.
-SCHEMA_VERSION = 2
+# 3 dropped files.sha256 (a file's checksum is derived from its block CRCs: ckptd.manifest).
+SCHEMA_VERSION = 3
 
 OPEN, COMMITTED, ABORTED = "open", "committed", "aborted"
 TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
@@ -55,7 +56,6 @@ CREATE TABLE IF NOT EXISTS files (
     rank INTEGER NOT NULL,
     kind INTEGER NOT NULL,
     size INTEGER NOT NULL,
-    sha256 TEXT NOT NULL,
     block_crcs BLOB NOT NULL,
     PRIMARY KEY (run, step, path),
     FOREIGN KEY (run, step) REFERENCES checkpoints (run, step) ON DELETE CASCADE
@@ -128,8 +128,10 @@ class Catalog:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = FULL")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, 1, SCHEMA_VERSION):
-                raise UserError(f"{path} has catalog schema {version}; this ckptd knows 1 and 2")
+            if version not in (0, 1, 2, SCHEMA_VERSION):
+                raise UserError(f"{path} has catalog schema {version}; this ckptd knows 1 to 3")
+            if version in (1, 2):
+                self._db.execute("ALTER TABLE files DROP COLUMN sha256")
             self._db.executescript(_SCHEMA)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
@@ -196,15 +198,15 @@ class Catalog:
     def add_file(self, key: CheckpointKey, record: FileRecord) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT OR REPLACE INTO files (run, step, path, rank, kind, size, sha256, "
-                "block_crcs) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO files (run, step, path, rank, kind, size, block_crcs) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (key.run, key.step, record.path, record.rank, record.kind, record.size,
-                 record.sha256, record.block_crcs),
+                 record.block_crcs),
             )  # fmt: skip
 
     def files(self, key: CheckpointKey) -> list[FileRecord]:
         rows = self._query(
-            "SELECT path, rank, kind, size, sha256, block_crcs FROM files "
+            "SELECT path, rank, kind, size, block_crcs FROM files "
             "WHERE run = ? AND step = ? ORDER BY path",
             (key.run, key.step),
         )
@@ -212,11 +214,18 @@ class Catalog:
 
     def file(self, key: CheckpointKey, path: str) -> FileRecord | None:
         rows = self._query(
-            "SELECT path, rank, kind, size, sha256, block_crcs FROM files "
+            "SELECT path, rank, kind, size, block_crcs FROM files "
             "WHERE run = ? AND step = ? AND path = ?",
             (key.run, key.step, path),
         )
         return FileRecord(*rows[0]) if rows else None
+
+    def remove_file(self, key: CheckpointKey, path: str) -> None:
+        with self._tx() as db:
+            db.execute(
+                "DELETE FROM files WHERE run = ? AND step = ? AND path = ?",
+                (key.run, key.step, path),
+            )
 
     def remove_files(self, key: CheckpointKey) -> None:
         with self._tx() as db:
@@ -260,9 +269,9 @@ class Catalog:
             if row is None or row[0] != COMMITTED:
                 db.execute("DELETE FROM files WHERE run = ? AND step = ?", (key.run, key.step))
                 db.executemany(
-                    "INSERT INTO files (run, step, path, rank, kind, size, sha256, block_crcs) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [(key.run, key.step, f.path, f.rank, f.kind, f.size, f.sha256, f.block_crcs)
+                    "INSERT INTO files (run, step, path, rank, kind, size, block_crcs) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [(key.run, key.step, f.path, f.rank, f.kind, f.size, f.block_crcs)
                      for f in manifest.files],
                 )  # fmt: skip
                 db.execute(
@@ -427,7 +436,7 @@ class Catalog:
             infos = []
             for run, step, world_size, state, labels, created, committed, *policy in rows:
                 files = self._db.execute(
-                    "SELECT path, rank, kind, size, sha256, block_crcs FROM files "
+                    "SELECT path, rank, kind, size, block_crcs FROM files "
                     "WHERE run = ? AND step = ? ORDER BY path",
                     (run, step),
                 ).fetchall()

@@ -1,63 +1,56 @@
 """CkptdClient: readable calls to a ckptd over gRPC, for the trainer's DCP writer and reader.
 
-It hides the wire protocol: files go out as header, CRC-32C'd chunks and a size+SHA-256 trailer;
-byte ranges come back verified chunk by chunk. Failures arrive as `scaletrain.errors` exceptions
-with one-line messages, so callers handle NotFound or DataLoss, not gRPC status codes.
+It hides the wire protocol: files go out as CRC-32C'd pieces and a trailer with the size and the
+file's checksum (`ckptd.manifest.file_crc32c`), over ckptd's data socket when it offers one to
+this client (the fast path), else through WriteFile (`ckptd.upload`); byte ranges come back
+verified chunk by chunk. Failures arrive as
+`scaletrain.errors` exceptions with one-line messages, so callers handle NotFound or DataLoss,
+not gRPC status codes.
 """
 
 from __future__ import annotations
 
-import hashlib
+import os
+import socket
 from collections.abc import Iterable, Iterator, Mapping
 
 import google_crc32c
 import grpc
 
-from ckptd.wire import Chunk, crc32c, encode_write_request
+from ckptd.datapath import UNKNOWN_SIZE, timeval
+from ckptd.upload import Bytes, FileWriter, RpcFile, SocketFile
+from ckptd.wire import encode_write_request
 from scaletrain.errors import DataLoss, ScaletrainError
-from scaletrain.rpc import CHUNK_BYTES, DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
+from scaletrain.rpc import DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
 from scaletrain.security import ClientSecurity
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
+# "0" turns the fast path off: every file goes through WriteFile.
+FAST_PATH_ENV = "SCALETRAIN_CKPTD_FAST_PATH"
 # A stream's deadline grows with the bytes it carries, assuming at least this throughput.
 _MIN_BYTES_PER_S = 8 << 20
-
-Bytes = bytes | bytearray | memoryview
 
 
 def _stream_timeout(nbytes: int) -> float:
     return DEFAULT_TIMEOUT_S + nbytes / _MIN_BYTES_PER_S
 
 
-def _chunks(data: Bytes | Iterable[Bytes]) -> Iterator[memoryview]:
-    """Re-cut `data` into CHUNK_BYTES pieces: big buffers are viewed in place, small writes are
-    coalesced (the only copy the client makes before the wire; see `ckptd.wire`)."""
-    pieces: Iterable[Bytes] = [data] if isinstance(data, bytes | bytearray | memoryview) else data
-    pending = bytearray()
-    for piece in pieces:
-        view = memoryview(piece).cast("B")
-        if pending:
-            take = min(len(view), CHUNK_BYTES - len(pending))
-            pending += view[:take]
-            view = view[take:]
-            if len(pending) < CHUNK_BYTES:
-                continue
-            yield memoryview(bytes(pending))
-            pending.clear()
-        while len(view) >= CHUNK_BYTES:
-            yield view[:CHUNK_BYTES]
-            view = view[CHUNK_BYTES:]
-        pending += view
-    if pending:
-        yield memoryview(bytes(pending))
-
-
 class CkptdClient:
     """A connection to one ckptd. Thread-safe; close it (or use `with`) when done."""
 
-    def __init__(self, address: str, security: ClientSecurity | None = None) -> None:
-        """`security` (TLS and token) defaults to the environment's (ClientSecurity.from_env)."""
+    def __init__(
+        self, address: str, security: ClientSecurity | None = None, fast_path: bool | None = None
+    ) -> None:
+        """`security` (TLS and token) defaults to the environment's (ClientSecurity.from_env).
+
+        `fast_path` (default: on unless $SCALETRAIN_CKPTD_FAST_PATH is "0") sends the bytes of
+        files over ckptd's data socket; it turns itself off for good when ckptd does not offer
+        it to this client, and the files then go through WriteFile.
+        """
         self.address = address
+        if fast_path is None:
+            fast_path = os.environ.get(FAST_PATH_ENV) != "0"
+        self.fast_path = fast_path
         self._channel = make_channel(address, security)
         self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
         # WriteFile with a serializer that puts chunk bytes on the wire in one copy (ckptd.wire).
@@ -112,37 +105,77 @@ class CkptdClient:
         kind: int,
         data: Bytes | Iterable[Bytes],
     ) -> checkpoint_pb2.WriteFileResponse:
-        """Stream one file (bytes, or an iterable of buffers of any size) into an open save.
+        """Write one file (bytes, or an iterable of buffers of any size) into an open save.
 
-        `kind` is checkpoint_pb2.FILE_KIND_SHARD or FILE_KIND_METADATA.
+        `kind` is checkpoint_pb2.FILE_KIND_SHARD or FILE_KIND_METADATA. An exception from
+        `data` propagates, and ckptd stores nothing of the file.
         """
-        failures: list[BaseException] = []
+        whole = isinstance(data, bytes | bytearray | memoryview)
+        size = memoryview(data).nbytes if whole else UNKNOWN_SIZE
+        with self.open_file(save_id, path, rank, kind, size) as file:
+            for piece in [data] if whole else data:
+                file.write(piece)
+            return file.close()
 
-        def requests() -> Iterator[checkpoint_pb2.WriteFileRequest | Chunk]:
-            yield checkpoint_pb2.WriteFileRequest(
-                header=checkpoint_pb2.FileHeader(save_id=save_id, path=path, rank=rank, kind=kind)
-            )
-            sha = hashlib.sha256()
-            offset = 0
-            try:
-                for chunk in _chunks(data):
-                    sha.update(chunk)
-                    yield Chunk(offset, chunk, crc32c(chunk))
-                    offset += len(chunk)
-            except Exception as exc:  # re-raised below, after the stream ends
-                failures.append(exc)
-                return
-            yield checkpoint_pb2.WriteFileRequest(
-                trailer=checkpoint_pb2.FileTrailer(size=offset, sha256=sha.hexdigest())
-            )
+    def open_file(
+        self, save_id: str, path: str, rank: int, kind: int, size: int = UNKNOWN_SIZE
+    ) -> FileWriter:
+        """Start writing one file into an open save (`size` if known in advance): over ckptd's
+        data socket when it offers it to this client, else through WriteFile."""
+        header = checkpoint_pb2.FileHeader(save_id=save_id, path=path, rank=rank, kind=kind)
+        what = f"write {path}"
+        fast = self._socket_file(header, size, what) if self.fast_path else None
+        if fast is not None:
+            return fast
+        timeout = _stream_timeout(size) if size != UNKNOWN_SIZE else None
+        return RpcFile(
+            header,
+            lambda requests: self._write_file(requests, timeout=timeout),
+            lambda exc: self._error(exc, what),
+        )
 
-        timeout = _stream_timeout(len(data)) if isinstance(data, bytes | bytearray) else None
+    def _socket_file(
+        self, header: checkpoint_pb2.FileHeader, size: int, what: str
+    ) -> SocketFile | None:
+        """The file over the data socket; None (and the fast path off) when ckptd does not
+        offer it to this client or it cannot be reached."""
+        request = checkpoint_pb2.OpenUploadRequest(header=header, size=size)
         try:
-            return self._write_file(requests(), timeout=timeout)
+            opened = self._stub.OpenUpload(request, timeout=DEFAULT_TIMEOUT_S)
         except grpc.RpcError as exc:
-            if failures:
-                raise failures[0] from None
-            raise self._error(exc, f"write {path}") from None
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise self._error(exc, what) from None
+            self.fast_path = False
+            return None
+        conn = self._data_connection(opened)
+        if conn is None:
+            return None
+
+        def finish(trailer: checkpoint_pb2.FileTrailer) -> checkpoint_pb2.WriteFileResponse:
+            request = checkpoint_pb2.FinishUploadRequest(ticket=opened.ticket, trailer=trailer)
+            try:
+                return self._stub.FinishUpload(request, timeout=_stream_timeout(trailer.size))
+            except grpc.RpcError as exc:
+                raise self._error(exc, what) from None
+
+        return SocketFile(conn, opened.ticket, size, finish)
+
+    def _data_connection(self, opened: checkpoint_pb2.OpenUploadResponse) -> socket.socket | None:
+        """A connection to the data socket; None (and the fast path off) if it cannot be had
+        (the ticket, never presented, expires on its own)."""
+        host = opened.data_host or self.address.rsplit(":", 1)[0].strip("[]")
+        try:
+            conn = socket.create_connection((host, opened.data_port), timeout=DEFAULT_TIMEOUT_S)
+        except OSError:
+            self.fast_path = False
+            return None
+        # A frame's head is a small write after a big one: without NODELAY, Nagle holds it
+        # until ckptd's delayed ACK, 40 ms a frame. Blocking sends (bounded by SO_SNDTIMEO) hand
+        # a whole frame to the kernel in one call, without taking the GIL back in between.
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(None)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(_stream_timeout(0)))
+        return conn
 
     def commit(self, save_id: str) -> checkpoint_pb2.CheckpointInfo:
         request = checkpoint_pb2.CommitSaveRequest(save_id=save_id)

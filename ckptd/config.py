@@ -82,6 +82,11 @@ class CkptdConfig:
     max_checkpoint_bytes: int = 1 << 40
     # TLS and tokens of the gRPC server; None: from the environment (ServerSecurity.from_env).
     security: ServerSecurity | None = None
+    # Serve the same-host fast path of WriteFile: a data socket beside the gRPC port (on the
+    # gRPC host; on loopback only when TLS is on), see ckptd.datapath. Off: clients use WriteFile.
+    data_socket: bool = True
+    # How long an upload ticket waits for its data connection, and an upload for its trailer.
+    upload_ticket_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))

@@ -4,9 +4,9 @@
     dcp.load(state, storage_reader=CkptdStorageReader("127.0.0.1:50051", run="r1", step=100))
 
 The writer and reader subclass DCP's own filesystem writer and reader and swap their filesystem
-object for one whose streams are gRPC streams to ckptd, so a checkpoint keeps DCP's stock layout
-(`__R_I.distcp` per rank plus `.metadata`) on every tier, and a checkpoint saved at one parallel
-layout loads into another.
+object for one whose streams go to ckptd (`CkptdClient.open_file`, over its data socket when it
+offers one), so a checkpoint keeps DCP's stock layout (`__R_I.distcp` per rank plus `.metadata`)
+on every tier, and a checkpoint saved at one parallel layout loads into another.
 
 Save protocol: the coordinator opens the save in `prepare_global_plan` (it then knows the world
 size) and hands the save id to every rank inside its plan; each rank streams its own files in
@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import queue
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -54,11 +52,12 @@ def _name(path: str | os.PathLike) -> str:
 
 
 class _UploadStream(io.RawIOBase):
-    """A write-only stream that sends its bytes to ckptd as one client-streaming WriteFile call.
+    """A write-only stream that sends its bytes to ckptd as one file (`CkptdClient.open_file`).
 
-    Writes are cut into CHUNK_BYTES chunks and handed to the RPC through a small bounded queue, so
-    memory stays bounded and a slow ckptd slows the writer instead of buffering the whole file.
-    An error on the server side is raised by the next write or by close.
+    Writes go on as they come: over the data socket each is sent before it returns (DCP may
+    free a tensor it serialized right after), through WriteFile a bounded queue slows the writer
+    down to ckptd's pace. An error on ckptd's side is raised by the next write or by close; a
+    stream left on an exception stores nothing.
     """
 
     def __init__(self, client: CkptdClient, save_id: str, name: str, rank: int) -> None:
@@ -68,66 +67,33 @@ class _UploadStream(io.RawIOBase):
             if name == METADATA_NAME
             else checkpoint_pb2.FILE_KIND_SHARD
         )
-        self._chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=4)
-        self._pending = bytearray()
-        self._written = 0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._send, args=(client, save_id, name, rank, kind), daemon=True
-        )
-        self._thread.start()
-
-    def _send(self, client: CkptdClient, save_id: str, name: str, rank: int, kind: int) -> None:
-        try:
-            client.write_file(save_id, name, rank, kind, iter(self._chunks.get, None))
-        except BaseException as exc:
-            self._error = exc
-            # Unblock a writer waiting on a full queue.
-            while not self._chunks.empty():
-                self._chunks.get_nowait()
+        self._file = client.open_file(save_id, name, rank, kind)
 
     def writable(self) -> bool:
         return True
 
     def tell(self) -> int:
         """Bytes written so far: DCP records each item's offset in the file from it."""
-        return self._written
+        return self._file.size
 
     def write(self, data: Any) -> int:
-        self._raise_if_failed()
-        view = memoryview(data).cast("B")
-        self._pending += view
-        self._written += len(view)
-        while len(self._pending) >= CHUNK_BYTES:
-            self._put(bytes(self._pending[:CHUNK_BYTES]))
-            del self._pending[:CHUNK_BYTES]
-        return len(view)
-
-    def _put(self, chunk: bytes | None) -> None:
-        while self._thread.is_alive():
-            try:
-                self._chunks.put(chunk, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-        self._raise_if_failed()
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise self._error
+        self._file.write(data)
+        return memoryview(data).nbytes
 
     def close(self) -> None:
         if self.closed:
             return  # DCP closes a stream inside its `with` block and again on exit.
         try:
-            if self._pending:
-                self._put(bytes(self._pending))
-                self._pending.clear()
-            self._put(None)
-            self._thread.join()
-            self._raise_if_failed()
+            self._file.close()
         finally:
             super().close()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if exc_info[0] is not None and not self.closed:
+            self._file.abort()
+            super().close()
+        else:
+            self.close()
 
 
 class _RangeReadStream(io.RawIOBase):

@@ -1,14 +1,22 @@
-"""Receiving one file of a save: a pipeline in which the gRPC thread only receives.
+"""Receiving one file of a save: a pipeline in which the receiving thread only receives.
 
-The gRPC thread checks each chunk's size and place in the file, reserves its bytes in the memory
-budget (waiting when the budget is full: backpressure) and hands the chunk to two threads that
-work side by side: a verifier checks its CRC-32C and feeds the file's SHA-256 and per-block CRCs,
-and a writer appends it to a temporary SSD file and keeps it for the memory tier. SHA-256, CRC and
-file writes release the GIL, so receiving, hashing and writing overlap. A chunk's memory is
-released once it is both verified and written (unless the memory tier keeps it). The WriteFile
-reply waits only for the verifier (it reports the SHA-256 check); the temporary file joins the
-save only after that check, and a commit waits for the disk, because a checkpoint is committed
-only once it is durable.
+The receiving thread (gRPC's, or the data socket's) checks each chunk's size and place in the
+file, reserves its bytes in the memory budget (waiting when the budget is full: backpressure)
+and hands the chunk to two threads that work side by side: a verifier checks its CRC-32Cs and
+keeps the per-block CRCs, and a writer appends it to a temporary SSD file and keeps it for the
+memory tier. CRC and file writes release the GIL, so receiving, checking and writing overlap. A
+chunk's memory is released once it is verified and written (unless the memory tier keeps it).
+
+The WriteFile (FinishUpload) reply waits for the verifier, not for the disk: every chunk
+arrived as the client checksummed it, and the trailer's size and file checksum (the CRC-32C of
+the block CRCs, `ckptd.manifest.file_crc32c`) match. Only then does the file join its save; a
+commit waits for the disk, because a checkpoint is committed only once it is durable.
+
+Every byte is checked once on each side: a data socket frame carries the CRC-32C of each of its
+blocks, which are the CRCs the file keeps at rest; a WriteFile chunk carries one CRC-32C, so
+ckptd computes the block CRCs beside it. (A SHA-256 of each file, kept until format 2 of the
+manifest, cost more CPU than the transfer itself and protected against nothing the CRCs miss
+short of deliberate forgery, which the TLS channel and the tokens guard against.)
 
 A chunk whose bytes do not match its CRC, or a file whose bytes do not match its trailer, is bad
 input (INVALID_ARGUMENT): the client sent something other than what it described and must send
@@ -17,19 +25,18 @@ it again; DATA_LOSS is kept for stored data that no tier can serve intact.
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
-from ckptd.manifest import FileRecord
+from ckptd.manifest import FileRecord, file_crc32c
 from ckptd.metrics import Metrics
-from ckptd.tiers import BlockCrcs
+from ckptd.tiers import BLOCK_BYTES, BlockCrcs, block_crcs_of
 from ckptd.tiers.memory import MemoryBudget, MemoryFile
 from ckptd.tiers.ssd import IncomingFile
-from ckptd.wire import Chunk, crc32c
+from ckptd.wire import BlockChunk, Chunk, crc32c
 from scaletrain.errors import InvalidArgument, ScaletrainError, Unavailable
 from scaletrain.rpc import MAX_CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
@@ -63,18 +70,18 @@ class FileUpload:
         self._metrics = metrics
         self._lock = threading.Lock()
         self._size = 0
-        self._inflight = 0  # reserved bytes not yet both verified and written
+        self._inflight = 0  # reserved bytes not yet verified and written
         self._verified_to = 0  # the verifier is done with bytes [0, _verified_to)
-        # Chunks on disk whose memory waits for the verifier: (end offset, bytes, kept).
-        self._unsettled: deque[tuple[int, int, bool]] = deque()
+        # Chunks on disk whose memory waits for the verifier: (end, bytes, kept).
+        self._unsettled: deque[tuple[int, Data, bool]] = deque()
         self._memory: MemoryFile | None = MemoryFile() if retain else None
+        # Kept chunks spilled while the pipeline still ran: recycled when it ends.
+        self._spilled: list[MemoryFile] = []
+        self._ended = False
         self._error: ScaletrainError | None = None
         self._cancelled = False
-        self._sha = hashlib.sha256()
         self._crcs = BlockCrcs()
-        self._to_verify: queue.SimpleQueue[tuple[int, bytes | memoryview, int] | None] = (
-            queue.SimpleQueue()
-        )
+        self._to_verify: queue.SimpleQueue[Chunk | BlockChunk | None] = queue.SimpleQueue()
         self._to_disk: queue.SimpleQueue[tuple[int, Data] | None] = queue.SimpleQueue()
         self._written = threading.Event()
         self._verifier = threading.Thread(target=self._verify_loop, daemon=True)
@@ -84,7 +91,7 @@ class FileUpload:
 
     # -- the gRPC thread -------------------------------------------------------------------------
 
-    def write(self, chunk: checkpoint_pb2.FileChunk | Chunk) -> None:
+    def write(self, chunk: checkpoint_pb2.FileChunk | Chunk | BlockChunk) -> None:
         self._raise_if_failed()
         data = chunk.data  # protobuf copies the bytes at every access: take them once
         if len(data) > MAX_CHUNK_BYTES:
@@ -97,12 +104,19 @@ class FileUpload:
                 f"{self.path}: chunk at offset {chunk.offset}, expected {self._size} "
                 "(chunks must arrive in order without gaps)"
             )
+        if isinstance(chunk, BlockChunk) and chunk.offset % BLOCK_BYTES:
+            raise InvalidArgument(
+                f"{self.path}: a frame of block CRCs at offset {chunk.offset} does not start on "
+                f"a {BLOCK_BYTES}-byte block (only the last frame may hold a partial block)"
+            )
         self._budget.reserve(len(data), holding=self._held)
         with self._lock:
             self._inflight += len(data)
         self._size += len(data)
         self.touched = time.monotonic()
-        self._to_verify.put((chunk.offset, data, chunk.crc32c))
+        if isinstance(chunk, checkpoint_pb2.FileChunk):
+            chunk = Chunk(chunk.offset, memoryview(data), chunk.crc32c)
+        self._to_verify.put(chunk)
         self._to_disk.put((chunk.offset, data))
 
     @property
@@ -122,20 +136,21 @@ class FileUpload:
             return self._inflight + (self._memory.size if self._memory is not None else 0)
 
     def finish(self, trailer: checkpoint_pb2.FileTrailer) -> FileRecord:
-        """Wait for the verifier, check the trailer; the writer goes on in the background."""
+        """Wait for the verifier, check the trailer's size and checksum; the writer goes on in
+        the background."""
         self.verified()
+        block_crcs = self._crcs.packed()
         if trailer.size != self._size:
             self._fail(
                 InvalidArgument(
                     f"{self.path}: trailer says {trailer.size} bytes, {self._size} were received"
                 )
             )
-        digest = self._sha.hexdigest()
-        if trailer.sha256.lower() != digest:
+        elif trailer.crc32c != file_crc32c(block_crcs):
             self._fail(
                 InvalidArgument(
-                    f"{self.path}: SHA-256 mismatch (trailer {trailer.sha256[:16]}..., "
-                    f"received bytes give {digest[:16]}...)"
+                    f"{self.path}: the trailer's file CRC-32C {trailer.crc32c:08x} does not match "
+                    f"the bytes received ({file_crc32c(block_crcs):08x}); write the file again"
                 )
             )
         self._raise_if_failed()
@@ -144,8 +159,7 @@ class FileUpload:
             rank=self.header.rank,
             kind=self.header.kind,
             size=self._size,
-            sha256=digest,
-            block_crcs=self._crcs.packed(),
+            block_crcs=block_crcs,
         )
 
     def end_input(self) -> None:
@@ -157,7 +171,7 @@ class FileUpload:
         self._cancelled = True
         self._to_verify.put(None)
         self._verifier.join()
-        self._to_disk.put(None)
+        self.end_input()
         self._writer.join()
 
     # -- the store, at commit --------------------------------------------------------------------
@@ -178,8 +192,13 @@ class FileUpload:
         with self._lock:
             memory, self._memory = self._memory, None
             kept = memory.size if memory is not None else 0
+            if memory is not None and not self._ended:
+                self._spilled.append(memory)  # the verifier may still read them
+                memory = None
         if kept:
             self._budget.release(kept)
+        if memory is not None:
+            self._budget.recycle(memory.chunks)
         return kept
 
     # -- the pipeline threads --------------------------------------------------------------------
@@ -194,38 +213,58 @@ class FileUpload:
             raise self._error
 
     def _verify_loop(self) -> None:
-        while (item := self._to_verify.get()) is not None:
-            offset, data, crc = item
+        while (chunk := self._to_verify.get()) is not None:
             if not self._cancelled and self._error is None:
-                actual = crc32c(data)
-                if actual != crc:
-                    self._fail(
-                        InvalidArgument(
-                            f"{self.path}: CRC-32C mismatch in chunk at offset {offset} "
-                            f"(sent {crc:08x}, received bytes give {actual:08x})"
-                        )
-                    )
-                else:
-                    self._sha.update(data)
-                    self._crcs.update(data)
+                self._verify(chunk)
             with self._lock:
-                self._verified_to = offset + len(data)
+                self._verified_to = chunk.offset + len(chunk.data)
             self._settle()
 
-    def _settle(self, final: bool = False) -> None:
-        """Release the memory of written chunks the verifier is done with (all, if `final`).
+    def _verify(self, chunk: Chunk | BlockChunk) -> None:
+        """Check a chunk's CRC-32C(s) and keep its block CRCs."""
+        if isinstance(chunk, BlockChunk):
+            actual = block_crcs_of(chunk.data)
+            pairs = zip(actual, chunk.block_crcs, strict=True)  # datapath sizes the list
+            bad = next((i for i, (got, sent) in enumerate(pairs) if got != sent), None)
+            if bad is not None:
+                self._fail(
+                    InvalidArgument(
+                        f"{self.path}: CRC-32C mismatch in the block at offset "
+                        f"{chunk.offset + bad * BLOCK_BYTES} (sent {chunk.block_crcs[bad]:08x}, "
+                        f"received bytes give {actual[bad]:08x})"
+                    )
+                )
+            else:
+                self._crcs.extend(actual, len(chunk.data))
+            return
+        actual_crc = crc32c(chunk.data)
+        if actual_crc != chunk.crc32c:
+            self._fail(
+                InvalidArgument(
+                    f"{self.path}: CRC-32C mismatch in chunk at offset {chunk.offset} "
+                    f"(sent {chunk.crc32c:08x}, received bytes give {actual_crc:08x})"
+                )
+            )
+        else:
+            self._crcs.update(chunk.data)
 
-        Both threads call it: the writer after each write, the verifier after each check.
+    def _settle(self, final: bool = False) -> None:
+        """Release the memory of written chunks the verifier is done with (all, if `final`);
+        the buffers of those not kept go back to the budget for reuse.
+
+        Both threads call it, each after it is done with a chunk.
         """
-        released = 0
+        released: list[Data] = []
         with self._lock:
-            while self._unsettled and (final or self._unsettled[0][0] <= self._verified_to):
-                _end, nbytes, kept = self._unsettled.popleft()
-                self._inflight -= nbytes
+            done_to = self._verified_to
+            while self._unsettled and (final or self._unsettled[0][0] <= done_to):
+                _end, data, kept = self._unsettled.popleft()
+                self._inflight -= len(data)
                 if not kept:
-                    released += nbytes
+                    released.append(data)
         if released:
-            self._budget.release(released)
+            self._budget.release(sum(len(data) for data in released))
+            self._budget.recycle(released)
 
     def _write_loop(self) -> None:
         started = time.perf_counter()
@@ -242,7 +281,7 @@ class FileUpload:
                         self._memory.append(data)
                         kept = True
             with self._lock:
-                self._unsettled.append((offset + len(data), len(data), kept))
+                self._unsettled.append((offset + len(data), data, kept))
             self._settle()
         self._verifier.join()  # finish() or cancel() ended it before ending this loop
         self._settle(final=True)
@@ -263,4 +302,8 @@ class FileUpload:
             self._fail(exc)
             self.spill()
         finally:
+            with self._lock:
+                self._ended = True
+                spilled, self._spilled = self._spilled, []
+            self._budget.recycle(chunk for memory in spilled for chunk in memory.chunks)
             self._written.set()

@@ -6,18 +6,37 @@ SSD directory (written and fsynced before the directory is renamed into place) a
 tier holds a committed copy exactly when its marker exists, so a lost or stale catalog can be
 rebuilt from the tiers themselves, and a marker always carries the checksums that every read of
 the copy is verified against.
+
+A file's checksum is the CRC-32C of its blocks' CRC-32Cs (`file_crc32c`), as S3's composite
+checksums are: the per-block CRCs are what every read checks, and a file-level value derived from
+them costs nothing more to compute on either side of the wire. Format 1 also kept each file's
+SHA-256; it is read (and the SHA-256 ignored) so that older checkpoints stay readable.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass, field
 
-from ckptd.tiers import BLOCK_BYTES, CheckpointKey
+from ckptd.tiers import BLOCK_BYTES, CheckpointKey, block_crcs_of
+from ckptd.wire import crc32c
 from scaletrain.v1 import checkpoint_pb2
 
 MARKER = "_COMMITTED"
-FORMAT = 1
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
+
+
+def file_crc32c(block_crcs: bytes) -> int:
+    """A file's checksum from its packed per-block CRC-32Cs (see the module doc)."""
+    return crc32c(block_crcs)
+
+
+def data_crc32c(data: bytes | memoryview) -> int:
+    """The checksum (`file_crc32c`) of a whole file held in memory."""
+    crcs = block_crcs_of(data)
+    return file_crc32c(struct.pack(f"<{len(crcs)}I", *crcs))
 
 
 @dataclass(frozen=True)
@@ -28,12 +47,16 @@ class FileRecord:
     rank: int
     kind: int
     size: int
-    sha256: str
     block_crcs: bytes
+
+    @property
+    def crc32c(self) -> int:
+        """The file's checksum (`file_crc32c`)."""
+        return file_crc32c(self.block_crcs)
 
     def to_proto(self) -> checkpoint_pb2.FileInfo:
         return checkpoint_pb2.FileInfo(
-            path=self.path, rank=self.rank, kind=self.kind, size=self.size, sha256=self.sha256
+            path=self.path, rank=self.rank, kind=self.kind, size=self.size, crc32c=self.crc32c
         )
 
 
@@ -52,6 +75,12 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    def same_files(self, other: Manifest) -> bool:
+        """Whether `other` describes the same bytes (same files, sizes and checksums)."""
+        return [(f.path, f.size, f.block_crcs) for f in self.files] == [
+            (f.path, f.size, f.block_crcs) for f in other.files
+        ]
+
     def to_json(self) -> bytes:
         return json.dumps(
             {
@@ -69,7 +98,7 @@ class Manifest:
                         "rank": f.rank,
                         "kind": checkpoint_pb2.FileKind.Name(f.kind),
                         "size": f.size,
-                        "sha256": f.sha256,
+                        "crc32c": f"{f.crc32c:08x}",
                         "block_crc32c": f.block_crcs.hex(),
                     }
                     for f in self.files
@@ -83,7 +112,7 @@ class Manifest:
         """Parse a marker; ValueError naming `where` when it is not a manifest of this format."""
         try:
             doc = json.loads(raw)
-            if doc.get("format") != FORMAT or doc.get("block_bytes") != BLOCK_BYTES:
+            if doc.get("format") not in READABLE_FORMATS or doc.get("block_bytes") != BLOCK_BYTES:
                 raise ValueError(f"format {doc.get('format')}, block size {doc.get('block_bytes')}")
             files = tuple(
                 FileRecord(
@@ -91,11 +120,13 @@ class Manifest:
                     rank=int(f["rank"]),
                     kind=checkpoint_pb2.FileKind.Value(f["kind"]),
                     size=int(f["size"]),
-                    sha256=f["sha256"],
                     block_crcs=bytes.fromhex(f["block_crc32c"]),
                 )
                 for f in doc["files"]
             )
+            for record, f in zip(files, doc["files"], strict=True):
+                if "crc32c" in f and int(f["crc32c"], 16) != record.crc32c:
+                    raise ValueError(f"{record.path}: its crc32c does not match its block CRCs")
             return cls(
                 key=CheckpointKey(doc["run"], int(doc["step"])),
                 world_size=int(doc["world_size"]),

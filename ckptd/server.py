@@ -21,6 +21,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ckptd import logs
 from ckptd.config import CkptdConfig
+from ckptd.datapath import DataPlane
+from ckptd.manifest import FileRecord
 from ckptd.metrics import serve_metrics
 from ckptd.retention import RetentionPolicy
 from ckptd.store import CheckpointStore, TierCommit
@@ -35,8 +37,9 @@ from scaletrain.rpc import (
     make_channel,
     make_server,
     maps_errors,
+    peer_is_loopback,
 )
-from scaletrain.security import ALL_RUNS, Role
+from scaletrain.security import ALL_RUNS, Role, ServerSecurity
 from scaletrain.v1 import (
     checkpoint_pb2,
     checkpoint_pb2_grpc,
@@ -49,11 +52,24 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "scaletrain.v1.CheckpointService"
 
 
+def _written(record: FileRecord) -> checkpoint_pb2.WriteFileResponse:
+    """WriteFile's (and FinishUpload's) answer for a file that joined its save."""
+    return checkpoint_pb2.WriteFileResponse(
+        path=record.path, size=record.size, crc32c=record.crc32c
+    )
+
+
 class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     """CheckpointService over a CheckpointStore."""
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(
+        self, store: CheckpointStore, data: DataPlane | None = None, loopback_only: bool = False
+    ) -> None:
+        """`data`: the data socket of the fast path (None: off); `loopback_only`: issue tickets
+        only to callers on this host (TLS is on, and the data socket is plaintext)."""
         self._store = store
+        self._data = data
+        self._loopback_only = loopback_only
 
     @maps_errors
     def OpenSave(
@@ -85,14 +101,41 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
                 elif part == "trailer":
                     if next(request_iterator, None) is not None:
                         raise InvalidArgument(f"{path}: messages after the trailer")
-                    record = stream.finish(message.trailer)
-                    return checkpoint_pb2.WriteFileResponse(
-                        path=record.path, size=record.size, sha256=record.sha256
-                    )
+                    return _written(stream.finish(message.trailer))
                 else:
                     raise InvalidArgument(f"{path}: a second header or an empty message")
             stream.upload.verified()  # a bad chunk is the better reason to report
         raise InvalidArgument(f"{path}: stream ended without a trailer")
+
+    @maps_errors
+    def OpenUpload(
+        self, request: checkpoint_pb2.OpenUploadRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.OpenUploadResponse:
+        data = self._data_plane(context)
+        if self._loopback_only and not peer_is_loopback(context.peer()):
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "with TLS on, the data socket serves only clients on ckptd's host",
+            )
+        return checkpoint_pb2.OpenUploadResponse(
+            ticket=data.issue(request.header, request.size),
+            data_host="127.0.0.1" if self._loopback_only else "",
+            data_port=data.port,
+            ticket_ttl_s=data.ttl_s,
+        )
+
+    @maps_errors
+    def FinishUpload(
+        self, request: checkpoint_pb2.FinishUploadRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.WriteFileResponse:
+        return _written(self._data_plane(context).finish(request.ticket, request.trailer))
+
+    def _data_plane(self, context: grpc.ServicerContext) -> DataPlane:
+        """The data socket, or UNIMPLEMENTED (the client then falls back to WriteFile)."""
+        if self._data is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "ckptd runs without a data socket")
+        assert self._data is not None  # abort raised
+        return self._data
 
     @maps_errors
     def CommitSave(
@@ -145,9 +188,10 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
         return checkpoint_pb2.DeleteCheckpointResponse(tiers=removed, pending=pending)
 
 
-def access_rules(store: CheckpointStore) -> dict[str, Rule]:
+def access_rules(store: CheckpointStore, data: DataPlane | None = None) -> dict[str, Rule]:
     """Who may call what: reading needs a reader's grant on the run, saving a trainer's, deleting
-    an admin's. Writes to an open save are checked against the run the save was opened for."""
+    an admin's. Writes to an open save are checked against the run the save was opened for (an
+    upload's ticket, against the run of the save it was issued for)."""
 
     def of_save(save_id: str) -> list[str]:
         run = store.run_of_save(save_id)
@@ -159,6 +203,8 @@ def access_rules(store: CheckpointStore) -> dict[str, Rule]:
     rules = {
         "OpenSave": Rule(Role.TRAINER, lambda m: [m.ref.run]),
         "WriteFile": Rule(Role.TRAINER, write_file),
+        "OpenUpload": Rule(Role.TRAINER, lambda m: of_save(m.header.save_id)),
+        "FinishUpload": Rule(Role.TRAINER, lambda m: data.run_of(m.ticket) if data else []),
         "CommitSave": Rule(Role.TRAINER, lambda m: of_save(m.save_id)),
         "AbortSave": Rule(Role.TRAINER, lambda m: of_save(m.save_id)),
         "ListCheckpoints": Rule(Role.READER, lambda m: [m.run or ALL_RUNS]),
@@ -262,6 +308,7 @@ class RunningCkptd:
         host: str,
         port: int,
         metrics: WSGIServer | None = None,
+        data: DataPlane | None = None,
     ) -> None:
         self.address = f"{host}:{port}"
         self.port = port
@@ -269,11 +316,14 @@ class RunningCkptd:
         self._server = server
         self._reporter = reporter
         self._metrics = metrics
+        self.data = data
         self.metrics_port = metrics.server_port if metrics is not None else None
 
     def stop(self, grace: float = 5.0) -> None:
         """Refuse new calls, let calls in flight (and an S3 upload) finish within `grace`."""
         self._server.stop(grace).wait()
+        if self.data is not None:
+            self.data.close()
         if self._metrics is not None:
             self._metrics.shutdown()
             self._metrics.server_close()
@@ -291,23 +341,31 @@ def start(config: CkptdConfig) -> RunningCkptd:
         if reporter is not None:
             reporter.close(0)
         raise
-    server = make_server(policy=access_rules(store), security=config.security)
-    servicer = CheckpointServicer(store)
-    checkpoint_pb2_grpc.add_CheckpointServiceServicer_to_server(servicer, server)
-    # WriteFile again, with a deserializer that hands chunk bytes over as views (ckptd.wire).
-    server.add_registered_method_handlers(
-        SERVICE_NAME,
-        {
-            "WriteFile": grpc.stream_unary_rpc_method_handler(
-                servicer.WriteFile,
-                request_deserializer=decode_write_request,
-                response_serializer=checkpoint_pb2.WriteFileResponse.SerializeToString,
-            )
-        },
-    )
-    add_health(server, SERVICE_NAME)
-    metrics = None
+    security = config.security if config.security is not None else ServerSecurity.from_env()
+    host = config.listen.rsplit(":", 1)[0]
+    # With TLS the data socket (plaintext) stays on loopback, for clients on this host only.
+    loopback_only = security.tls is not None
+    data: DataPlane | None = None
+    metrics: WSGIServer | None = None
     try:
+        if config.data_socket:
+            data = DataPlane(store, "127.0.0.1" if loopback_only else host,
+                             ttl_s=config.upload_ticket_ttl_s)  # fmt: skip
+        server = make_server(policy=access_rules(store, data), security=security)
+        servicer = CheckpointServicer(store, data, loopback_only)
+        checkpoint_pb2_grpc.add_CheckpointServiceServicer_to_server(servicer, server)
+        # WriteFile again, with a deserializer that hands chunk bytes over as views (ckptd.wire).
+        server.add_registered_method_handlers(
+            SERVICE_NAME,
+            {
+                "WriteFile": grpc.stream_unary_rpc_method_handler(
+                    servicer.WriteFile,
+                    request_deserializer=decode_write_request,
+                    response_serializer=checkpoint_pb2.WriteFileResponse.SerializeToString,
+                )
+            },
+        )
+        add_health(server, SERVICE_NAME)
         port = bind(server, config.listen)
         if config.metrics_listen is not None:
             try:
@@ -315,12 +373,14 @@ def start(config: CkptdConfig) -> RunningCkptd:
             except OSError as exc:
                 raise UserError(f"cannot serve metrics on {config.metrics_listen}: {exc}") from None
     except BaseException:
+        if data is not None:
+            data.close()
         store.close(0)
         if reporter is not None:
             reporter.close(0)
         raise
     server.start()
-    return RunningCkptd(server, store, reporter, config.listen.rsplit(":", 1)[0], port, metrics)
+    return RunningCkptd(server, store, reporter, host, port, metrics, data)
 
 
 def serve(config: CkptdConfig, grace: float = 5.0, log_format: str = "json") -> None:

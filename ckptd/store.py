@@ -5,7 +5,8 @@ a store directly on a data dir to list, verify, export and remove offline. The s
 rules that make a checkpoint trustworthy:
 
 - names are validated before they touch a path or an object key;
-- every chunk is CRC-32C checked and every file SHA-256 checked before it counts (`ckptd.ingest`);
+- every chunk is CRC-32C checked, and every file's checksum, before the write's reply
+  (`ckptd.ingest`);
 - a checkpoint commits only with the metadata file and a shard file from every rank, and becomes
   visible only once durable on SSD with its marker (memory is filled at the same moment, S3 in
   the background, marker last); "latest" only ever names such a checkpoint;
@@ -20,7 +21,6 @@ rules that make a checkpoint trustworthy:
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
 import re
@@ -40,7 +40,7 @@ from ckptd.ingest import FileUpload
 from ckptd.manifest import MARKER, FileRecord, Manifest
 from ckptd.metrics import Metrics
 from ckptd.retention import RetentionPolicy, droppable, wanted
-from ckptd.tiers import TIER_NAMES, CheckpointKey, Tier, block_span, first_bad_block
+from ckptd.tiers import TIER_NAMES, BlockCrcs, CheckpointKey, Tier, block_span, first_bad_block
 from ckptd.tiers.memory import MemoryBudget, MemoryTier
 from ckptd.tiers.s3 import S3Tier, describe
 from ckptd.tiers.ssd import SsdTier
@@ -52,6 +52,7 @@ from scaletrain.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    ScaletrainError,
     Unavailable,
     UserError,
 )
@@ -378,9 +379,7 @@ class CheckpointStore:
                 ours = self.catalog.manifest(key) if known else None
                 if ours is None and save is not None and save.state == OPEN:
                     continue  # a new save of this step is in progress; it will overwrite S3
-                if ours is not None and [f.sha256 for f in ours.files] != [
-                    f.sha256 for f in manifest.files
-                ]:
+                if ours is not None and not ours.same_files(manifest):
                     log.warning("S3 holds a different %s; it will be uploaded again", key)
                     continue
                 log.info("recovered %s from its S3 marker", key, extra={"run": key.run})
@@ -487,26 +486,37 @@ class CheckpointStore:
             )
         raise FailedPrecondition(f"save {save_id} of {record.key} was aborted")
 
-    def begin_file(self, header: checkpoint_pb2.FileHeader) -> _Stream:
-        """Start receiving one file of an open save (the streaming form of `write_file`)."""
+    def check_header(self, header: checkpoint_pb2.FileHeader) -> None:
+        """Raise what `begin_file` would refuse in `header`, without starting the file (the
+        fast path checks a header before its bytes arrive)."""
+        with self._lock:
+            self._check_header(header)
+
+    def _check_header(self, header: checkpoint_pb2.FileHeader) -> _OpenSave:
+        """The open save `header` writes to, or the reason it may not (under the lock)."""
         check_path(header.path)
         if header.kind not in (SHARD, METADATA):
             raise InvalidArgument(
                 f"{header.path}: kind must be FILE_KIND_SHARD or FILE_KIND_METADATA"
             )
+        save = self._writable(header.save_id)
+        world_size = save.record.world_size
+        if not 0 <= header.rank < world_size:
+            raise InvalidArgument(
+                f"{header.path}: rank {header.rank} is outside 0..{world_size - 1}"
+            )
+        if header.kind == METADATA:
+            for other in self.catalog.files(save.record.key):
+                if other.kind == METADATA and other.path != header.path:
+                    raise InvalidArgument(
+                        f"{header.path}: save already has the metadata file {other.path}"
+                    )
+        return save
+
+    def begin_file(self, header: checkpoint_pb2.FileHeader) -> _Stream:
+        """Start receiving one file of an open save (the streaming form of `write_file`)."""
         with self._lock:
-            save = self._writable(header.save_id)
-            world_size = save.record.world_size
-            if not 0 <= header.rank < world_size:
-                raise InvalidArgument(
-                    f"{header.path}: rank {header.rank} is outside 0..{world_size - 1}"
-                )
-            if header.kind == METADATA:
-                for other in self.catalog.files(save.record.key):
-                    if other.kind == METADATA and other.path != header.path:
-                        raise InvalidArgument(
-                            f"{header.path}: save already has the metadata file {other.path}"
-                        )
+            save = self._check_header(header)
             try:
                 incoming = self.ssd.incoming_file()
             except OSError as exc:
@@ -529,7 +539,8 @@ class CheckpointStore:
         chunks: Iterable[checkpoint_pb2.FileChunk | Chunk],
         trailer: checkpoint_pb2.FileTrailer,
     ) -> FileRecord:
-        """Receive a whole file: chunks in order, each CRC-checked, then size and SHA-256."""
+        """Receive a whole file: chunks in order, each CRC-checked, then the size and the file's
+        checksum."""
         with self.begin_file(header) as stream:
             for chunk in chunks:
                 stream.write(chunk)
@@ -590,6 +601,15 @@ class CheckpointStore:
         upload.incoming.discard()
         upload.spill()
 
+    def _forget_file(self, save: _OpenSave, upload: FileUpload) -> None:
+        """A file of the save failed after it was accepted (the disk): it leaves the save, which
+        needs it written again."""
+        with self._lock:
+            if save.files.get(upload.path) is upload:
+                del save.files[upload.path]
+                save.bytes -= upload.size
+                self.catalog.remove_file(save.record.key, upload.path)
+
     def commit(self, save_id: str) -> checkpoint_pb2.CheckpointInfo:
         """Make the save a checkpoint: durable on SSD and in memory now, on S3 in the background."""
         started = time.perf_counter()
@@ -603,7 +623,11 @@ class CheckpointStore:
             save.committing = True
         try:
             for upload in list(save.files.values()):
-                upload.wait_written()
+                try:
+                    upload.wait_written()
+                except ScaletrainError as exc:
+                    self._forget_file(save, upload)
+                    raise type(exc)(f"cannot commit {key}: {exc}") from None
             with self._lock:
                 files = self.catalog.files(key)
                 self._check_complete(save.record, files)
@@ -645,6 +669,7 @@ class CheckpointStore:
                 for m in memory.values():
                     if m is not None:
                         self.budget.release(m.size)
+                        self.budget.recycle(m.chunks)  # the files are written: nothing reads
             self._apply_retention(key.run)
             info = self.catalog.info(key)
         log.info(
@@ -900,7 +925,8 @@ class CheckpointStore:
     ) -> list[Path]:
         """Write a committed checkpoint as a plain DCP directory (stock FileSystemReader loads it).
 
-        Each file is written under a temporary name and renamed once its SHA-256 matches.
+        Each file is written under a temporary name and renamed once its block CRC-32Cs match
+        (each read is verified too).
         `progress` gets the byte count of each piece written.
         """
         info = self.get(ref)
@@ -913,16 +939,16 @@ class CheckpointStore:
             target = dest / record.path
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(f"{target.name}.partial")
-            sha = hashlib.sha256()
+            blocks = BlockCrcs()
             with open(partial, "wb") as out:
                 for _tier, _offset, data in self.iter_range(info.ref, record.path):
                     out.write(data)
-                    sha.update(data)
+                    blocks.update(data)
                     if progress is not None:
                         progress(len(data))
-            if sha.hexdigest() != record.sha256:
+            if blocks.packed() != record.block_crcs:
                 partial.unlink()
-                raise DataLoss(f"export of {key}/{record.path}: SHA-256 mismatch")
+                raise DataLoss(f"export of {key}/{record.path}: block CRC-32C mismatch")
             os.replace(partial, target)
             written.append(target)
         return written
@@ -996,9 +1022,7 @@ class CheckpointStore:
                 return
         started = time.perf_counter()
         existing = self.s3.manifest(key)
-        if existing is None or [f.sha256 for f in existing.files] != [
-            f.sha256 for f in manifest.files
-        ]:
+        if existing is None or not existing.same_files(manifest):
             records = {f.path: f for f in manifest.files}
 
             def source(path: str, offset: int, length: int) -> bytes:

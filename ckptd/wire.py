@@ -15,24 +15,22 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-import google_crc32c
+import crc32c as _crc32c
 
 from scaletrain.v1 import checkpoint_pb2
 
 # Field 2 of WriteFileRequest (chunk) and fields 1, 2, 3 of FileChunk, as wire tags.
 _TAG_CHUNK, _TAG_OFFSET, _TAG_DATA, _TAG_CRC = 0x12, 0x08, 0x12, 0x1D
-# google_crc32c takes bytes only: a view is checksummed in slices this big (cheap, reused memory).
-_CRC_SLICE = 256 * 1024
 
 
-def crc32c(data: bytes | memoryview) -> int:
-    """CRC-32C of bytes or of a memoryview (without copying the whole view at once)."""
-    if isinstance(data, bytes):
-        return google_crc32c.value(data)
-    crc = 0
-    for start in range(0, len(data), _CRC_SLICE):
-        crc = google_crc32c.extend(crc, bytes(data[start : start + _CRC_SLICE]))
-    return crc
+def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """CRC-32C of `data` following `crc` (the CRC of the bytes before it, if any).
+
+    The `crc32c` package reads any buffer in place and releases the GIL while it computes
+    (google_crc32c takes only bytes, so a view would be copied out, and it keeps the GIL below
+    1 MB): checking a chunk costs no copy and does not stall the thread receiving the next.
+    """
+    return _crc32c.crc32c(data, crc)
 
 
 def _varint(value: int) -> bytes:
@@ -65,6 +63,17 @@ class Chunk:
     offset: int
     data: memoryview
     crc32c: int
+
+
+@dataclass(frozen=True)
+class BlockChunk:
+    """A chunk checksummed per block (the data socket's frames, `ckptd.datapath`): `offset` is
+    a multiple of BLOCK_BYTES and `block_crcs` has the CRC-32C of each block of `data`, which
+    are exactly the CRCs a file keeps at rest, so ckptd checks each byte once."""
+
+    offset: int
+    data: memoryview
+    block_crcs: tuple[int, ...]
 
 
 @dataclass(frozen=True)

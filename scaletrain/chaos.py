@@ -12,9 +12,9 @@ job has finished step STEP (the job is watched through its `[trainer] step N` li
     stop-s3         stop the S3 server for SECONDS (default 30), then start it again.
     disk-full       fill the SSD tier's disk (a size-limited tmpfs, which needs root) until a save
                     fails or SECONDS pass (default 60), then free it.
-    corrupt-shard   SIGKILL every rank (torchrun's agent held meanwhile), damage one shard of the
-                    latest checkpoint on SSD and restart ckptd (its memory tier gone), so that the
-                    resume must find the damage and read the S3 copy.
+    corrupt-shard   SIGKILL a rank, damage one shard of the latest checkpoint on SSD and restart
+                    ckptd (its memory tier gone), so that the resume must find the damage and read
+                    the S3 copy.
     kill-telemetry  SIGKILL the telemetry service, restart it SECONDS later (default 3).
     sdc             flip a bit of a random rank's gradients in step STEP (--inject-sdc): the step
                     guard must catch and replay it.
@@ -364,30 +364,21 @@ class Drill:
         return "ssd", f"SSD tier's disk filled ({what}), then freed"
 
     def _corrupt_shard(self, fault: Fault) -> tuple[str, str]:
-        assert self.agent is not None
         attempts = self.tap.attempts
-        # The agent is held while the shard is damaged, and every rank dies: no save can commit
-        # a newer checkpoint afterwards and no new attempt can resume before the damage is done,
-        # so the next attempt resumes from exactly the damaged checkpoint.
-        os.kill(self.agent.pid, signal.SIGSTOP)
-        try:
-            for pid in rank_pids(self.agent.pid).values():
-                os.kill(pid, signal.SIGKILL)
-            time.sleep(1.0)  # a commit already received by ckptd completes
-            # The checkpoint the job will resume from, once S3 holds the good copy to fall back on.
-            latest = _committed(wait_on_s3(self.stack.ckptd_address, self.run_id))
-            step = max(c.ref.step for c in latest)
-            shard = ssd_dir(self.stack.workdir) / self.run_id / str(step) / "__0_0.distcp"
-            with shard.open("r+b") as f:
-                f.seek(shard.stat().st_size // 2)
-                byte = f.read(1)
-                f.seek(-1, os.SEEK_CUR)
-                f.write(bytes([byte[0] ^ 0xFF]))
-            self.stack.service("ckptd").kill()
-            self.stack.restart_service("ckptd")
-        finally:
-            os.kill(self.agent.pid, signal.SIGCONT)
-        detail = f"damaged {shard.name} of step {step} on SSD, ckptd restarted, every rank killed"
+        rank, pid = self._victim(fault)
+        os.kill(pid, signal.SIGKILL)
+        # The checkpoint the job will resume from, once S3 holds the good copy to fall back on.
+        latest = _committed(wait_on_s3(self.stack.ckptd_address, self.run_id))
+        step = max(c.ref.step for c in latest)
+        shard = ssd_dir(self.stack.workdir) / self.run_id / str(step) / "__0_0.distcp"
+        with shard.open("r+b") as f:
+            f.seek(shard.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        self.stack.service("ckptd").kill()
+        self.stack.restart_service("ckptd")
+        detail = f"damaged {shard.name} of step {step} on SSD, ckptd restarted, rank {rank} killed"
         return "ssd", detail + self._await_restart(attempts)
 
     def _kill_telemetry(self, fault: Fault) -> tuple[str, str]:

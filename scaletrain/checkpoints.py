@@ -9,7 +9,6 @@ when S3 holds a copy. Long transfers report their progress on stderr (`Progress`
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -18,8 +17,10 @@ from typing import IO
 
 from ckptd.client import CkptdClient
 from ckptd.config import CkptdConfig
+from ckptd.manifest import file_crc32c
 from ckptd.store import CheckpointStore, ckptd_running, list_offline
 from ckptd.tiers import TIER_NAMES as _TIER_NAMES
+from ckptd.tiers import BlockCrcs
 from scaletrain.errors import NotFound, ScaletrainError, UserError
 from scaletrain.stack import S3_BUCKET, Workdir, s3_for_reading
 from scaletrain.v1 import checkpoint_pb2, common_pb2
@@ -104,7 +105,7 @@ def show(workdir: Path, ckptd: str | None, run: str, step: int | None) -> dict[s
             for t in info.tiers
         },
         "files": [
-            {"path": f.path, "rank": f.rank, "bytes": f.size, "sha256": f.sha256}
+            {"path": f.path, "rank": f.rank, "bytes": f.size, "crc32c": f"{f.crc32c:08x}"}
             for f in info.files
         ],
     }
@@ -151,7 +152,8 @@ def _tiers_of(info: checkpoint_pb2.CheckpointInfo) -> list[int]:
 def verify(
     workdir: Path, ckptd: str | None, run: str, step: int, out: IO[str] | None = None
 ) -> dict[str, str]:
-    """Read every file of the checkpoint from each tier that holds it and check its SHA-256.
+    """Read every file of the checkpoint from each tier that holds it and check its checksum
+    (the CRC-32C of its block CRC-32Cs, `ckptd.manifest.file_crc32c`).
 
     Returns {tier: "ok" | what is wrong}. ckptd checks every block's CRC-32C as it reads and
     marks a damaged copy FAILED, so a later read falls through to a good tier.
@@ -189,15 +191,15 @@ def _verify_tier(
     progress: Progress,
 ) -> str:
     for file in info.files:
-        sha = hashlib.sha256()
+        blocks = BlockCrcs()
         try:
             for piece in read(file.path):
-                sha.update(piece)
+                blocks.update(piece)
                 progress(len(piece))
         except ScaletrainError as exc:
             return " ".join(str(exc).split())
-        if sha.hexdigest() != file.sha256:
-            return f"{file.path}: SHA-256 mismatch"
+        if file_crc32c(blocks.packed()) != file.crc32c:
+            return f"{file.path}: checksum mismatch"
     return "ok"
 
 
@@ -228,15 +230,15 @@ def _export_from_client(
     for file in info.files:
         path = dest / file.path
         partial = path.with_name(f"{path.name}.partial")
-        sha = hashlib.sha256()
+        blocks = BlockCrcs()
         with partial.open("wb") as out:
             for piece in client.read_stream(info.ref.run, info.ref.step, file.path):
                 out.write(piece)
-                sha.update(piece)
+                blocks.update(piece)
                 progress(len(piece))
-        if sha.hexdigest() != file.sha256:
+        if file_crc32c(blocks.packed()) != file.crc32c:
             partial.unlink()
-            raise UserError(f"export of {file.path}: SHA-256 mismatch")
+            raise UserError(f"export of {file.path}: checksum mismatch")
         partial.replace(path)
         written.append(path)
     return written

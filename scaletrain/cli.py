@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("run")
     show.add_argument("step", type=int, nargs="?", help="default: the run's latest")
     show.add_argument("--json", action="store_true")
-    verify = _ckpt_parser(ckpt_sub, "verify", "read every copy and check its SHA-256")
+    verify = _ckpt_parser(ckpt_sub, "verify", "read every copy and check its checksums")
     verify.add_argument("run")
     verify.add_argument("step", type=int)
     verify.add_argument("--json", action="store_true")
@@ -544,4 +544,4 @@ def _print_show(shown: dict) -> None:
     if shown["labels"]:
         print("labels       " + ", ".join(f"{k}={v}" for k, v in shown["labels"].items()))
     for f in shown["files"]:
-        print(f"  {f['path']:<24} rank {f['rank']:>4}  {f['bytes']:>14,} B  {f['sha256'][:16]}")
+        print(f"  {f['path']:<24} rank {f['rank']:>4}  {f['bytes']:>14,} B  crc32c {f['crc32c']}")

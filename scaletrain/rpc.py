@@ -454,6 +454,11 @@ def _host(peer: str) -> str:
     return peer.rpartition(":")[0] or peer
 
 
+def peer_is_loopback(peer: str) -> bool:
+    """Whether a gRPC peer string names a loopback address (the caller is on this host)."""
+    return _loopback(_host(peer).partition(":")[2])
+
+
 _HANDLER_KINDS = {
     (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
     (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),

@@ -9,12 +9,14 @@ arrived, so a read of any byte range verifies only the blocks it touches instead
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from typing import Protocol
 
 import google_crc32c
 
+from ckptd.wire import crc32c
 from scaletrain.v1 import common_pb2
 
 # Verification granularity: a small read costs at most one block of extra I/O.
@@ -51,6 +53,21 @@ class Tier(Protocol):
     def list(self) -> list[CheckpointKey]: ...
 
 
+def page_aligned_buffer(size: int) -> mmap.mmap:
+    """`size` bytes of private anonymous memory, page-aligned (for O_DIRECT writes).
+
+    MAP_PRIVATE: Python's default for an anonymous map is MAP_SHARED, which the kernel backs with
+    shmem, whose pages cost several times more to fault in than plain process memory.
+    """
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def block_crcs_of(data: bytes | memoryview) -> list[int]:
+    """The CRC-32C of each BLOCK_BYTES block of `data` (the last may be short)."""
+    view = memoryview(data)
+    return [crc32c(view[i : i + BLOCK_BYTES]) for i in range(0, len(view), BLOCK_BYTES)]
+
+
 class BlockCrcs:
     """Accumulates the CRC-32C of each BLOCK_BYTES block of a file as its bytes stream in."""
 
@@ -59,12 +76,21 @@ class BlockCrcs:
         self._crc = 0
         self._fill = 0
 
+    def extend(self, crcs: list[int], nbytes: int) -> None:
+        """Take the block CRCs (`block_crcs_of`) of the next `nbytes` bytes, which start at a
+        block boundary."""
+        assert self._fill == 0, "extend() needs the bytes so far to end on a block boundary"
+        short = nbytes % BLOCK_BYTES
+        if short:
+            *crcs, self._crc = crcs
+            self._fill = short
+        self._done.extend(crcs)
+
     def update(self, data: bytes | memoryview) -> None:
-        # google_crc32c takes only bytes: each block is copied out (a small, reused allocation).
         pos = 0
         while pos < len(data):
             take = min(len(data) - pos, BLOCK_BYTES - self._fill)
-            self._crc = google_crc32c.extend(self._crc, bytes(data[pos : pos + take]))
+            self._crc = crc32c(data[pos : pos + take], self._crc)
             self._fill += take
             pos += take
             if self._fill == BLOCK_BYTES:

@@ -99,12 +99,12 @@ class FileChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class FileTrailer(_message.Message):
-    __slots__ = ("size", "sha256")
+    __slots__ = ("size", "crc32c")
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     size: int
-    sha256: str
-    def __init__(self, size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class WriteFileRequest(_message.Message):
     __slots__ = ("header", "chunk", "trailer")
@@ -117,14 +117,42 @@ class WriteFileRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[FileHeader, _Mapping]] = ..., chunk: _Optional[_Union[FileChunk, _Mapping]] = ..., trailer: _Optional[_Union[FileTrailer, _Mapping]] = ...) -> None: ...
 
 class WriteFileResponse(_message.Message):
-    __slots__ = ("path", "size", "sha256")
+    __slots__ = ("path", "size", "crc32c")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     path: str
     size: int
-    sha256: str
-    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class OpenUploadRequest(_message.Message):
+    __slots__ = ("header", "size")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    header: FileHeader
+    size: int
+    def __init__(self, header: _Optional[_Union[FileHeader, _Mapping]] = ..., size: _Optional[int] = ...) -> None: ...
+
+class OpenUploadResponse(_message.Message):
+    __slots__ = ("ticket", "data_host", "data_port", "ticket_ttl_s")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_HOST_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    data_host: str
+    data_port: int
+    ticket_ttl_s: float
+    def __init__(self, ticket: _Optional[bytes] = ..., data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket_ttl_s: _Optional[float] = ...) -> None: ...
+
+class FinishUploadRequest(_message.Message):
+    __slots__ = ("ticket", "trailer")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    trailer: FileTrailer
+    def __init__(self, ticket: _Optional[bytes] = ..., trailer: _Optional[_Union[FileTrailer, _Mapping]] = ...) -> None: ...
 
 class CommitSaveRequest(_message.Message):
     __slots__ = ("save_id",)
@@ -159,18 +187,18 @@ class TierStatus(_message.Message):
     def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., state: _Optional[_Union[TierState, str]] = ..., bytes: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FileInfo(_message.Message):
-    __slots__ = ("path", "rank", "kind", "size", "sha256")
+    __slots__ = ("path", "rank", "kind", "size", "crc32c")
     PATH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     path: str
     rank: int
     kind: FileKind
     size: int
-    sha256: str
-    def __init__(self, path: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FileKind, str]] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    crc32c: int
+    def __init__(self, path: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FileKind, str]] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
     __slots__ = ("ref", "world_size", "committed", "tiers", "files", "total_bytes", "created_at", "committed_at", "labels", "retention")

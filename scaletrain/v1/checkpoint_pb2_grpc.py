@@ -51,6 +51,16 @@ class CheckpointServiceStub:
                 request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.WriteFileRequest.SerializeToString,
                 response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.WriteFileResponse.FromString,
                 _registered_method=True)
+        self.OpenUpload = channel.unary_unary(
+                '/scaletrain.v1.CheckpointService/OpenUpload',
+                request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.OpenUploadRequest.SerializeToString,
+                response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.OpenUploadResponse.FromString,
+                _registered_method=True)
+        self.FinishUpload = channel.unary_unary(
+                '/scaletrain.v1.CheckpointService/FinishUpload',
+                request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.FinishUploadRequest.SerializeToString,
+                response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.WriteFileResponse.FromString,
+                _registered_method=True)
         self.CommitSave = channel.unary_unary(
                 '/scaletrain.v1.CheckpointService/CommitSave',
                 request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.CommitSaveRequest.SerializeToString,
@@ -101,7 +111,38 @@ class CheckpointServiceServicer:
 
     def WriteFile(self, request_iterator, context):
         """Client streaming: first message carries the header, then chunks in order, then the trailer.
+        The reply says every chunk matched its CRC-32C and the trailer's size and file checksum
+        matched: the file is part of the save (its bytes reach the disk before CommitSave answers).
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenUpload(self, request, context):
+        """The same-host fast path of WriteFile: the bytes of one file go over ckptd's data socket, a
+        plain TCP socket beside this service, instead of through gRPC's transport.
+        1. OpenUpload(header, size) checks the header as WriteFile does and answers a ticket:
+        random, single use, to be presented on the data socket within `ticket_ttl_s`.
+        2. The client connects to the data socket, sends the 32 ticket bytes, then the file as
+        frames: 4-byte little-endian length, then the CRC-32C of each 256 KiB block of the data
+        (4 bytes little-endian each, the last block may be short), then the data (1 byte to
+        15 MiB a frame; every frame but the last a whole number of blocks), exactly `size`
+        bytes in all (a size of -1: any number of frames, then one of length 0). ckptd reads no byte past `size` and drops the connection on a frame that
+        would pass it.
+        3. FinishUpload(ticket, trailer) ends the write exactly as WriteFile's trailer does (size
+        and file checksum checked, the file joins the save) and answers what WriteFile
+        answers, or the reason the bytes were refused; a refused file stores nothing.
+        OpenUpload answers UNIMPLEMENTED when the fast path is not for this caller (ckptd runs
+        without a data socket, or runs TLS and the caller is not on its host: the data socket then
+        listens on loopback only); the client then uses WriteFile. OpenUpload and FinishUpload need
+        the same grant as WriteFile on the save's run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishUpload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -155,6 +196,16 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
             'WriteFile': grpc.stream_unary_rpc_method_handler(
                     servicer.WriteFile,
                     request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.WriteFileRequest.FromString,
+                    response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.WriteFileResponse.SerializeToString,
+            ),
+            'OpenUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenUpload,
+                    request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.OpenUploadRequest.FromString,
+                    response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.OpenUploadResponse.SerializeToString,
+            ),
+            'FinishUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishUpload,
+                    request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.FinishUploadRequest.FromString,
                     response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.WriteFileResponse.SerializeToString,
             ),
             'CommitSave': grpc.unary_unary_rpc_method_handler(
@@ -248,6 +299,60 @@ class CheckpointService:
             target,
             '/scaletrain.v1.CheckpointService/WriteFile',
             scaletrain_dot_v1_dot_checkpoint__pb2.WriteFileRequest.SerializeToString,
+            scaletrain_dot_v1_dot_checkpoint__pb2.WriteFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scaletrain.v1.CheckpointService/OpenUpload',
+            scaletrain_dot_v1_dot_checkpoint__pb2.OpenUploadRequest.SerializeToString,
+            scaletrain_dot_v1_dot_checkpoint__pb2.OpenUploadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scaletrain.v1.CheckpointService/FinishUpload',
+            scaletrain_dot_v1_dot_checkpoint__pb2.FinishUploadRequest.SerializeToString,
             scaletrain_dot_v1_dot_checkpoint__pb2.WriteFileResponse.FromString,
             options,
             channel_credentials,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import signal
@@ -17,6 +16,7 @@ import pytest
 
 from ckptd.config import S3Config
 from ckptd.crash import ENV as CRASH_ENV
+from ckptd.manifest import data_crc32c
 from ckptd.store import CheckpointStore
 from scaletrain.v1 import checkpoint_pb2
 
@@ -52,7 +52,7 @@ def chunk(offset: int, data: bytes, crc: int | None = None) -> checkpoint_pb2.Fi
 
 
 def trailer(data: bytes) -> checkpoint_pb2.FileTrailer:
-    return checkpoint_pb2.FileTrailer(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    return checkpoint_pb2.FileTrailer(size=len(data), crc32c=data_crc32c(data))
 
 
 def store_write(

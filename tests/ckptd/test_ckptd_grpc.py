@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from ckptd_testing import METADATA, SHARD, chunk, payload, ref, tier_states, wai
 
 from ckptd.client import CkptdClient
 from ckptd.config import S3Config
+from ckptd.manifest import data_crc32c
 from ckptd.server import RunningCkptd
 from ckptd.store import ckptd_running, list_offline
 from scaletrain.errors import (
@@ -90,8 +90,8 @@ def test_two_ranks_save_commit_and_read_back_bit_exact_from_memory_ssd_and_s3(
     info = client.get("llama", 100)
     assert tier_states(info)["memory"] == "COMMITTED" and tier_states(info)["ssd"] == "COMMITTED"
     wait_for(lambda: tier_states(client.get("llama"))["s3"] == "COMMITTED", what="the S3 upload")
-    assert {f.path: f.sha256 for f in info.files} == {
-        path: hashlib.sha256(data).hexdigest() for path, data in files.items()
+    assert {f.path: f.crc32c for f in info.files} == {
+        path: data_crc32c(data) for path, data in files.items()
     }
     for path, data in files.items():
         assert client.read("llama", 100, path) == data

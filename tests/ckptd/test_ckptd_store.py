@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from ckptd_testing import (
     trailer,
 )
 
+from ckptd.manifest import data_crc32c
 from ckptd.store import CheckpointStore, list_offline
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.memory import MemoryFile
@@ -56,8 +56,8 @@ def test_a_committed_checkpoint_is_in_memory_and_on_ssd_under_its_dcp_names(
     assert info.committed and info.world_size == 2
     assert tier_states(info) == {"memory": "COMMITTED", "ssd": "COMMITTED", "s3": "ABSENT"}
     assert info.total_bytes == sum(len(data) for _, _, data in files.values())
-    assert {f.path: f.sha256 for f in info.files} == {
-        path: hashlib.sha256(data).hexdigest() for path, (_, _, data) in files.items()
+    assert {f.path: f.crc32c for f in info.files} == {
+        path: data_crc32c(data) for path, (_, _, data) in files.items()
     }
     on_disk = store.ssd.dir_of(CheckpointKey("run", 100))
     for path, (_, _, data) in files.items():
@@ -122,17 +122,36 @@ def test_an_out_of_order_chunk_is_an_invalid_argument_and_stores_nothing(
     assert_nothing_stored(store, "run", 1)
 
 
-def test_a_trailer_that_disagrees_with_the_bytes_is_an_invalid_argument(
+def test_a_trailer_with_a_wrong_size_or_checksum_is_an_invalid_argument_and_stores_nothing(
     open_store: OpenStore,
 ) -> None:
     store = open_store()
-    save_id = store.open_save(ref("run", 1), world_size=1)
-    data = payload(2000, 1)
-    with pytest.raises(InvalidArgument, match="SHA-256 mismatch"):
-        store.write_file(header(save_id, "x"), [chunk(0, data)], trailer(data[::-1]))
-    with pytest.raises(InvalidArgument, match="trailer says 1999 bytes"):
-        store.write_file(header(save_id, "x"), [chunk(0, data)], trailer(data[1:]))
-    assert_nothing_stored(store, "run", 1)
+    before = checkpoint_files(world_size=1, shard_bytes=3 << 20, seed=1)
+    store_save(store, "run", 1, before)
+    save_id = store.open_save(ref("run", 2), world_size=1)
+    shard = payload(3 << 20, 2)
+    store_write(store, save_id, ".metadata", 0, METADATA, b"meta")
+    chunks = [chunk(i, shard[i : i + (1 << 20)]) for i in range(0, len(shard), 1 << 20)]
+    with pytest.raises(InvalidArgument, match=r"__0_0\.distcp: trailer says 3145727 bytes"):
+        store.write_file(header(save_id, "__0_0.distcp"), chunks, trailer(shard[1:]))
+    # Every chunk checks out, but they do not make the file the trailer describes.
+    with pytest.raises(
+        InvalidArgument, match=r"__0_0.distcp: the trailer's file CRC-32C \w+ does not match"
+    ):
+        store.write_file(header(save_id, "__0_0.distcp"), chunks, trailer(shard[::-1]))
+    with pytest.raises(FailedPrecondition, match=r"no shard file from rank\(s\) 0"):
+        store.commit(save_id)
+    (pending,) = [i for i in store.list("run", include_uncommitted=True) if i.ref.step == 2]
+    assert not pending.committed and [f.path for f in pending.files] == [".metadata"]
+    assert not (store.ssd.staging_dir(save_id) / "__0_0.distcp").exists()
+    for path, (_, _, data) in before.items():
+        assert store.read_range(ref("run", 1), path, 0, 0) == data
+
+    store_write(store, save_id, "__0_0.distcp", 0, SHARD, shard)
+    assert store.commit(save_id).committed
+    assert store.read_range(ref("run", 2), "__0_0.distcp", 0, 0) == shard
+    for path, (_, _, data) in before.items():
+        assert store.read_range(ref("run", 1), path, 0, 0) == data
 
 
 @pytest.mark.parametrize("path", ["../escape", "/abs/file", "a/../../b", "x\x00y", ""])

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import mmap
+import os
+from pathlib import Path
+
 import google_crc32c
 import pytest
 
 from ckptd.config import CkptdConfig, S3Config
+from ckptd.manifest import data_crc32c, file_crc32c
 from ckptd.store import check_path, check_run
-from ckptd.tiers import BLOCK_BYTES, BlockCrcs, block_span, first_bad_block
+from ckptd.tiers import BLOCK_BYTES, BlockCrcs, block_crcs_of, block_span, first_bad_block
+from ckptd.tiers.memory import MemoryBudget
+from ckptd.tiers.ssd import IncomingFile
 from ckptd.wire import Chunk, crc32c, decode_write_request, encode_write_request
 from scaletrain.errors import InvalidArgument
+from scaletrain.rpc import CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
 
@@ -59,6 +67,20 @@ def test_block_crcs_find_the_one_flipped_byte_whatever_the_write_sizes() -> None
     assert block_span(len(data) - 2, 2, len(data)) == (3 * BLOCK_BYTES, len(data))
 
 
+def test_block_crcs_taken_per_frame_equal_those_taken_per_chunk() -> None:
+    """The data socket's frames carry block CRCs, WriteFile's chunks one CRC each: a file has
+    the same block CRCs, and so the same checksum, whichever way it came."""
+    data = os.urandom(2 * CHUNK_BYTES + 12345)
+    per_chunk, per_frame = BlockCrcs(), BlockCrcs()
+    for i in range(0, len(data), 1_000_000):
+        per_chunk.update(data[i : i + 1_000_000])
+    for i in range(0, len(data), CHUNK_BYTES):
+        frame = data[i : i + CHUNK_BYTES]
+        per_frame.extend(block_crcs_of(frame), len(frame))
+    assert per_frame.packed() == per_chunk.packed()
+    assert file_crc32c(per_frame.packed()) == data_crc32c(data)
+
+
 def test_s3_config_never_shows_its_secret_and_reads_credentials_from_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -99,3 +121,63 @@ def test_messages_that_are_not_a_canonical_chunk_are_decoded_by_protobuf() -> No
     chunk = checkpoint_pb2.FileChunk(offset=3, data=b"abc", crc32c=9).SerializeToString()
     reordered = b"\x12" + bytes([len(chunk) + 2]) + b"\x18\x01" + chunk  # an unknown field first
     assert decode_write_request(reordered).chunk.data == b"abc"
+
+
+def test_receive_buffers_are_reused_by_size_within_the_memory_budget_and_give_way() -> None:
+    budget = MemoryBudget(3 * CHUNK_BYTES)
+    first = budget.buffer(CHUNK_BYTES)
+    budget.recycle([first, memoryview(bytearray(CHUNK_BYTES))[:10], b"x" * 10, first[:10]])
+    assert budget.buffer(CHUNK_BYTES).obj is first.obj  # only a whole buffer it lent comes back
+    assert budget.buffer(CHUNK_BYTES).obj is not first.obj
+
+    frame = budget.buffer(BLOCK_BYTES + 5)  # a frame of another size: a buffer of its own
+    assert len(frame) == BLOCK_BYTES + 5 and len(frame.obj) == BLOCK_BYTES + mmap.PAGESIZE
+    budget.recycle([frame])
+    assert budget.buffer(CHUNK_BYTES).obj is not frame.obj
+    again = budget.buffer(BLOCK_BYTES + 100)  # the same size to the page
+    assert again.obj is frame.obj and len(again) == BLOCK_BYTES + 100
+
+    budget.recycle([first, budget.buffer(CHUNK_BYTES)])
+    budget.reserve(2 * CHUNK_BYTES, holding=lambda: 0)  # leaves room for one spare buffer only
+    kept = budget.buffer(CHUNK_BYTES)
+    assert budget.buffer(CHUNK_BYTES).obj is not kept.obj  # the other spare gave way
+    other = budget.buffer(CHUNK_BYTES)
+    budget.recycle([kept, other])  # room for one beside the reserved
+    assert budget.buffer(CHUNK_BYTES).obj is kept.obj
+    assert budget.buffer(CHUNK_BYTES).obj is not other.obj
+    assert isinstance(budget.buffer(100).obj, bytearray)  # a tail under a page is not pooled
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_an_incoming_file_holds_exactly_its_bytes_whatever_their_alignment(
+    tmp_path: Path, where: str
+) -> None:
+    """Aligned receive buffers go to disk around the page cache, other bytes through a bounce
+    buffer, the last page padded then cut; where O_DIRECT is refused, through the page cache."""
+    directory = tmp_path if where == "disk" else Path("/dev/shm")
+    if not directory.is_dir():
+        pytest.skip("no /dev/shm")
+    path = directory / f"incoming-{os.getpid()}"
+    aligned = MemoryBudget(total=CHUNK_BYTES).buffer(CHUNK_BYTES)
+    aligned[:] = os.urandom(CHUNK_BYTES)
+    pieces = [
+        memoryview(aligned),
+        os.urandom(1000),  # read-only and unaligned: through the bounce buffer
+        memoryview(aligned)[: 3 * mmap.PAGESIZE],  # aligned, but after unaligned bytes
+        os.urandom((1 << 20) + 17),  # fills the bounce buffer, then a partial page
+    ]
+    incoming = IncomingFile(path)
+    for piece in pieces:
+        incoming.write(piece)
+    incoming.sync_and_close()
+    try:
+        assert path.read_bytes() == b"".join(bytes(piece) for piece in pieces)
+    finally:
+        path.unlink()
+
+
+def test_a_discarded_incoming_file_leaves_nothing(tmp_path: Path) -> None:
+    incoming = IncomingFile(tmp_path / "partial")
+    incoming.write(os.urandom(5000))
+    incoming.discard()
+    assert not any(tmp_path.iterdir())

@@ -16,7 +16,6 @@ when set.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections import Counter
@@ -38,6 +37,7 @@ from security_testing import (
     step_record,
 )
 
+from ckptd.manifest import data_crc32c
 from scaletrain.rpc import make_channel, wait_until_healthy
 from scaletrain.security import ClientSecurity
 from scaletrain.v1 import checkpoint_pb2, common_pb2, telemetry_pb2
@@ -107,7 +107,7 @@ class Fuzzed:
 
     services: Services
     tokens: dict[str, str | None]
-    checkpoints: dict[tuple[int, str], str]  # (step, path) -> sha256
+    checkpoints: dict[tuple[int, str], int]  # (step, path) -> the file's checksum
     telemetry_rows: tuple
     outside: Path
     codes: Counter[str]
@@ -148,11 +148,11 @@ class Fuzzed:
             wait_until_healthy(running.address, timeout_s=5, security=ClientSecurity())
         with self.services.ckptd_client(self.services.tokens.reader) as reader:
             listed = {
-                (c.ref.step, f.path): f.sha256 for c in reader.list(BASELINE) for f in c.files
+                (c.ref.step, f.path): f.crc32c for c in reader.list(BASELINE) for f in c.files
             }
             assert listed == self.checkpoints
-            for (step, path), sha in self.checkpoints.items():
-                assert hashlib.sha256(reader.read(BASELINE, step, path)).hexdigest() == sha
+            for (step, path), checksum in self.checkpoints.items():
+                assert data_crc32c(reader.read(BASELINE, step, path)) == checksum
         assert _baseline_rows(self.services) == self.telemetry_rows
         assert not any(self.outside.iterdir()), "something was written outside the store"
         assert sorted(p.name for p in self.services.tokens.path.parent.iterdir()) == [
@@ -188,7 +188,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
             stub.ReportEvents(telemetry_pb2.EventBatch(events=[event]))
         with services.ckptd_client(services.tokens.reader) as reader:
             checkpoints = {
-                (c.ref.step, f.path): f.sha256 for c in reader.list(BASELINE) for f in c.files
+                (c.ref.step, f.path): f.crc32c for c in reader.list(BASELINE) for f in c.files
             }
         assert len(checkpoints) == 6
         tokens = {
@@ -322,11 +322,11 @@ def write_streams(draw: st.DrawFn) -> list[bytes]:
             st.one_of(st.just(good_crc), st.integers(0, 2**32 - 1)),
         ),
         st.builds(
-            lambda size, sha: checkpoint_pb2.WriteFileRequest(
-                trailer=checkpoint_pb2.FileTrailer(size=size, sha256=sha)
+            lambda size, checksum: checkpoint_pb2.WriteFileRequest(
+                trailer=checkpoint_pb2.FileTrailer(size=size, crc32c=checksum)
             ),
             st.one_of(st.just(len(data)), INTS64),
-            st.one_of(st.just(hashlib.sha256(data).hexdigest()), st.text(max_size=70)),
+            st.one_of(st.just(data_crc32c(data)), st.integers(0, 2**32 - 1)),
         ),
         st.just(checkpoint_pb2.WriteFileRequest()),
     )
@@ -482,9 +482,7 @@ def test_path_traversal_in_run_and_file_names_is_refused_and_touches_nothing_out
                 chunk=checkpoint_pb2.FileChunk(data=b"pwned", crc32c=google_crc32c.value(b"pwned"))
             ).SerializeToString(),
             checkpoint_pb2.WriteFileRequest(
-                trailer=checkpoint_pb2.FileTrailer(
-                    size=5, sha256=hashlib.sha256(b"pwned").hexdigest()
-                )
+                trailer=checkpoint_pb2.FileTrailer(size=5, crc32c=data_crc32c(b"pwned"))
             ).SerializeToString(),
         ]
         code = fuzzed.call("admin", CKPT + "WriteFile", stream)

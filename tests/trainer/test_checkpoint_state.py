@@ -6,6 +6,9 @@ import random
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from trainer.checkpoint import rng
 from trainer.checkpoint.stager import HostStager
@@ -48,3 +51,25 @@ def test_every_generator_continues_exactly_after_a_restore():
     rng.restore(blob)
     got = (random.random(), np.random.rand(), torch.rand(2))
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+
+
+def test_staged_dtensors_keep_their_wrapper_until_the_layout_changes(tmp_path):
+    """Building a DTensor costs more than copying a small shard: later saves reuse the first."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        live = {"w": distribute_tensor(torch.arange(8.0).view(2, 4), mesh, [Shard(0)])}
+        stager = HostStager()
+        first = stager.stage(live)["w"]
+        live["w"].to_local().mul_(3)
+        second = stager.stage(live)["w"]
+        assert second is first
+        assert torch.equal(second.full_tensor(), torch.arange(8.0).view(2, 4) * 3)
+        assert (second.placements, second.shape) == (live["w"].placements, live["w"].shape)
+
+        live["w"] = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+        third = stager.stage(live)["w"]
+        assert third is not first and torch.equal(third.full_tensor(), torch.ones(4, 4))
+    finally:
+        dist.destroy_process_group()

@@ -6,6 +6,12 @@ so its collectives never interleave with the training loop's. At most one save i
 request waits for it (policy "wait") or is skipped on every rank alike (policy "skip"). A
 background failure is never swallowed: `poll` hands it to the loop at the next step.
 
+DCP serializes each tensor with `torch.save`, which by default computes a CRC-32 of every record
+of its zip format: a pass over every byte, under the GIL of the training process. ckptd already
+checks a CRC-32C of every 256 KiB block on the wire and at rest, so the background save turns
+the zip CRC off (`torch.utils.serialization.config.save.compute_crc32`; torch.load reads such
+files as any other), and torch.save then hands the storages over as they are, without a copy.
+
 The state holds the model and optimizer (sharded DTensors, so DCP reshards them on load), the LR
 schedule, the step, the data loader's global sample index, each rank's RNG states, and with FP8
 delayed scaling the amax histories (replicated on every rank, so saved once).
@@ -16,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils.serialization import config as serialization_config
 
 from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter, first_cause
 from scaletrain.errors import ScaletrainError
@@ -34,6 +42,17 @@ from trainer.checkpoint import rng
 from trainer.checkpoint.stager import HostStager
 from trainer.data.loader import DeterministicLoader
 from trainer.fp8 import Fp8Training
+
+
+@contextlib.contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    """torch.save without the CRC-32 of its zip records, for the span of a save (module doc)."""
+    before = serialization_config.save.compute_crc32
+    serialization_config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        serialization_config.save.compute_crc32 = before
 
 
 class SavePolicy(enum.StrEnum):
@@ -134,7 +153,8 @@ class Checkpointer:
         writer = CkptdStorageWriter(self.address, self.run_id, step, labels=labels)
         error: BaseException | None = None
         try:
-            dcp.save(staged, storage_writer=writer, process_group=self._group)
+            with _without_zip_crc32():
+                dcp.save(staged, storage_writer=writer, process_group=self._group)
         # CheckpointException derives from BaseException: name it, or it escapes into the loop.
         except (Exception, CheckpointException) as exc:  # the loop hears of any failure, later
             error = first_cause(exc) if isinstance(exc, CheckpointException) else exc

@@ -4,7 +4,10 @@ The buffers are allocated at the first save and reused by every later one (pinne
 so the device-to-host copies run at full bandwidth): a copy into an existing buffer costs a memcpy,
 a fresh allocation costs page faults on top. DTensors are staged as their local shard and wrapped
 back into a DTensor with the same mesh and placements, so DCP plans the staged copy exactly like
-the live state and a checkpoint still reshards on load.
+the live state and a checkpoint still reshards on load. The wrappers are kept with their buffers
+too: building a DTensor costs more than copying a small shard into it (a third of the staging
+time of a 600 MB state in 300 tensors), and the one built at the first save stays valid as long
+as its buffer, mesh, placements, shape and stride do.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from torch.distributed.tensor import DTensor
 class HostStager:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        # path -> (the live DTensor's layout, the buffer, the DTensor over it): see the module doc.
+        self._wrapped: dict[str, tuple[tuple[Any, ...], torch.Tensor, DTensor]] = {}
         self.staged_bytes = 0
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -29,7 +34,8 @@ class HostStager:
         caller must be done with them by then.
         """
         self.staged_bytes = 0
-        staged = self._copy(state, "")
+        with torch.no_grad():  # DTensor.to_local is then the local tensor itself, not a view
+            staged = self._copy(state, "")
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return staged
@@ -41,7 +47,11 @@ class HostStager:
             return [self._copy(v, f"{path}.{i}") for i, v in enumerate(value)]
         if isinstance(value, DTensor):
             local = self._into_buffer(value.to_local(), path)
-            return DTensor.from_local(
+            layout = (value.device_mesh, value.placements, value.shape, value.stride())
+            kept = self._wrapped.get(path)
+            if kept is not None and kept[0] == layout and kept[1] is local:
+                return kept[2]
+            wrapped = DTensor.from_local(
                 local,
                 device_mesh=value.device_mesh,
                 placements=value.placements,
@@ -49,6 +59,8 @@ class HostStager:
                 shape=value.shape,
                 stride=value.stride(),
             )
+            self._wrapped[path] = (layout, local, wrapped)
+            return wrapped
         if isinstance(value, torch.Tensor):
             return self._into_buffer(value, path)
         return copy.deepcopy(value)
