@@ -13,6 +13,7 @@ queue it feeds that thread.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import struct
@@ -154,7 +155,12 @@ class SocketFile(FileWriter):
         return self._finish(checkpoint_pb2.FileTrailer(size=self.size, crc32c=checksum))
 
     def abort(self) -> None:
-        self._conn.close()  # short of its end: ckptd refuses the file
+        """Hang up short of the end, then wait (through FinishUpload, with a trailer that no file
+        matches) until ckptd has dropped the file, as an aborted WriteFile waits for its reply:
+        a commit right after must not find the file still being received."""
+        self._conn.close()
+        with contextlib.suppress(ScaletrainError):
+            self._finish(checkpoint_pb2.FileTrailer(size=-1))
 
 
 _ABORT = object()
