@@ -275,11 +275,12 @@ class DataPlane:
                             f"{path}: data frame at offset {offset} runs past the {size} "
                             "bytes announced"
                         )
-                    crcs = bytearray(frame_crcs(length).size)
+                    crc_format = frame_crcs(length)
+                    crcs = bytearray(crc_format.size)
                     _recv_into(conn, crcs)
                     data = self._store.budget.buffer(length)
                     _recv_into(conn, data)
-                    block_crcs = frame_crcs(length).unpack(crcs)
+                    block_crcs = crc_format.unpack(crcs)
                     stream.write(BlockChunk(offset, memoryview(data), block_crcs))
                     offset += length
             except _Short:

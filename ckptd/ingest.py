@@ -140,17 +140,18 @@ class FileUpload:
         the background."""
         self.verified()
         block_crcs = self._crcs.packed()
+        checksum = file_crc32c(block_crcs)
         if trailer.size != self._size:
             self._fail(
                 InvalidArgument(
                     f"{self.path}: trailer says {trailer.size} bytes, {self._size} were received"
                 )
             )
-        elif trailer.crc32c != file_crc32c(block_crcs):
+        elif trailer.crc32c != checksum:
             self._fail(
                 InvalidArgument(
                     f"{self.path}: the trailer's file CRC-32C {trailer.crc32c:08x} does not match "
-                    f"the bytes received ({file_crc32c(block_crcs):08x}); write the file again"
+                    f"the bytes received ({checksum:08x}); write the file again"
                 )
             )
         self._raise_if_failed()

@@ -16,10 +16,9 @@ SHA-256; it is read (and the SHA-256 ignored) so that older checkpoints stay rea
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass, field
 
-from ckptd.tiers import BLOCK_BYTES, CheckpointKey, block_crcs_of
+from ckptd.tiers import BLOCK_BYTES, BlockCrcs, CheckpointKey
 from ckptd.wire import crc32c
 from scaletrain.v1 import checkpoint_pb2
 
@@ -35,8 +34,9 @@ def file_crc32c(block_crcs: bytes) -> int:
 
 def data_crc32c(data: bytes | memoryview) -> int:
     """The checksum (`file_crc32c`) of a whole file held in memory."""
-    crcs = block_crcs_of(data)
-    return file_crc32c(struct.pack(f"<{len(crcs)}I", *crcs))
+    blocks = BlockCrcs()
+    blocks.update(data)
+    return file_crc32c(blocks.packed())
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import queue
 import socket
-import struct
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -130,7 +129,7 @@ class SocketFile(FileWriter):
         finish: Callable[[checkpoint_pb2.FileTrailer], Reply],
     ) -> None:
         self._conn, self._announced, self._finish = conn, size, finish
-        self._crcs: list[int] = []
+        self._blocks = BlockCrcs()
         self._pieces = _Pieces(self._frame)
         self._dropped = not _send(conn, ticket)
 
@@ -138,7 +137,7 @@ class SocketFile(FileWriter):
         if self._dropped:
             return  # FinishUpload will say why ckptd dropped the connection
         crcs = block_crcs_of(piece)
-        self._crcs += crcs
+        self._blocks.extend(crcs, len(piece))  # pieces start on a block (`_Pieces`)
         head = FRAME_LENGTH.pack(len(piece)) + frame_crcs(len(piece)).pack(*crcs)
         self._dropped = not _send(self._conn, head, piece)
 
@@ -151,7 +150,7 @@ class SocketFile(FileWriter):
         if self._announced == UNKNOWN_SIZE and not self._dropped:
             _send(self._conn, FRAME_LENGTH.pack(0))
         self._conn.close()
-        checksum = file_crc32c(struct.pack(f"<{len(self._crcs)}I", *self._crcs))
+        checksum = file_crc32c(self._blocks.packed())
         return self._finish(checkpoint_pb2.FileTrailer(size=self.size, crc32c=checksum))
 
     def abort(self) -> None:
