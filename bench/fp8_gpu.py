@@ -5,11 +5,17 @@ shared baseline (its bf16 and naive per-tensor FP8 step) run in the same command
                                                # seq 8192, and ../shared/bench/h200_baseline.py
     python bench/fp8_gpu.py --device cpu --dims 256,128,2,4,4,384,2,128 --steps 2 --baseline ""
                                                # the tiny check that the script runs on a CPU
+    python bench/fp8_gpu.py --profile ...      # and where each step's time goes, by kind of
+                                               # kernel: FP8 and bf16 GEMMs, attention, fused
+                                               # (quantization, norms) kernels, the rest
 
 DIMS is V,d,L,heads,kv_heads,ffn,batch,seq. Each configuration trains the trainer's own model
 (bf16 parameters and AdamW, as the baseline does) for --steps timed steps after three warm-up
 steps; compiled runs compile each transformer block, as the baseline does. The GEMM path of
 every FP8 product is reported with the figures. Results also go to $OUT/fp8_gpu.json.
+With --profile, one more step of each configuration runs under torch.profiler after the timed ones
+(the GPU is shared by nothing else, so one step is representative): what separates a recipe from
+bf16 then reads off directly, e.g. the milliseconds its casts cost next to what its GEMMs saved.
 Targets (issue 4): per-tensor FP8 >= 1.35x bf16 and blockwise >= 1.2x, compiled.
 """
 
@@ -30,6 +36,21 @@ import torch.nn.functional as F
 from trainer.fp8 import convert_to_fp8, make_recipe
 from trainer.fp8.recipes import RECIPES
 from trainer.model.llama import ModelArgs, Transformer
+
+# Kinds of work a step's kernels are counted under, by the name of the operator that launched
+# them; the first pattern found in the (lower-case) name wins.
+KINDS = (
+    ("fp8 gemm", ("_scaled_mm",)),
+    ("attention", ("attention", "flash", "sdpa")),
+    ("gemm", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")),
+    ("fused reduction", ("triton_red", "triton_per")),
+    ("fused pointwise", ("triton_poi",)),
+    # A compiled graph's own kernels where the profiler does not name them one by one.
+    ("fused, unnamed", ("compiledfxgraph", "cpp_fused")),
+    ("optimizer", ("adam", "optimizer")),
+    ("loss", ("cross_entropy", "nll_loss", "log_softmax")),
+)
+TOP_OPERATORS = 12
 
 BASELINE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "h200_baseline.py"
 EIGHT_B = "128256,4096,8,32,8,14336,2,8192"
@@ -54,7 +75,7 @@ def model_args(vocab: int, dim: int, layers: int, heads: int, kv: int, ffn: int,
 
 def train_speed(
     args: ModelArgs, recipe: str | None, compile_blocks: bool, device: str, batch: int, seq: int,
-    steps: int,
+    steps: int, profile: bool = False,
 ) -> dict[str, object]:  # fmt: skip
     """Tokens/s of `steps` training steps after the warm-up steps, and what ran."""
     torch.manual_seed(0)
@@ -106,7 +127,47 @@ def train_speed(
         torch.cuda.reset_peak_memory_stats()
     if fp8 is not None:
         result["fp8_counts"] = fp8.counts()
+    if profile:
+        result["profile"] = profile_step(step, sync, device)
     return result
+
+
+def kind_of(operator: str) -> str:
+    name = operator.lower()
+    return next((kind for kind, patterns in KINDS if any(p in name for p in patterns)), "other")
+
+
+def profile_step(step, sync, device: str) -> dict[str, object]:
+    """Milliseconds of one step by kind of work, and the operators that took longest.
+
+    On a GPU the time is each operator's own kernels' device time; on a CPU (the script's tiny
+    check) it is the operator's own CPU time.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync()
+    by_kind: dict[str, float] = {}
+    by_operator: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != DeviceType.CPU:  # kernels count under the operator launching them
+            continue
+        us = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
+        if us <= 0:
+            continue
+        by_kind[kind_of(event.name)] = by_kind.get(kind_of(event.name), 0.0) + us / 1e3
+        calls_ms = by_operator.setdefault(event.name, [0, 0.0])
+        calls_ms[0] += 1
+        calls_ms[1] += us / 1e3
+    top = sorted(by_operator.items(), key=lambda item: -item[1][1])[:TOP_OPERATORS]
+    return {
+        "ms_by_kind": {kind: round(ms, 2) for kind, ms in sorted(by_kind.items())},
+        "ms_total": round(sum(by_kind.values()), 2),
+        "top_operators": [[name[:90], calls, round(ms, 2)] for name, (calls, ms) in top],
+    }
 
 
 def run_baseline(script: str, dims: list[int]) -> dict[str, object]:
@@ -130,6 +191,9 @@ def main() -> None:
     parser.add_argument("--baseline", default=str(BASELINE), help='its path; "" to skip it')
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--modes", default="eager,compile", help="in this order")
+    parser.add_argument(
+        "--profile", action="store_true", help="also profile one step of each configuration"
+    )
     args = parser.parse_args()
     dims = [int(x) for x in args.dims.split(",")]
     vocab, dim, layers, heads, kv, ffn, batch, seq = dims
@@ -149,7 +213,14 @@ def main() -> None:
             name = f"{recipe or 'bf16'} {mode}"
             try:
                 report[name] = train_speed(
-                    margs, recipe, compile_blocks, args.device, batch, seq, args.steps
+                    margs,
+                    recipe,
+                    compile_blocks,
+                    args.device,
+                    batch,
+                    seq,
+                    args.steps,
+                    args.profile,
                 )
             except Exception as exc:  # one failing configuration must not hide the others
                 report[name] = {"error": str(exc)[:400]}

@@ -1,4 +1,4 @@
-"""The checkpoint benchmarks still run as their docstrings say, each on a tiny workload.
+"""The benchmarks still run as their docstrings say, each on a tiny workload.
 
 Their figures are not checked here (speed is never asserted in a test); what is checked is that
 a user who runs one gets its ratios instead of a traceback from code that moved on.
@@ -6,6 +6,7 @@ a user who runs one gets its ratios instead of a traceback from code that moved 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,3 +40,22 @@ def test_each_checkpoint_benchmark_runs_and_prints_its_ratio(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert prints in result.stdout
+
+
+def test_the_fp8_speed_benchmark_runs_on_a_cpu_and_says_where_the_step_time_went() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "fp8_gpu.py"), "--device", "cpu",
+         "--dims", "256,128,2,4,4,384,2,128", "--steps", "1", "--baseline", "",
+         "--recipes", "tensorwise", "--modes", "eager", "--profile"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout[result.stdout.index("\n{") :])
+    fp8 = report["tensorwise eager"]
+    assert fp8["x_bf16"] > 0
+    assert fp8["profile"]["ms_by_kind"]["fp8 gemm"] > 0  # real FP8 products, found by name
+    assert fp8["profile"]["ms_total"] > 0
+    assert "fp8 gemm" not in report["bf16 eager"]["profile"]["ms_by_kind"]

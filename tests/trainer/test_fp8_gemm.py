@@ -7,7 +7,7 @@ import pytest
 import torch
 from fp8_testing import error_bound, varied
 
-from trainer.fp8.gemm import GemmPath, _swizzled_e8m0, run_path
+from trainer.fp8.gemm import GemmPath, _swizzled_e8m0, block_scaled_mm, run_path
 from trainer.fp8.linear import _OPERANDS, Fp8Plan, Gemm
 from trainer.fp8.quantize import quantize
 from trainer.fp8.recipes import RECIPES, Fp8Recipe
@@ -91,3 +91,21 @@ def test_mx_scales_are_laid_out_in_cublas_128x4_tiles():
             tile = (r // 128) * (cols // 4) + c // 4
             offset = tile * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
             assert swizzled[offset] == exponents[r, c] + 127
+
+
+def test_a_block_scaled_product_stays_inside_one_compiled_graph_and_computes_as_eager():
+    """Block scaling needs `F.scaled_mm`, where torch.compile 2.11 breaks the graph; through
+    the `block_scaled_mm` operator it compiles whole (checked with the scalings a CPU has)."""
+    a, b = varied(M, K, seed=1), varied(K, N, seed=2)
+    qa = quantize(a, RECIPES["tensorwise"].forward_format, tuple(a.shape))
+    qb = quantize(b.t().contiguous(), RECIPES["tensorwise"].forward_format, (N, K)).t()
+
+    def product(a_data, b_data, scale_a, scale_b):
+        return block_scaled_mm(
+            a_data, b_data, scale_a, "tensor", scale_b, "tensor", torch.float32, False
+        )
+
+    args = (qa.data, qb.data, qa.scale.reshape(()), qb.scale.reshape(()))
+    compiled = torch.compile(product, fullgraph=True)  # raises at any graph break
+    torch.testing.assert_close(compiled(*args), product(*args), rtol=0, atol=0)
+    torch.testing.assert_close(product(*args), run_path(GemmPath.EMULATED, qa, qb, torch.float32))

@@ -172,8 +172,8 @@ def _scaled_mm(
 ) -> torch.Tensor:
     """One scaled_mm call: a row-major, b column-major, scales in the layouts cuBLAS reads.
 
-    Per-tensor products go through `torch._scaled_mm`, which torch.compile traces into its graph
-    (torch 2.11 breaks the graph at `F.scaled_mm`); block scalings need `F.scaled_mm`.
+    Per-tensor products go through `torch._scaled_mm`, which torch.compile traces into its graph;
+    block scalings need `F.scaled_mm`, called through the `block_scaled_mm` operator.
     """
     a_scaling, b_scaling = scaling_of(a, 1), scaling_of(b, 0)
     if a_scaling not in _BLOCK_SCALING or b_scaling not in _BLOCK_SCALING:
@@ -188,11 +188,10 @@ def _scaled_mm(
             use_fast_accum=fast_accum,
         )
     scale_a, scale_b = a.scale, b.scale
-    swizzle: SwizzleType | None = None
     if a_scaling == "tensor":
         scale_a = scale_a.reshape(())
     elif a_scaling == "1x32":
-        scale_a, swizzle = _swizzled_e8m0(scale_a), SwizzleType.SWIZZLE_32_4_4
+        scale_a = _swizzled_e8m0(scale_a)
     else:  # 1x128 and 128x128 scales of a are read outer-dimension-major
         scale_a = _column_major(scale_a)
     if b_scaling == "tensor":
@@ -203,9 +202,40 @@ def _scaled_mm(
         scale_b = _column_major(scale_b)
     else:
         scale_b = _row_major(scale_b)
-    return F.scaled_mm(
+    return block_scaled_mm(
         _row_major(a.data),
         _column_major(b.data),
+        scale_a,
+        a_scaling,
+        scale_b,
+        b_scaling,
+        out_dtype,
+        fast_accum,
+    )
+
+
+@torch.library.custom_op("scaletrain::block_scaled_mm", mutates_args=())
+def block_scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    a_scaling: str,
+    scale_b: torch.Tensor,
+    b_scaling: str,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """`F.scaled_mm` of a (M, K) by b (K, N) with scalings named as `scaling_of` names them, MX
+    scales swizzled: one opaque operator to torch.compile.
+
+    torch 2.11's compiler breaks the graph at `F.scaled_mm` (a Python function it does not trace),
+    which under block scaling split every layer's graph three times and kept the casts around
+    each product out of the fused kernels; an operator with a shape function stays in the graph.
+    """
+    swizzle = SwizzleType.SWIZZLE_32_4_4 if "1x32" in (a_scaling, b_scaling) else None
+    return F.scaled_mm(
+        a,
+        b,
         scale_a,
         _BLOCK_SCALING[a_scaling],
         scale_b,
@@ -215,6 +245,20 @@ def _scaled_mm(
         output_dtype=out_dtype,
         use_fast_accum=fast_accum,
     )
+
+
+@block_scaled_mm.register_fake
+def _block_scaled_mm_shape(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    a_scaling: str,
+    scale_b: torch.Tensor,
+    b_scaling: str,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 def _swizzled_e8m0(scale: torch.Tensor) -> torch.Tensor:
