@@ -1,7 +1,9 @@
 """How long does a checkpoint stop training? Our async save against stock PyTorch, one state.
 
-In one process (world 1, gloo), on one FSDP2-wrapped Llama-style model with its AdamW state:
-  floor          copy of every tensor of the state into preallocated host buffers
+In one process (world 1: gloo on CPU, NCCL on a GPU), on one FSDP2-wrapped Llama-style model
+with its AdamW state:
+  floor          copy of every tensor of the state into preallocated host buffers (pinned from a
+                 GPU)
   ours           scaletrain's async save to ckptd (a real `scaletrain ckptd` child process):
                  blocking time = staging into reused buffers; background = streaming + commit
   dcp.save       synchronous save to local disk
@@ -9,6 +11,8 @@ In one process (world 1, gloo), on one FSDP2-wrapped Llama-style model with its 
 and the training throughput while our saves stream in the background against none.
 
     .venv/bin/python bench/ckpt_stall.py [--dim 768 --layers 8 --steps 12]
+    python bench/ckpt_stall.py --device cuda --dim 3072 --layers 8   # ~9.6 GB of state, the size
+        # ../shared/bench/h200_ckpt_baseline.py saves (DL=4096,12): run both in one command
 
 Prints one JSON object. Targets (issue 6): ours <= 1.5x floor, >= 10x below dcp.save, and
 throughput while saving >= 0.95 of throughput without saves.
@@ -66,20 +70,33 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    device = torch.device(args.device)
+    if device.type == "cuda":  # as the trainer does
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, rank=0, world_size=1)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=12, n_kv_heads=4))
     model.init_weights(0)
-    apply_fsdp([model], ParallelDims(1).build_mesh("cpu").fsdp)
+    model.to(device)
+    apply_fsdp([model], ParallelDims(1).build_mesh(device.type).fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     loader = DeterministicLoader(stdlib_corpus(2 << 20), 128, 8, 0, 1, seed=0)
 
     def train_step() -> None:
-        inputs, targets = loader.next_batch()
+        inputs, targets = (t.to(device) for t in loader.next_batch())
         loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
         loss.backward()
         optimizer.step()
@@ -90,11 +107,12 @@ def main() -> None:
     state = {"model": model_sd, "optim": optim_sd}
     tensors = _local_tensors(state)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    buffers = [torch.empty_like(t) for t in tensors]
+    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in tensors]
 
     def copy_floor() -> None:
         for buf, t in zip(buffers, tensors, strict=True):
-            buf.copy_(t)
+            buf.copy_(t, non_blocking=t.is_cuda)
+        sync()
 
     floor = _best(copy_floor)
 
@@ -109,7 +127,8 @@ def main() -> None:
         address = f"127.0.0.1:{free_port()}"
         ckptd = subprocess.Popen(
             [sys.executable, "-m", "scaletrain", "ckptd", "--listen", address,
-             "--data-dir", str(tmp_path / "ckptd"), "--memory-budget-mb", "4096"],
+             "--data-dir", str(tmp_path / "ckptd"),
+             "--memory-budget-mb", str(max(4096, 3 * state_bytes >> 20))],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         try:
@@ -127,12 +146,14 @@ def main() -> None:
             start = time.perf_counter()
             for _ in range(args.steps):
                 train_step()
+            sync()
             plain = args.steps / (time.perf_counter() - start)
             start = time.perf_counter()
             for i in range(args.steps):
                 if checkpointer.poll() or i == 0:
                     checkpointer.save(100 + i, labels={})
                 train_step()
+            sync()
             saving = args.steps / (time.perf_counter() - start)
             checkpointer.close()
         finally:
@@ -141,6 +162,7 @@ def main() -> None:
 
     ours = min(blocking[1:])  # buffers are allocated at the first save and reused after
     print(json.dumps({
+        "device": str(device),
         "state_mb": round(state_bytes / 1e6, 1),
         "floor_copy_s": round(floor, 4),
         "ours_blocking_s": round(ours, 4),

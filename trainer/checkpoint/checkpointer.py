@@ -138,6 +138,10 @@ class Checkpointer:
 
     def _any_rank_busy(self) -> bool:
         busy = torch.tensor([int(self._inflight is not None and not self._inflight.done())])
+        # The training loop's group (never the background saves' group, which a save may be
+        # using right now from its thread); NCCL reduces only device tensors.
+        if dist.get_backend() == "nccl":
+            busy = busy.cuda()
         dist.all_reduce(busy, op=dist.ReduceOp.MAX)
         return bool(busy.item())
 
