@@ -126,6 +126,11 @@ def test_delayed_scaling_starts_from_the_current_amax_then_uses_the_history_with
     # Now the history decides, whatever the current tensor holds.
     scale = history.scale(0, Role.INPUT, torch.tensor([[100.0]]), fp8.recipe.forward_format)
     assert scale.item() == 448.0 / 2.0 / 2
+    # Even for a tensor with no nonzero amax in its history: scale 1, never its own amax, so no
+    # cast after the first step waits for a reduction over the tensor it casts.
+    history.history[0, Role.INPUT].zero_()
+    scale = history.scale(0, Role.INPUT, torch.tensor([[100.0]]), fp8.recipe.forward_format)
+    assert scale.item() == 1.0
 
 
 def test_the_history_keeps_the_last_steps_newest_first_and_takes_their_max_or_the_newest():

@@ -9,8 +9,14 @@ vectorised ops however many layers there are:
 
 `update()` folds `pending` into `history`. Before that, `pending` is reduced with MAX over the
 process group, so every rank holds the same history and derives the same scales: the state is
-replicated, checkpointed once, and restores at any world size. Until a tensor has a history (the
-first step, or a tensor that was all zeros so far) its scale comes from its current amax.
+replicated, checkpointed once, and restores at any world size.
+
+Before the first update (`primed` false) there is no history and scales come from each tensor's
+current amax, as in dynamic scaling. From then on a scale depends on the history alone, never on
+the tensor being cast: that is what makes delayed scaling cheaper than dynamic, since the amax
+recorded for later steps and the cast can then read the tensor in one pass (torch.compile fuses
+them) instead of the cast waiting for a reduction over the whole tensor. A tensor whose history
+holds no nonzero amax (all zeros so far) is cast with scale 1, Transformer Engine's initial scale.
 """
 
 from __future__ import annotations
@@ -46,14 +52,16 @@ class Slot:
         self.owner.has_pending = True
 
     def scale(self, role: Role, amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-        """The quantization scale of `role`: from its history, or from `amax` without one."""
+        """The quantization scale of `role`: from its history; from `amax` (the tensor's own)
+        only before the first update. See the module doc."""
         recent = self.history[role]
         past = recent.amax() if self.recipe.amax_compute == "max" else recent[0]
         past = past.reshape(1, 1)
         options = {"margin": self.recipe.margin, "power_of_two": self.recipe.power_of_two_scales}
         from_history = scale_for_amax(past, fmt, **options)
-        from_now = scale_for_amax(amax, fmt, **options)
-        return torch.where(past > 0, from_history, from_now)
+        if self.owner.primed:  # a Python bool: torch.compile guards on it and recompiles once
+            return torch.where(past > 0, from_history, torch.ones_like(from_history))
+        return torch.where(past > 0, from_history, scale_for_amax(amax, fmt, **options))
 
 
 class AmaxHistory:
@@ -72,6 +80,7 @@ class AmaxHistory:
         self.pending = torch.zeros(rows, roles, device=device)
         self.slots = [Slot(self, row) for row in range(rows)]
         self.has_pending = False
+        self.primed = False  # a step has been folded into the history
 
     def record(self, row: int, role: Role, amax: torch.Tensor) -> None:
         """Fold a tensor's current amax into row `row`'s pending value for this step."""
@@ -98,6 +107,7 @@ class AmaxHistory:
             dist.all_reduce(self.pending, op=dist.ReduceOp.MAX, group=self.group)
         self.history.copy_(self.history.roll(1, dims=-1))
         self.history[..., 0] = self.pending
+        self.primed = True
         self._clear_pending()
 
     def _clear_pending(self) -> None:
@@ -127,4 +137,6 @@ class AmaxHistory:
                     f"expected {tuple(self.history[row].shape)} (amax_history_len changed?)"
                 )
             self.history[row].copy_(state[name])
+        # Saved after at least one step, unless (a checkpoint of step 0) it holds nothing yet.
+        self.primed = bool(self.history.any())
         self._clear_pending()
