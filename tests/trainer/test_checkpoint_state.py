@@ -5,10 +5,12 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from trainer.checkpoint import rng
 from trainer.checkpoint.stager import HostStager
@@ -53,23 +55,44 @@ def test_every_generator_continues_exactly_after_a_restore():
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
 
 
-def test_staged_dtensors_keep_their_wrapper_until_the_layout_changes(tmp_path):
-    """Building a DTensor costs more than copying a small shard: later saves reuse the first."""
+@pytest.fixture
+def one_process_group(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        live = {"w": distribute_tensor(torch.arange(8.0).view(2, 4), mesh, [Shard(0)])}
-        stager = HostStager()
-        first = stager.stage(live)["w"]
-        live["w"].to_local().mul_(3)
-        second = stager.stage(live)["w"]
-        assert second is first
-        assert torch.equal(second.full_tensor(), torch.arange(8.0).view(2, 4) * 3)
-        assert (second.placements, second.shape) == (live["w"].placements, live["w"].shape)
+    yield
+    dist.destroy_process_group()
 
-        live["w"] = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
-        third = stager.stage(live)["w"]
-        assert third is not first and torch.equal(third.full_tensor(), torch.ones(4, 4))
-    finally:
-        dist.destroy_process_group()
+
+def test_staged_dtensors_keep_their_wrapper_until_the_layout_changes(one_process_group):
+    """Building a DTensor costs more than copying a small shard: later saves reuse the first."""
+    mesh = init_device_mesh("cpu", (1,))
+    live = {"w": distribute_tensor(torch.arange(8.0).view(2, 4), mesh, [Shard(0)])}
+    stager = HostStager()
+    first = stager.stage(live)["w"]
+    live["w"].to_local().mul_(3)
+    second = stager.stage(live)["w"]
+    assert second is first
+    assert torch.equal(second.full_tensor(), torch.arange(8.0).view(2, 4) * 3)
+    assert (second.placements, second.shape) == (live["w"].placements, live["w"].shape)
+
+    live["w"] = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    third = stager.stage(live)["w"]
+    assert third is not first and torch.equal(third.full_tensor(), torch.ones(4, 4))
+
+
+def test_a_shard_of_a_gpu_mesh_is_staged_into_host_memory_and_stays_there(one_process_group):
+    """The state of a GPU run: DTensors on a CUDA mesh. Their staged copies must live in the
+    stager's host buffers, not be moved back to the mesh's device (here, a CUDA mesh on a machine
+    without CUDA: any move to it fails)."""
+    mesh = DeviceMesh("cuda", [0], _init_backend=False)
+    local = torch.arange(8.0).view(2, 4)
+    meta = TensorMeta(local.shape, local.stride(), local.dtype)
+    live = {"w": DTensor(local, DTensorSpec(mesh, (Shard(0),), meta), requires_grad=False)}
+    stager = HostStager()
+    first = stager.stage(live)["w"]
+    local.mul_(3)
+    second = stager.stage(live)["w"]
+    assert second.device_mesh is mesh and second.placements == (Shard(0),)
+    assert second.to_local().device.type == "cpu"
+    assert torch.equal(second.to_local(), torch.arange(8.0).view(2, 4) * 3)
+    assert second.to_local().data_ptr() == first.to_local().data_ptr()  # the reused buffer

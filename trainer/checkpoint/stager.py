@@ -2,12 +2,17 @@
 
 The buffers are allocated at the first save and reused by every later one (pinned memory on CUDA,
 so the device-to-host copies run at full bandwidth): a copy into an existing buffer costs a memcpy,
-a fresh allocation costs page faults on top. DTensors are staged as their local shard and wrapped
-back into a DTensor with the same mesh and placements, so DCP plans the staged copy exactly like
-the live state and a checkpoint still reshards on load. The wrappers are kept with their buffers
-too: building a DTensor costs more than copying a small shard into it (a third of the staging
-time of a 600 MB state in 300 tensors), and the one built at the first save stays valid as long
-as its buffer, mesh, placements, shape and stride do.
+a fresh allocation costs page faults on top.
+
+DTensors are staged as their local shard and wrapped back into a DTensor with the live one's spec
+(mesh, placements, global shape and stride), so DCP plans the staged copy exactly like the live
+state and a checkpoint still reshards on load. The wrapper is built from the spec, as stock DCP's
+own CPU staging does, never with `DTensor.from_local`: that moves the local tensor to the mesh's
+device, so on a GPU mesh every staged buffer would be copied back into GPU memory.
+
+The wrappers are kept with their buffers too: building a DTensor costs more than copying a small
+shard into it (a third of the staging time of a 600 MB state in 300 tensors), and the one built
+at the first save stays valid as long as its buffer, mesh, placements, shape and stride do.
 """
 
 from __future__ import annotations
@@ -51,14 +56,7 @@ class HostStager:
             kept = self._wrapped.get(path)
             if kept is not None and kept[0] == layout and kept[1] is local:
                 return kept[2]
-            wrapped = DTensor.from_local(
-                local,
-                device_mesh=value.device_mesh,
-                placements=value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
+            wrapped = DTensor(local, value._spec, requires_grad=False)
             self._wrapped[path] = (layout, local, wrapped)
             return wrapped
         if isinstance(value, torch.Tensor):
