@@ -158,7 +158,8 @@ def profile_step(step, sync, device: str) -> dict[str, object]:
         us = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
         if us <= 0:
             continue
-        by_kind[kind_of(event.name)] = by_kind.get(kind_of(event.name), 0.0) + us / 1e3
+        kind = kind_of(event.name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e3
         calls_ms = by_operator.setdefault(event.name, [0, 0.0])
         calls_ms[0] += 1
         calls_ms[1] += us / 1e3

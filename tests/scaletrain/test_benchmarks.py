@@ -18,6 +18,19 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--mib", "4", "--runs", "1"]
 
 
+def run_bench(script: str, *args: str) -> str:
+    """What `bench/<script> args` prints, after checking that it exited cleanly."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 @pytest.mark.parametrize(
     ("script", "args", "prints"),
     [
@@ -31,29 +44,15 @@ SMALL = ["--mib", "4", "--runs", "1"]
 def test_each_checkpoint_benchmark_runs_and_prints_its_ratio(
     script: str, args: list[str], prints: str
 ) -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert prints in result.stdout
+    assert prints in run_bench(script, *args)
 
 
 def test_the_fp8_speed_benchmark_runs_on_a_cpu_and_says_where_the_step_time_went() -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "fp8_gpu.py"), "--device", "cpu",
-         "--dims", "256,128,2,4,4,384,2,128", "--steps", "1", "--baseline", "",
-         "--recipes", "tensorwise", "--modes", "eager", "--profile"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    printed = run_bench(
+        "fp8_gpu.py", "--device", "cpu", "--dims", "256,128,2,4,4,384,2,128", "--steps", "1",
+        "--baseline", "", "--recipes", "tensorwise", "--modes", "eager", "--profile",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout[result.stdout.index("\n{") :])
+    report = json.loads(printed[printed.index("\n{") :])
     fp8 = report["tensorwise eager"]
     assert fp8["x_bf16"] > 0
     assert fp8["profile"]["ms_by_kind"]["fp8 gemm"] > 0  # real FP8 products, found by name

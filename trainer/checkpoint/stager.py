@@ -12,7 +12,7 @@ device, so on a GPU mesh every staged buffer would be copied back into GPU memor
 
 The wrappers are kept with their buffers too: building a DTensor costs more than copying a small
 shard into it (a third of the staging time of a 600 MB state in 300 tensors), and the one built
-at the first save stays valid as long as its buffer, mesh, placements, shape and stride do.
+at the first save stays valid as long as its buffer and the live DTensor's spec do.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor
 class HostStager:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        # path -> (the live DTensor's layout, the buffer, the DTensor over it): see the module doc.
-        self._wrapped: dict[str, tuple[tuple[Any, ...], torch.Tensor, DTensor]] = {}
+        # path -> the DTensor over that path's buffer, with the spec it was built from.
+        self._wrapped: dict[str, DTensor] = {}
         self.staged_bytes = 0
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -52,13 +52,11 @@ class HostStager:
             return [self._copy(v, f"{path}.{i}") for i, v in enumerate(value)]
         if isinstance(value, DTensor):
             local = self._into_buffer(value.to_local(), path)
-            layout = (value.device_mesh, value.placements, value.shape, value.stride())
             kept = self._wrapped.get(path)
-            if kept is not None and kept[0] == layout and kept[1] is local:
-                return kept[2]
-            wrapped = DTensor(local, value._spec, requires_grad=False)
-            self._wrapped[path] = (layout, local, wrapped)
-            return wrapped
+            if kept is not None and kept.to_local() is local and kept._spec == value._spec:
+                return kept
+            self._wrapped[path] = DTensor(local, value._spec, requires_grad=False)
+            return self._wrapped[path]
         if isinstance(value, torch.Tensor):
             return self._into_buffer(value, path)
         return copy.deepcopy(value)
