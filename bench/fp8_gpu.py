@@ -11,7 +11,8 @@ shared baseline (its bf16 and naive per-tensor FP8 step) run in the same command
 
 DIMS is V,d,L,heads,kv_heads,ffn,batch,seq. Each configuration trains the trainer's own model
 (bf16 parameters and AdamW, as the baseline does) for --steps timed steps after three warm-up
-steps; compiled runs compile each transformer block, as the baseline does. The GEMM path of
+steps; compiled runs compile each transformer block, as the baseline does. FP8 runs count lost
+values on one step in ten, as the trainer does by default (--fp8-count-every). The GEMM path of
 every FP8 product is reported with the figures. Results also go to $OUT/fp8_gpu.json.
 With --profile, one more step of each configuration runs under torch.profiler after the timed ones
 (the GPU is shared by nothing else, so one step is representative): what separates a recipe from
@@ -22,6 +23,7 @@ Targets (issue 4): per-tensor FP8 >= 1.35x bf16 and blockwise >= 1.2x, compiled.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from trainer.config import TrainConfig
 from trainer.fp8 import convert_to_fp8, make_recipe
 from trainer.fp8.recipes import RECIPES
 from trainer.model.llama import ModelArgs, Transformer
@@ -81,7 +84,9 @@ def train_speed(
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = Transformer(args).to(device, torch.bfloat16)
-    fp8 = convert_to_fp8(model, make_recipe(recipe)) if recipe else None
+    # Lost values are counted as a run counts them: one step in TrainConfig.fp8_count_every.
+    count_every = TrainConfig.fp8_count_every
+    fp8 = convert_to_fp8(model, make_recipe(recipe), count_every=count_every) if recipe else None
     paths = fp8.describe(torch.device(device), torch.bfloat16) if fp8 else "bf16"
     if compile_blocks:
         for name, block in model.layers.items():
@@ -89,7 +94,11 @@ def train_speed(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     tokens = torch.randint(0, args.vocab_size, (batch, seq), device=device)
 
+    step_number = itertools.count(1)
+
     def step() -> torch.Tensor:
+        if fp8 is not None:
+            fp8.begin_step(next(step_number))
         logits = model(tokens)
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
         loss.backward()

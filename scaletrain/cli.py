@@ -61,6 +61,7 @@ TRAINER_FLAGS: dict[str, type] = {
     "--log-every": int,
     "--fp8": str,
     "--fp8-all-gather": bool,
+    "--fp8-count-every": int,
 }
 
 

@@ -64,6 +64,7 @@ class TrainConfig:
     fp8_keep_high_precision: tuple[str, ...] = DEFAULT_KEEP_HIGH_PRECISION
     fp8_options: tuple[str, ...] = ()
     fp8_all_gather: bool = False  # FSDP2 all-gathers the FP8 linears' weights in FP8
+    fp8_count_every: int = 10  # steps between those that count FP8 saturation and underflow
     model: ModelArgs = field(default_factory=ModelArgs)
     # What the step guard does with a suspicious step (see trainer.health.guard).
     health_policy: str = "rollback"
@@ -100,6 +101,8 @@ class TrainConfig:
             raise ValueError(
                 f"--collective-timeout-s must be positive, got {self.collective_timeout_s}"
             )
+        if self.fp8_count_every < 1:
+            raise ValueError(f"--fp8-count-every must be at least 1, got {self.fp8_count_every}")
         if self.fp8 != "none":
             recipe = make_recipe(self.fp8, self.fp8_options)
             if self.fp8_all_gather:
@@ -184,6 +187,15 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="FSDP all-gathers the FP8 linears' weights in FP8 (not with mxfp8)",
     )
+    p.add_argument(
+        "--fp8-count-every",
+        type=int,
+        default=TrainConfig.fp8_count_every,
+        metavar="N",
+        help="count saturated and underflowed FP8 values on steps 1, 1+N, 1+2N, ... only (1: "
+        "every step; counting costs a pass over each cast; default "
+        f"{TrainConfig.fp8_count_every})",
+    )
     return p
 
 
@@ -228,6 +240,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         fp8_keep_high_precision=args.fp8_keep_high_precision,
         fp8_options=tuple(args.fp8_options),
         fp8_all_gather=args.fp8_all_gather,
+        fp8_count_every=args.fp8_count_every,
         model=model,
         health_policy=args.health_policy or TrainConfig.health_policy,
         peak_flops=args.peak_flops,

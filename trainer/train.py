@@ -126,7 +126,11 @@ def train(cfg: TrainConfig) -> None:
     if cfg.fp8 != "none":
         recipe = make_recipe(cfg.fp8, cfg.fp8_options)
         fp8 = convert_to_fp8(
-            model, recipe, cfg.fp8_keep_high_precision, all_gather=cfg.fp8_all_gather
+            model,
+            recipe,
+            cfg.fp8_keep_high_precision,
+            all_gather=cfg.fp8_all_gather,
+            count_every=cfg.fp8_count_every,
         )
     parallel = parallelize(model, mesh, cfg, device)
     optimizer = torch.optim.AdamW(
@@ -196,6 +200,8 @@ def train(cfg: TrainConfig) -> None:
         inputs, targets = (x.to(device) for x in loader.next_batch())
         inputs, targets = faults.corrupt_batch(step, inputs, targets)
         phases.data, t = _lap(t)
+        if fp8 is not None:
+            fp8.begin_step(step)
 
         for attempt in guard.attempts(step, phases):  # once; twice if the step is replayed
             t = time.perf_counter()

@@ -58,3 +58,14 @@ def test_the_fp8_speed_benchmark_runs_on_a_cpu_and_says_where_the_step_time_went
     assert fp8["profile"]["ms_by_kind"]["fp8 gemm"] > 0  # real FP8 products, found by name
     assert fp8["profile"]["ms_total"] > 0
     assert "fp8 gemm" not in report["bf16 eager"]["profile"]["ms_by_kind"]
+
+
+def test_the_fp8_traffic_benchmark_shows_what_counting_lost_values_adds_to_a_compiled_step():
+    printed = run_bench(
+        "fp8_traffic.py", "--dims", "256,128,1,4,4,384,1,128", "--recipes", "tensorwise-delayed"
+    )
+    report = json.loads(printed[printed.index("\n{") :])
+    assert report["naive"]["mb"] > report["bf16"]["mb"] > 0
+    counted = report["tensorwise-delayed counting=True"]
+    uncounted = report["tensorwise-delayed counting=False"]
+    assert counted["mb"] > uncounted["mb"] and counted["kernels"] > uncounted["kernels"]

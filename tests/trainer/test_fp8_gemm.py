@@ -7,6 +7,7 @@ import pytest
 import torch
 from fp8_testing import error_bound, varied
 
+from trainer.fp8 import gemm as gemm_paths
 from trainer.fp8.gemm import GemmPath, _swizzled_e8m0, block_scaled_mm, run_path
 from trainer.fp8.linear import _OPERANDS, Fp8Plan, Gemm
 from trainer.fp8.quantize import quantize
@@ -70,7 +71,12 @@ def test_on_cpu_per_tensor_products_are_real_scaled_mm_and_blocks_run_row_wise_p
         plan = Fp8Plan(recipe)
         chosen[name] = {gemm: plan.resolve(gemm, "cpu", torch.float32) for gemm in Gemm}
     for name in ("tensorwise", "tensorwise-delayed"):
-        assert {c.path for c in chosen[name].values()} == {GemmPath.SCALED_MM}
+        for choice in chosen[name].values():
+            # One real _scaled_mm either way: per tensor, or row-wise with the tensor's scale on
+            # every row where this CPU's per-tensor kernel is oneDNN's slow reference one.
+            assert choice.path in (GemmPath.SCALED_MM, GemmPath.ROWWISE_PER_BLOCK)
+            if choice.path is GemmPath.ROWWISE_PER_BLOCK:
+                assert "slower than emulation here" in choice.passed_over[GemmPath.SCALED_MM]
     blockwise = chosen["blockwise"]
     assert {c.path for c in blockwise.values()} == {GemmPath.ROWWISE_PER_BLOCK}
     refusal = blockwise[Gemm.FORWARD].passed_over[GemmPath.SCALED_MM]
@@ -80,6 +86,16 @@ def test_on_cpu_per_tensor_products_are_real_scaled_mm_and_blocks_run_row_wise_p
     mx = chosen["mxfp8"]
     assert {c.path for c in mx.values()} == {GemmPath.EMULATED}
     assert GemmPath.SCALED_MM in mx[Gemm.FORWARD].passed_over
+
+
+def test_a_path_far_slower_than_emulation_is_passed_over_with_the_reason(monkeypatch):
+    monkeypatch.setattr(gemm_paths, "_CHOICES", {})
+    monkeypatch.setattr(gemm_paths, "_seconds", lambda product, a: next(timings))
+    # On the small product: scaled_mm, emulation; then row-wise per block, emulation.
+    timings = iter([0.5, 0.001, 0.001, 0.001])
+    choice = Fp8Plan(RECIPES["tensorwise"]).resolve(Gemm.FORWARD, "cpu", torch.float32)
+    assert choice.path is GemmPath.ROWWISE_PER_BLOCK
+    assert choice.passed_over == {GemmPath.SCALED_MM: "runs, but 500x slower than emulation here"}
 
 
 def test_mx_scales_are_laid_out_in_cublas_128x4_tiles():

@@ -191,6 +191,34 @@ def test_the_run_is_told_each_products_path_and_the_counts_of_lost_values():
     counts = fp8.counts()
     assert counts["values"] > 0 and counts["saturated"] == 0
     assert "saturated 0.0000%" in fp8.summary()
+    fp8.count_every = 5
+    assert fp8.summary().endswith(" values cast (counted every 5 steps)")
+
+
+def _train_counting(count_every: int, steps: int) -> tuple[list[float], list[int]]:
+    """Losses, and values counted after each step, of the tiny delayed-scaling model."""
+    model, fp8 = tiny_model("tensorwise-delayed")
+    fp8.count_every = count_every
+    trainer, losses, counted = TinyTrainer(model, steps), [], []
+    for step in range(1, steps + 1):
+        fp8.begin_step(step)
+        losses.append(trainer.step())
+        counted.append(fp8.counts()["values"])
+    return losses, counted
+
+
+def test_lost_values_are_counted_on_every_nth_step_only_and_counting_changes_no_value():
+    every_losses, every_counted = _train_counting(1, 4)
+    sampled_losses, sampled_counted = _train_counting(3, 4)
+    assert sampled_losses == every_losses
+    per_step = every_counted[0]
+    assert every_counted == [per_step, 2 * per_step, 3 * per_step, 4 * per_step]
+    assert sampled_counted == [per_step, per_step, per_step, 2 * per_step]  # steps 1 and 4
+
+
+def test_a_count_interval_below_one_is_refused():
+    with pytest.raises(ValueError, match="fp8 count_every must be at least 1, got 0"):
+        convert_to_fp8(Transformer(TINY), make_recipe("tensorwise"), count_every=0)
 
 
 def test_mxfp8_weights_are_not_all_gathered_in_fp8_and_the_refusal_says_why():

@@ -38,6 +38,13 @@ class Fp8Training:
     history: AmaxHistory | None
     all_gather: bool = False
     group: dist.ProcessGroup | None = None
+    count_every: int = 1  # steps between those whose casts count saturation and underflow
+
+    def begin_step(self, step: int) -> None:
+        """Count saturated and underflowed values in this step's casts if it is the first of
+        every `count_every` (steps 1, 1 + count_every, ...): counting reads each cast tensor and
+        its FP8 bytes once more, about a sixth of the casts' memory traffic."""
+        self.plan.counting = (step - 1) % self.count_every == 0
 
     def update(self) -> None:
         """Fold the last step's amax values into the delayed-scaling history, and with per-tensor
@@ -60,7 +67,8 @@ class Fp8Training:
             self.history.load_state_dict(state)
 
     def counts(self) -> dict[str, int]:
-        """Values cast to FP8 so far on this rank, and how many saturated or underflowed."""
+        """Values cast to FP8 on the counted steps so far on this rank, and how many of them
+        saturated or underflowed."""
         every = [
             stats.totals for layer in self.layers.values() for stats in layer.caster.stats.values()
         ]
@@ -70,9 +78,10 @@ class Fp8Training:
         """The counts as the run's log line shows them (reads them back from the device)."""
         counts = self.counts()
         values = max(counts["values"], 1)
+        sampled = f" (counted every {self.count_every} steps)" if self.count_every > 1 else ""
         return (
             f"saturated {counts['saturated'] / values:.4%}, underflow "
-            f"{counts['underflow'] / values:.4%} of {counts['values']:,} values cast"
+            f"{counts['underflow'] / values:.4%} of {counts['values']:,} values cast{sampled}"
         )
 
     def describe(self, device: torch.device, dtype: torch.dtype) -> str:
@@ -105,13 +114,16 @@ def convert_to_fp8(
     keep_high_precision: tuple[str, ...] | list[str] = DEFAULT_KEEP_HIGH_PRECISION,
     group: dist.ProcessGroup | None = None,
     all_gather: bool = False,
+    count_every: int = 1,
 ) -> Fp8Training:
     """Replace `model`'s linears by FP8 linears in place; ValueError naming a layer that cannot.
 
     `group` is what amax values are reduced over (default: every rank): all ranks holding a
     replica or a shard of the same layers. `all_gather` makes FSDP2 (applied next) all-gather
-    the FP8 linears' weights in FP8 (trainer.fp8.fsdp).
+    the FP8 linears' weights in FP8 (trainer.fp8.fsdp). `count_every`: see `begin_step`.
     """
+    if count_every < 1:
+        raise ValueError(f"fp8 count_every must be at least 1, got {count_every}")
     if all_gather:
         check_all_gather(recipe)
     linears = {name: module for name, module in model.named_modules() if type(module) is nn.Linear}
@@ -129,7 +141,7 @@ def convert_to_fp8(
         model.get_submodule(parent).register_module(child, layer)
     if all_gather:
         shard_weights_in_fp8(layers)
-    training = Fp8Training(recipe, plan, layers, kept, history, all_gather, group)
+    training = Fp8Training(recipe, plan, layers, kept, history, all_gather, group, count_every)
     if history is not None or all_gather:
         model.register_forward_pre_hook(lambda _module, _args: training.update())
     return training

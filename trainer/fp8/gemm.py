@@ -12,14 +12,18 @@ Three paths compute the same product, `a.dequantize() @ b.dequantize()` accumula
 
 Which path serves a kind of product is decided once per process by a probe: each candidate runs
 on a small product of that kind and must match the emulated result; the first that does is used.
-A refused configuration ("Invalid scaling configuration") or a wrong answer moves on to the next.
-The decisions are kept with the reason each faster path was passed over, for the run's log.
+A refused configuration ("Invalid scaling configuration"), a wrong answer, or a path far slower
+than emulation moves on to the next. (oneDNN 3.12 multiplies E4M3 by E4M3 per tensor with its
+reference kernel on CPUs with AVX10.1 and AMX: ~500x slower than dequantizing and multiplying in
+fp32, while the row-wise product of the same operands is fast.) The decisions are kept with the
+reason each faster path was passed over, for the run's log.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +62,9 @@ class PathChoice:
 
 
 _CHOICES: dict[GemmKind, PathChoice] = {}
+# A path this many times slower than emulation, timed on a SPEED_PROBE_SIZE cube, is passed over.
+MAX_SLOWDOWN = 10.0
+SPEED_PROBE_SIZE = 64
 # Row-wise products per block pay one GEMM launch per block of K: worth it from 128 values on
 # (DeepSeek-V3's accumulation interval), not for MX's 32.
 MIN_BLOCK_PER_CALL = 128
@@ -96,6 +103,10 @@ def choose_path(kind: GemmKind) -> PathChoice:
             )
             continue
         try:
+            slowdown = _slowdown(path, kind)
+            if slowdown > MAX_SLOWDOWN:
+                passed_over[path] = f"runs, but {slowdown:.0f}x slower than emulation here"
+                continue
             got = run_path(path, a, b, kind.out_dtype, kind.fast_accum).float()
         except (RuntimeError, ValueError, NotImplementedError) as exc:
             passed_over[path] = str(exc).strip().splitlines()[0][:160]
@@ -106,6 +117,33 @@ def choose_path(kind: GemmKind) -> PathChoice:
         passed_over[path] = "ran, but its result differs from the fp32 reference"
     _CHOICES[kind] = PathChoice(GemmPath.EMULATED, passed_over)
     return _CHOICES[kind]
+
+
+def _slowdown(path: GemmPath, kind: GemmKind) -> float:
+    """How many times longer `path` takes than emulation on a small product of `kind` (best of
+    three after a warm-up each); 0 where the small product is refused (the full probe decides)."""
+    try:
+        a, b = _probe_operands(kind, SPEED_PROBE_SIZE)
+        seconds = _seconds(lambda: run_path(path, a, b, kind.out_dtype, kind.fast_accum), a)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return 0.0
+    return seconds / _seconds(lambda: run_path(GemmPath.EMULATED, a, b, kind.out_dtype), a)
+
+
+def _seconds(product, a: Quantized) -> float:
+    def sync() -> None:
+        if a.data.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    product()
+    best = math.inf
+    for _ in range(3):
+        sync()
+        start = time.perf_counter()
+        product()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _contraction_block(kind: GemmKind) -> int:
@@ -121,14 +159,14 @@ def _agrees(got: torch.Tensor, expected: torch.Tensor, out_dtype: torch.dtype) -
     return torch.allclose(got, expected, rtol=tolerance, atol=tolerance * expected.abs().max())
 
 
-def _probe_operands(kind: GemmKind) -> tuple[Quantized, Quantized]:
-    """Random operands of `kind`, 512 a side: whole blocks and swizzle tiles for any recipe, and
-    the four 128-blocks of K that cuBLAS's 128x128 scaling needs at least.
+def _probe_operands(kind: GemmKind, size: int = 512) -> tuple[Quantized, Quantized]:
+    """Random operands of `kind`, by default 512 a side: whole blocks and swizzle tiles for any
+    recipe, and the four 128-blocks of K that cuBLAS's 128x128 scaling needs at least.
 
     Magnitudes vary by 2^-8..2^8 from one 16x16 tile to the next, so every block gets its own
     scale and a scale read from the wrong place shows in the product.
     """
-    size, tile = 512, 16
+    tile = 16
     gen = torch.Generator().manual_seed(0)
     operands = []
     for fmt, scaling, contract_dim in (

@@ -52,6 +52,9 @@ class Fp8Plan:
 
     def __init__(self, recipe: Fp8Recipe) -> None:
         self.recipe = recipe
+        # Whether casts count saturated and underflowed values: a pass over each cast tensor
+        # and its FP8 bytes, so a run counts on some steps only (Fp8Training.begin_step).
+        self.counting = True
         self._paths: dict[tuple[Gemm, str, torch.dtype], GemmPath] = {}
 
     def kind(self, gemm: Gemm, device: str, out_dtype: torch.dtype) -> GemmKind:
@@ -138,7 +141,7 @@ class Caster:
                     recipe.format_of(role),
                     block,
                     power_of_two=recipe.power_of_two_scales,
-                    stats=self.stats[role],
+                    stats=self._stats(role),
                 )
         return [done[recipe.block(t.shape, role, dim)] for dim in contract_dims]
 
@@ -157,15 +160,20 @@ class Caster:
             recipe.forward_format,
             block,
             power_of_two=recipe.power_of_two_scales,
-            stats=self.stats[Role.WEIGHT],
+            stats=self._stats(Role.WEIGHT),
         )
+
+    def _stats(self, role: Role) -> QuantStats | None:
+        """Where a cast of `role` counts, on the steps that count (a Python bool to torch.compile:
+        it compiles one graph that counts and one that does not)."""
+        return self.stats[role] if self.plan.counting else None
 
     def _per_tensor(
         self, t: torch.Tensor, role: Role, amax: torch.Tensor, record: bool
     ) -> Quantized:
         """`t` with one scale: from the delayed amax history, or from `amax` (its own)."""
         recipe = self.plan.recipe
-        fmt, stats = recipe.format_of(role), self.stats[role]
+        fmt, stats = recipe.format_of(role), self._stats(role)
         if self.history is None:
             scale = scale_for_amax(amax, fmt, power_of_two=recipe.power_of_two_scales)
             return quantize_with_scale(t, fmt, t.shape, scale, stats, may_saturate=False)
