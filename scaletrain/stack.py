@@ -94,6 +94,7 @@ class Child:
         self._argv, self._env = argv, env
         self._log_file: IO[bytes] = log.open("ab")
         self.proc = self._spawn()
+        self._terminated: subprocess.Popen[bytes] | None = None  # the process sent SIGTERM
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -120,11 +121,18 @@ class Child:
     def failed_message(self) -> str:
         return f"{self.name} exited with code {self.proc.returncode}: {_tail(self.log)}"
 
+    def terminate(self) -> None:
+        """SIGTERM the whole group once, without waiting (`stop` waits): a second SIGTERM could
+        cut short the clean shutdown the first one started."""
+        if self.proc.poll() is None and self._terminated is not self.proc:
+            self._terminated = self.proc
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the whole group, then SIGKILL what is still there after `timeout_s`."""
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+            self.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout_s)
         # The leader may be gone while its children linger: kill the group regardless.
@@ -326,6 +334,10 @@ class Stack:
                         proc.wait()
 
     def close(self) -> None:
+        """Stop every service, then S3. All are sent SIGTERM first, so a shutdown takes as long
+        as the slowest service's, not the sum of their grace periods (over a minute at worst)."""
+        for child in self.children:
+            child.terminate()
         while self.children:
             self.children.pop().stop()
         if self.s3 is not None:
