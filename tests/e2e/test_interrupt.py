@@ -14,14 +14,26 @@ from e2e_procs import processes_mentioning
 pytestmark = pytest.mark.e2e
 
 
+def _as_foreground_process(argv: list[str]) -> subprocess.Popen[str]:
+    """Start `argv` with SIGINT's default disposition, as a terminal's foreground process has it.
+
+    A test runner started in the background by a shell without job control (`(make test &)`)
+    inherits SIGINT ignored, passes that on, and Python then installs no Ctrl-C handler at all.
+    A handler of ours while starting the child makes it start with the default instead (exec
+    resets handled signals to their default, while ignored ones stay ignored).
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_ctrl_c_stops_the_services_and_the_training_job(tmp_path: Path):
     workdir = tmp_path / "interrupted"
-    run = subprocess.Popen(
+    run = _as_foreground_process(
         [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--ranks", "2",
-         "--steps", "1000", "--log-every", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+         "--steps", "1000", "--log-every", "1"]
     )  # fmt: skip
     assert run.stdout is not None
     run_id = ""

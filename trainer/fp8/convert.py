@@ -43,7 +43,8 @@ class Fp8Training:
     def begin_step(self, step: int) -> None:
         """Count saturated and underflowed values in this step's casts if it is the first of
         every `count_every` (steps 1, 1 + count_every, ...): counting reads each cast tensor and
-        its FP8 bytes once more, about a sixth of the casts' memory traffic."""
+        its FP8 bytes once more, a fifth to a third of what the casts move (bench/fp8_traffic.py).
+        """
         self.plan.counting = (step - 1) % self.count_every == 0
 
     def update(self) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +131,7 @@ def _slowdown(path: GemmPath, kind: GemmKind) -> float:
     return seconds / _seconds(lambda: run_path(GemmPath.EMULATED, a, b, kind.out_dtype), a)
 
 
-def _seconds(product, a: Quantized) -> float:
+def _seconds(product: Callable[[], torch.Tensor], a: Quantized) -> float:
     def sync() -> None:
         if a.data.device.type == "cuda":
             torch.cuda.synchronize()
