@@ -45,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_gpu import model_args
 
 from trainer.fp8 import convert_to_fp8, make_recipe
+from trainer.fp8.formats import E4M3 as E4M3_FORMAT
 from trainer.fp8.gemm import block_scaled_mm
+from trainer.fp8.quantize import Quantized
 from trainer.fp8.recipes import RECIPES
 from trainer.model.llama import Transformer
 
@@ -134,10 +136,10 @@ def _block_scaled_mm_emulated(
 
 
 def _dequantized(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    rows, cols = data.shape
-    per_row, per_col = rows // scale.shape[0], cols // scale.shape[1]
-    full = scale.float().repeat_interleave(per_row, 0).repeat_interleave(per_col, 1)
-    return data.float() * full
+    """`data` times its block scales, the block read off the scales' shape (the format is not
+    needed to dequantize)."""
+    block = (data.shape[0] // scale.shape[0], data.shape[1] // scale.shape[1])
+    return Quantized(data, scale, block, E4M3_FORMAT).dequantize()
 
 
 def step_traffic(dims: list[int], config: str, counting: bool) -> dict[str, float | int]:
