@@ -17,11 +17,12 @@ GEMMs, attention and other library calls are left out, they are the same or fast
                          (a run counts one step in --fp8-count-every, 10 by default)
 
 and prints, for each, the bytes FP8 adds over bf16 as a ratio to what the naive linear adds.
-Products are planned as on Hopper: `aten::_scaled_mm` and `scaletrain::block_scaled_mm` get
-exact CPU emulations in this process (their bytes are not counted, and some CPUs run E4M3 per
-tensor with a reference kernel ~500x slower), so every recipe's probe picks `scaled_mm` as it does
-on an H200. A CPU's generated kernels are not a GPU's, but both come from the same scheduler and
-fusion rules; the kernel counts are printed beside the bytes.
+Products are planned as on Hopper: `aten::_scaled_mm` and `_scaled_mm_v2` run on
+bench/fp8_hopper.py's stand-ins in this process (what torch accepts on an H200, computed exactly;
+their bytes are not counted, and some CPUs run E4M3 per tensor with a reference kernel ~500x
+slower), so every recipe's probe picks the path it picks on an H200. A CPU's generated kernels
+are not a GPU's, but both come from the same scheduler and fusion rules; the kernel counts are
+printed beside the bytes.
 
     .venv/bin/python bench/fp8_traffic.py [--dims 1024,512,1,8,2,1792,2,512] [--recipes ...]
 """
@@ -42,12 +43,10 @@ from torch._inductor import compile_fx
 from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fp8_hopper
 from fp8_gpu import model_args
 
 from trainer.fp8 import convert_to_fp8, make_recipe
-from trainer.fp8.formats import E4M3 as E4M3_FORMAT
-from trainer.fp8.gemm import block_scaled_mm
-from trainer.fp8.quantize import Quantized
 from trainer.fp8.recipes import RECIPES
 from trainer.model.llama import Transformer
 
@@ -96,50 +95,6 @@ def use_naive_fp8(model: Transformer) -> None:
                 naive = NaiveFp8Linear(linear.in_features, linear.out_features, bias=False)
                 naive.weight = linear.weight
                 block.get_submodule(parent).register_module(child, naive)
-
-
-def _scaled_mm_emulated(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    scale_result: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    use_fast_accum: bool = False,
-) -> torch.Tensor:
-    """aten::_scaled_mm per tensor or row-wise, by exact dequantization."""
-    y = (a.float() * scale_a) @ (b.float() * scale_b)
-    return y.to(out_dtype or a.dtype)
-
-
-def _scaled_mm_out_emulated(*args: object, out: torch.Tensor, **kwargs: object) -> torch.Tensor:
-    """The out= overload, which compiled graphs call."""
-    return out.copy_(_scaled_mm_emulated(*args, **kwargs))
-
-
-_ATEN_CPU = torch.library.Library("aten", "IMPL")
-_ATEN_CPU.impl("_scaled_mm", _scaled_mm_emulated, "CPU")
-_ATEN_CPU.impl("_scaled_mm.out", _scaled_mm_out_emulated, "CPU")
-
-
-@block_scaled_mm.register_kernel("cpu")
-def _block_scaled_mm_emulated(
-    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, a_scaling: str,
-    scale_b: torch.Tensor, b_scaling: str, out_dtype: torch.dtype, fast_accum: bool,
-) -> torch.Tensor:  # fmt: skip
-    """What cuBLAS computes for 1x128/128x128 scalings (Hopper), by exact dequantization; MX
-    scalings are refused as Hopper refuses them."""
-    if "1x32" in (a_scaling, b_scaling):
-        raise NotImplementedError("MX scales need Blackwell")
-    return (_dequantized(a, scale_a) @ _dequantized(b, scale_b)).to(out_dtype)
-
-
-def _dequantized(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`data` times its block scales, the block read off the scales' shape (the format is not
-    needed to dequantize)."""
-    block = (data.shape[0] // scale.shape[0], data.shape[1] // scale.shape[1])
-    return Quantized(data, scale, block, E4M3_FORMAT).dequantize()
 
 
 def step_traffic(dims: list[int], config: str, counting: bool) -> dict[str, float | int]:
@@ -195,6 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     dims = [int(n) for n in args.dims.split(",")]
     count_inductor_bytes()
+    hopper = fp8_hopper.install_on_cpu()  # noqa: F841 (its kernels live as long as it does)
     report: dict[str, dict[str, float | int]] = {}
     for config, counting in [
         ("bf16", False),
