@@ -39,6 +39,7 @@ from trainer.config import TrainConfig
 from trainer.fp8 import convert_to_fp8, make_recipe
 from trainer.fp8.recipes import RECIPES
 from trainer.model.llama import ModelArgs, Transformer
+from trainer.parallel.compile import apply_compile
 
 # Kinds of work a step's kernels are counted under, by the name of the operator that launched
 # them; the first pattern found in the (lower-case) name wins.
@@ -89,8 +90,7 @@ def train_speed(
     fp8 = convert_to_fp8(model, make_recipe(recipe), count_every=count_every) if recipe else None
     paths = fp8.describe(torch.device(device), torch.bfloat16) if fp8 else "bf16"
     if compile_blocks:
-        for name, block in model.layers.items():
-            model.layers[name] = torch.compile(block)
+        apply_compile(model)  # as the trainer's --compile does
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     tokens = torch.randint(0, args.vocab_size, (batch, seq), device=device)
 

@@ -5,9 +5,10 @@ copy (and transposed copies for the backward products): memory-bound kernels, th
 step that does not speed up. Where the GPU is not at hand, what those kernels move can still be
 read off torch.compile: its scheduler estimates the bytes every kernel it generates reads and
 writes (`GraphLowering.count_bytes`, logged under `inductor_metrics`). This script compiles one
-transformer block of the trainer's model (forward and backward, as the trainer and
-bench/fp8_gpu.py compile it) per configuration and sums the bytes of the fused, generated kernels;
-GEMMs, attention and other library calls are left out, they are the same or faster in FP8:
+transformer block of the trainer's model (forward and backward, compiled as the trainer's
+--compile and bench/fp8_gpu.py compile it) per configuration and sums the bytes of the fused,
+generated kernels; GEMMs, attention and other library calls are left out, they are the same or
+faster in FP8:
 
   bf16                   no FP8
   naive                  the per-tensor FP8 linear of ../shared/bench/h200_baseline.py (amax,
@@ -49,6 +50,7 @@ from fp8_gpu import model_args
 from trainer.fp8 import convert_to_fp8, make_recipe
 from trainer.fp8.recipes import RECIPES
 from trainer.model.llama import Transformer
+from trainer.parallel.compile import apply_compile
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -117,8 +119,7 @@ def step_traffic(dims: list[int], config: str, counting: bool) -> dict[str, floa
     step()  # eager: delayed scaling then plans with a history, as from a run's second step on
     if fp8 is not None:
         fp8.plan.counting = counting
-    for name, block in model.layers.items():
-        model.layers[name] = torch.compile(block)
+    apply_compile(model)
     inductor_metrics.reset()
     step()
     fused = [

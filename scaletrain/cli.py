@@ -50,6 +50,7 @@ TRAINER_FLAGS: dict[str, type] = {
     "--pp-stages-per-rank": int,
     "--mixed-precision": bool,
     "--activation-checkpointing": bool,
+    "--compile": bool,
     "--n-experts": int,
     "--top-k": int,
     "--shared-experts": int,

@@ -180,14 +180,17 @@ def train(cfg: TrainConfig) -> None:
         on_hang=lambda hang: reporter.hang(hang, REPORT_WAIT_S), peers=_peer_board(rank, world),
     ).start()  # fmt: skip
 
+    # Every rank probes its FP8 paths now: under --compile, a probe inside a step breaks its graph.
+    compute_dtype = torch.bfloat16 if cfg.parallel.mixed_precision else torch.float32
+    fp8_paths = fp8.describe(device, compute_dtype) if fp8 is not None else None
     if rank == 0:
         print(
             f"[trainer] run {cfg.run_id}: {world} ranks, {n_params:,} parameters, "
             f"steps {start_step + 1}..{cfg.steps}",
             flush=True,
         )
-        if fp8 is not None:
-            print(f"[trainer] {fp8.describe(device, torch.float32)}", flush=True)
+        if fp8_paths is not None:
+            print(f"[trainer] {fp8_paths}", flush=True)
     tokens_per_step = cfg.global_batch * cfg.seq_len
     # Each rank reports its share, so the tokens of all ranks add up to the global batch's.
     local_tokens = tokens_per_step // world

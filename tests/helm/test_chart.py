@@ -424,7 +424,13 @@ def test_defaults_run_one_process_on_one_node_without_resuming() -> None:
     assert flag(torchrun, "--rdzv-id") == flag(argv, "--run-id") == RELEASE
     assert flag(argv, "--fp8") == "none"
     assert flag(argv, "--dp-shard") == "-1"
-    assert "--resume" not in argv
+    assert "--resume" not in argv and "--compile" not in argv
+
+
+def test_the_compile_value_compiles_the_trainers_blocks(chart) -> None:
+    docs = parse(render_raw(chart, {"trainer": {"compile": True, "fp8": {"recipe": "tensorwise"}}}))
+    _, argv = torchrun_and_trainer_args(container(trainer(docs)))
+    assert "--compile" in argv and flag(argv, "--fp8") == "tensorwise"
 
 
 def test_trainer_and_ckptd_share_the_training_nodes() -> None:
@@ -876,6 +882,11 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
             "trainer.parallel.ep = 3 must divide dpShard\\*cp = 4",
         ),
         (
+            with_trainer(nodes=1, nprocPerNode=2, parallel={"tp": 2}, compile=True),
+            helm.HelmRenderError,
+            "trainer.compile with trainer.parallel.tp = 2",
+        ),
+        (
             {"ckptd": {"s3": {"endpoint": "http://s3:8333", "credentials": {"accessKeyId": "id"}}}},
             helm.HelmRenderError,
             "set both accessKeyId and secretAccessKey",
@@ -915,6 +926,7 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
         "world-size-not-the-layout",
         "world-size-not-divisible-by-the-layout",
         "expert-parallel-not-dividing",
+        "compile-with-tensor-parallelism",
         "half-s3-credentials",
         "s3-credentials-without-endpoint",
         "no-database",

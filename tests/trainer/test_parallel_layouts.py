@@ -65,6 +65,7 @@ WORLD_4 = {
     "pp2.dp2-dualpipev": ({"pp": 2, "pp_schedule": "DualPipeV"}, DENSE),
     "dp4-activation-checkpointing": ({"activation_checkpointing": True}, DENSE),
     "dp4-bf16": ({"mixed_precision": True}, DENSE),
+    "dp4-compiled": ({"compile": True}, DENSE),
 }
 WORLD_8 = {
     "dp2.tp2.pp2": ({"tp": 2, "pp": 2}, DENSE),

@@ -2,9 +2,9 @@
 
 Order: tensor parallelism (DTensor plans on the whole model), context parallelism (ring attention,
 rotary tables cut to this rank's positions), expert parallelism (experts sharded, all-to-all
-dispatch), activation checkpointing, the pipeline split (this rank keeps its stages), and FSDP
-last, over whatever each part then holds. Every rank starts from the same full model (same seed),
-so applying a layout shards tensors and moves no data.
+dispatch), activation checkpointing, torch.compile per block, the pipeline split (this rank keeps
+its stages), and FSDP last, over whatever each part then holds. Every rank starts from the same
+full model (same seed), so applying a layout shards tensors and moves no data.
 
 The training loop sees one object: `forward` gives this rank's loss (under pipelining the whole
 forward-backward schedule runs there), `backward`, `clip_grad_norm_`, `mean_loss`, and
@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from trainer.config import TrainConfig
 from trainer.model.llama import Transformer, next_token_loss
+from trainer.parallel.compile import apply_compile
 from trainer.parallel.context import apply_cp
 from trainer.parallel.dims import ParallelDims, ParallelMesh
 from trainer.parallel.expert import ExpertLoad, apply_ep, balance_experts
@@ -113,6 +114,8 @@ def parallelize(
         apply_ep(model, mesh.ep)
     if par.activation_checkpointing:
         apply_activation_checkpointing(model)
+    if par.compile:
+        apply_compile(model)
 
     parts, stages = [model], []
     v = resolve_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)

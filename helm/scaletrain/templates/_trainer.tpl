@@ -88,6 +88,9 @@ spec:
         - {{ $p.ep | int64 | quote }}
         - --fp8
         - {{ $t.fp8.recipe | quote }}
+        {{- if $t.compile }}
+        - --compile
+        {{- end }}
         {{- if $t.resume }}
         - --resume
         {{- end }}
