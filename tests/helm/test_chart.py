@@ -882,11 +882,6 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
             "trainer.parallel.ep = 3 must divide dpShard\\*cp = 4",
         ),
         (
-            with_trainer(nodes=1, nprocPerNode=2, parallel={"tp": 2}, compile=True),
-            helm.HelmRenderError,
-            "trainer.compile with trainer.parallel.tp = 2",
-        ),
-        (
             {"ckptd": {"s3": {"endpoint": "http://s3:8333", "credentials": {"accessKeyId": "id"}}}},
             helm.HelmRenderError,
             "set both accessKeyId and secretAccessKey",
@@ -926,7 +921,6 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
         "world-size-not-the-layout",
         "world-size-not-divisible-by-the-layout",
         "expert-parallel-not-dividing",
-        "compile-with-tensor-parallelism",
         "half-s3-credentials",
         "s3-credentials-without-endpoint",
         "no-database",

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-from trainer.config import from_args, parser
 from trainer.model.llama import ModelArgs, Transformer
 from trainer.parallel.compile import apply_compile
 
@@ -20,11 +19,6 @@ def test_compiling_the_blocks_keeps_every_parameter_name_so_checkpoints_stay_com
     apply_compile(compiled)
     assert list(compiled.state_dict()) == list(eager.state_dict())
     assert all(block._compiled_call_impl is not None for block in compiled.layers.values())
-
-
-def test_compile_with_tensor_parallelism_is_refused_in_one_line_naming_both():
-    with pytest.raises(ValueError, match=r"--compile with --tp 2: .* wrong gradients"):
-        from_args(parser().parse_args(["--run-id", "r", "--tp", "2", "--compile"]))
 
 
 def _losses(*flags: str) -> list[float]:

@@ -66,6 +66,7 @@ WORLD_4 = {
     "dp4-activation-checkpointing": ({"activation_checkpointing": True}, DENSE),
     "dp4-bf16": ({"mixed_precision": True}, DENSE),
     "dp4-compiled": ({"compile": True}, DENSE),
+    "dp2.tp2-compiled": ({"tp": 2, "compile": True}, DENSE),
 }
 WORLD_8 = {
     "dp2.tp2.pp2": ({"tp": 2, "pp": 2}, DENSE),

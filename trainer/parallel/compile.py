@@ -13,12 +13,14 @@ Applied after tensor, context and expert parallelism and activation checkpointin
 recomputation is traced with the block), before the pipeline split and FSDP2: FSDP2's
 all-gathers and reduce-scatters run in its hooks around each compiled block. Ring attention's
 point-to-point transfers and MoE's token routing break a block's graph; each part between breaks
-is compiled. Measured on 2 gloo ranks against eager: cp2, ep2, pp2 and recomputation with bf16
-train alike, but tensor-parallel blocks compiled computed wrong gradients (the same first loss, a
-first gradient norm of 2.23 against 2.66), so TrainConfig refuses --compile with --tp > 1.
+is compiled.
 """
 
 from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from trainer.model.llama import Transformer
 
@@ -26,3 +28,12 @@ from trainer.model.llama import Transformer
 def apply_compile(model: Transformer) -> None:
     for block in model.layers.values():
         block.compile()
+    model.tok_embeddings.register_forward_hook(_settled)
+
+
+def _settled(module: nn.Module, inputs: object, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output as a plain tensor. Under tensor parallelism it is the result of a
+    reduce-scatter still in flight (an AsyncCollectiveTensor); a compiled block took its values
+    but not its autograd link, and the embedding got no gradient (torch 2.13, gloo: dp2 and tp2
+    agreed to 1e-7 on every other gradient). A copy, made eagerly, costs one activation."""
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output

@@ -281,9 +281,6 @@ Checks of values that the schema cannot express; templates/validate.yaml runs th
 {{- if ne (mod (mul $dpShard $p.cp) $p.ep) 0 }}
 {{- fail (printf "trainer.parallel.ep = %v must divide dpShard*cp = %v" $p.ep (mul $dpShard $p.cp)) }}
 {{- end }}
-{{- if and $t.compile (gt (int $p.tp) 1) }}
-{{- fail (printf "trainer.compile with trainer.parallel.tp = %v: compiled tensor-parallel blocks compute wrong gradients with the trainer's torch; set compile=false or tp=1" $p.tp) }}
-{{- end }}
 {{- if and (not .Values.ckptd.enabled) (not $t.ckptdAddress) }}
 {{- fail "trainer.enabled needs ckptd.enabled or trainer.ckptdAddress" }}
 {{- end }}
