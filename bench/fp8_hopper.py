@@ -19,6 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trainer.fp8.formats import E4M3 as E4M3_FORMAT
+from trainer.fp8.quantize import Quantized
+
 ScalingType = F.ScalingType
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # The (a, b) block scalings cuBLAS 12.9 multiplies on sm90: DeepSeek-V3's three products.
@@ -124,12 +127,11 @@ def _checked_product(
 
 
 def _dequantized(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`data` times its scales, each scale covering the block its shape implies."""
+    """`data` times its scales, the block read off the scales' shape (whole blocks only, as the
+    trainer's casts make them; the format is not needed to dequantize)."""
     scale = scale.float().reshape(1, 1) if scale.numel() == 1 else scale.float()
-    rows, cols = data.shape
-    per_row, per_col = -(-rows // scale.shape[0]), -(-cols // scale.shape[1])
-    full = scale.repeat_interleave(per_row, 0).repeat_interleave(per_col, 1)
-    return data.float() * full[:rows, :cols]
+    block = (data.shape[0] // scale.shape[0], data.shape[1] // scale.shape[1])
+    return Quantized(data, scale, block, E4M3_FORMAT).dequantize()
 
 
 def _is_scaling(t: torch.Tensor, scale: torch.Tensor, scaling: ScalingType) -> bool:

@@ -35,5 +35,7 @@ def _settled(module: nn.Module, inputs: object, output: torch.Tensor) -> torch.T
     """The embedding's output as a plain tensor. Under tensor parallelism it is the result of a
     reduce-scatter still in flight (an AsyncCollectiveTensor); a compiled block took its values
     but not its autograd link, and the embedding got no gradient (torch 2.13, gloo: dp2 and tp2
-    agreed to 1e-7 on every other gradient). A copy, made eagerly, costs one activation."""
+    agreed to 1e-7 on every other gradient). A copy, made eagerly, costs one activation. It is
+    made here, where the embedding runs eagerly: a pre-hook on the block would run inside the
+    compiled call, after the link is lost."""
     return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
