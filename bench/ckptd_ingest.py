@@ -120,7 +120,7 @@ def main() -> None:
                         conn.recv(1)
 
                 def ckptd_ingest(client: CkptdClient) -> float:
-                    save_id = client.open_save("bench", next(steps), world_size=1)
+                    save_id = client.open_save("bench", next(steps), world_size=1).save_id
                     seconds = timed(
                         lambda: client.write_file(
                             save_id, "__0_0.distcp", 0, checkpoint_pb2.FILE_KIND_SHARD, data

@@ -35,7 +35,7 @@ def main() -> None:
         ckptd = CkptdProcess(Path(tmp), "--memory-budget-mb", str(args.mib + 64))
         try:
             with CkptdClient(ckptd.address) as client:
-                save_id = client.open_save("bench", 1, world_size=1)
+                save_id = client.open_save("bench", 1, world_size=1).save_id
                 client.write_file(save_id, "__0_0.distcp", 0, checkpoint_pb2.FILE_KIND_SHARD, data)
                 client.write_file(save_id, ".metadata", 0, checkpoint_pb2.FILE_KIND_METADATA, b"m")
                 info = client.commit(save_id)

@@ -31,7 +31,8 @@ from scaletrain.v1 import checkpoint_pb2
 CATALOG_FILE = "catalog.db"
 # 2 added `runs` (retention per run) and `deletions`; a version-1 catalog gains them on open.
 # 3 dropped files.sha256 (a file's checksum is derived from its block CRCs: ckptd.manifest).
-SCHEMA_VERSION = 3
+# 4 added the node holding each file, and each save's epoch, coordinator and vote (clusters).
+SCHEMA_VERSION = 4
 
 OPEN, COMMITTED, ABORTED = "open", "committed", "aborted"
 TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
@@ -47,6 +48,10 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     created_at REAL NOT NULL,
     committed_at REAL,
     reason TEXT NOT NULL DEFAULT '',
+    epoch INTEGER NOT NULL DEFAULT 0,
+    coordinator TEXT NOT NULL DEFAULT '',
+    coordinator_address TEXT NOT NULL DEFAULT '',
+    prepared INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (run, step)
 );
 CREATE TABLE IF NOT EXISTS files (
@@ -57,6 +62,7 @@ CREATE TABLE IF NOT EXISTS files (
     kind INTEGER NOT NULL,
     size INTEGER NOT NULL,
     block_crcs BLOB NOT NULL,
+    node TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (run, step, path),
     FOREIGN KEY (run, step) REFERENCES checkpoints (run, step) ON DELETE CASCADE
 );
@@ -86,9 +92,29 @@ CREATE TABLE IF NOT EXISTS deletions (
 """
 
 
+# Columns added by schema 4 (table, column, type), for catalogs made before it.
+_MIGRATE_4 = (
+    ("checkpoints", "epoch", "INTEGER NOT NULL DEFAULT 0"),
+    ("checkpoints", "coordinator", "TEXT NOT NULL DEFAULT ''"),
+    ("checkpoints", "coordinator_address", "TEXT NOT NULL DEFAULT ''"),
+    ("checkpoints", "prepared", "INTEGER NOT NULL DEFAULT 0"),
+    ("files", "node", "TEXT NOT NULL DEFAULT ''"),
+)
+_FILE_COLUMNS = "path, rank, kind, size, block_crcs, node"
+
+
+@dataclass(frozen=True)
+class Coordination:
+    """Who coordinates a save attempt's commit, and its epoch (ckptd.cluster)."""
+
+    epoch: int = 0
+    coordinator: str = ""
+    coordinator_address: str = ""
+
+
 @dataclass(frozen=True)
 class SaveRecord:
-    """One save attempt of a checkpoint, as OpenSave created it."""
+    """One save attempt of a checkpoint, as OpenSave (or a rank's JoinSave) created it."""
 
     save_id: str
     key: CheckpointKey
@@ -96,6 +122,9 @@ class SaveRecord:
     state: str
     created_at: float
     labels: dict[str, str]
+    coordination: Coordination = Coordination()
+    # This node voted to commit it (its part is durable); it must wait for the outcome.
+    prepared: bool = False
 
 
 def _timestamp(seconds: float | None) -> Timestamp | None:
@@ -106,10 +135,19 @@ def _timestamp(seconds: float | None) -> Timestamp | None:
     return stamp
 
 
-class Catalog:
-    """Thread-safe access to `catalog.db`; one connection, serialized by a lock."""
+def _file_row(f: FileRecord) -> tuple:
+    return (f.path, f.rank, f.kind, f.size, f.block_crcs, f.node)
 
-    def __init__(self, data_dir: Path, *, readonly: bool = False) -> None:
+
+class Catalog:
+    """Thread-safe access to `catalog.db`; one connection, serialized by a lock.
+
+    `node` is the node this ckptd is: its tier states are of that node's part of each
+    checkpoint (and of the whole checkpoint on S3).
+    """
+
+    def __init__(self, data_dir: Path, *, readonly: bool = False, node: str = "") -> None:
+        self.node = node
         path = Path(data_dir) / CATALOG_FILE
         if readonly:
             if not path.exists():
@@ -128,10 +166,15 @@ class Catalog:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = FULL")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, 1, 2, SCHEMA_VERSION):
-                raise UserError(f"{path} has catalog schema {version}; this ckptd knows 1 to 3")
+            if version not in (0, 1, 2, 3, SCHEMA_VERSION):
+                raise UserError(f"{path} has catalog schema {version}; this ckptd knows 1 to 4")
             if version in (1, 2):
                 self._db.execute("ALTER TABLE files DROP COLUMN sha256")
+            if version in (1, 2, 3):
+                for table, column, kind in _MIGRATE_4:
+                    columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                    if column not in columns:
+                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
             self._db.executescript(_SCHEMA)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
@@ -157,18 +200,40 @@ class Catalog:
     # -- saves -----------------------------------------------------------------------------------
 
     def open_save(
-        self, key: CheckpointKey, save_id: str, world_size: int, labels: dict[str, str]
+        self,
+        key: CheckpointKey,
+        save_id: str,
+        world_size: int,
+        labels: dict[str, str],
+        coordination: Coordination,
     ) -> None:
         """Record a new save attempt, replacing any earlier uncommitted attempt of the same key."""
         with self._tx() as db:
             db.execute("DELETE FROM checkpoints WHERE run = ? AND step = ?", (key.run, key.step))
             db.execute(
                 "INSERT INTO checkpoints (run, step, save_id, world_size, state, labels, "
-                "created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (key.run, key.step, save_id, world_size, OPEN, json.dumps(labels), time.time()),
-            )
+                "created_at, epoch, coordinator, coordinator_address) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (key.run, key.step, save_id, world_size, OPEN, json.dumps(labels), time.time(),
+                 coordination.epoch, coordination.coordinator, coordination.coordinator_address),
+            )  # fmt: skip
 
-    _SAVE_COLUMNS = "save_id, run, step, world_size, state, created_at, labels"
+    def epoch_of(self, key: CheckpointKey) -> int:
+        """The newest epoch recorded for `key` (any state; 0 if none)."""
+        rows = self._query(
+            "SELECT epoch FROM checkpoints WHERE run = ? AND step = ?", (key.run, key.step)
+        )
+        return rows[0][0] if rows else 0
+
+    def set_prepared(self, save_id: str) -> None:
+        """Record this node's vote to commit `save_id`: from now on only the outcome decides."""
+        with self._tx() as db:
+            db.execute("UPDATE checkpoints SET prepared = 1 WHERE save_id = ?", (save_id,))
+
+    _SAVE_COLUMNS = (
+        "save_id, run, step, world_size, state, created_at, labels, epoch, coordinator, "
+        "coordinator_address, prepared"
+    )
 
     def save(self, save_id: str) -> SaveRecord | None:
         rows = self._query(
@@ -191,31 +256,37 @@ class Catalog:
 
     @staticmethod
     def _save_record(row: tuple) -> SaveRecord:
-        save_id, run, step, world_size, state, created_at, labels = row
+        save_id, run, step, world_size, state, created_at, labels, *coordination, prepared = row
         key = CheckpointKey(run, step)
-        return SaveRecord(save_id, key, world_size, state, created_at, json.loads(labels))
+        return SaveRecord(
+            save_id,
+            key,
+            world_size,
+            state,
+            created_at,
+            json.loads(labels),
+            Coordination(*coordination),
+            bool(prepared),
+        )
 
     def add_file(self, key: CheckpointKey, record: FileRecord) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT OR REPLACE INTO files (run, step, path, rank, kind, size, block_crcs) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (key.run, key.step, record.path, record.rank, record.kind, record.size,
-                 record.block_crcs),
-            )  # fmt: skip
+                f"INSERT OR REPLACE INTO files ({_FILE_COLUMNS}, run, step) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (*_file_row(record), key.run, key.step),
+            )
 
     def files(self, key: CheckpointKey) -> list[FileRecord]:
         rows = self._query(
-            "SELECT path, rank, kind, size, block_crcs FROM files "
-            "WHERE run = ? AND step = ? ORDER BY path",
+            f"SELECT {_FILE_COLUMNS} FROM files WHERE run = ? AND step = ? ORDER BY path",
             (key.run, key.step),
         )
         return [FileRecord(*row) for row in rows]
 
     def file(self, key: CheckpointKey, path: str) -> FileRecord | None:
         rows = self._query(
-            "SELECT path, rank, kind, size, block_crcs FROM files "
-            "WHERE run = ? AND step = ? AND path = ?",
+            f"SELECT {_FILE_COLUMNS} FROM files WHERE run = ? AND step = ? AND path = ?",
             (key.run, key.step, path),
         )
         return FileRecord(*rows[0]) if rows else None
@@ -248,11 +319,12 @@ class Catalog:
                 "DELETE FROM checkpoints WHERE state = ? AND created_at < ?", (ABORTED, before)
             ).rowcount
 
-    def record_commit(self, manifest: Manifest, tier: int) -> None:
+    def record_commit(self, manifest: Manifest, tier: int | None) -> None:
         """Make `manifest` a committed checkpoint held by `tier`, whatever the catalog said.
 
         Used by commit and by recovery from a tier's marker (after a crash between the marker and
-        the catalog, or with a lost catalog): the marker is the truth.
+        the catalog, or with a lost catalog): the marker is the truth. `tier` None: this node
+        holds no copy of it (its part is another node's), it only knows it is committed.
         """
         key = manifest.key
         with self._tx() as db:
@@ -269,18 +341,21 @@ class Catalog:
             if row is None or row[0] != COMMITTED:
                 db.execute("DELETE FROM files WHERE run = ? AND step = ?", (key.run, key.step))
                 db.executemany(
-                    "INSERT INTO files (run, step, path, rank, kind, size, block_crcs) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    [(key.run, key.step, f.path, f.rank, f.kind, f.size, f.block_crcs)
-                     for f in manifest.files],
-                )  # fmt: skip
+                    f"INSERT INTO files ({_FILE_COLUMNS}, run, step) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(*_file_row(f), key.run, key.step) for f in manifest.files],
+                )
                 db.execute(
                     "UPDATE checkpoints SET state = ?, committed_at = ?, world_size = ?, "
-                    "labels = ? WHERE run = ? AND step = ?",
+                    "labels = ?, epoch = ?, coordinator = ?, prepared = 0 "
+                    "WHERE run = ? AND step = ?",
                     (COMMITTED, manifest.committed_at or time.time(), manifest.world_size,
-                     json.dumps(manifest.labels), key.run, key.step),
+                     json.dumps(manifest.labels), manifest.epoch, manifest.coordinator,
+                     key.run, key.step),
                 )  # fmt: skip
-            self._set_tier(db, key, tier, TIER_COMMITTED, manifest.total_bytes, "")
+            if tier is not None:
+                nbytes = sum(f.size for f in manifest.files_on(self.node))
+                self._set_tier(db, key, tier, TIER_COMMITTED, nbytes, "")
 
     def manifest(self, key: CheckpointKey) -> Manifest | None:
         """The manifest of a committed checkpoint, as its markers carry it."""
@@ -297,6 +372,8 @@ class Catalog:
             labels=save.labels,
             created_at=save.created_at,
             committed_at=committed_at or 0.0,
+            epoch=save.coordination.epoch,
+            coordinator=save.coordination.coordinator,
         )
 
     def delete(self, key: CheckpointKey, s3_too: bool = False) -> None:
@@ -436,8 +513,7 @@ class Catalog:
             infos = []
             for run, step, world_size, state, labels, created, committed, *policy in rows:
                 files = self._db.execute(
-                    "SELECT path, rank, kind, size, block_crcs FROM files "
-                    "WHERE run = ? AND step = ? ORDER BY path",
+                    f"SELECT {_FILE_COLUMNS} FROM files WHERE run = ? AND step = ? ORDER BY path",
                     (run, step),
                 ).fetchall()
                 tiers = {
@@ -457,6 +533,7 @@ class Catalog:
                     created_at=_timestamp(created),
                     committed_at=_timestamp(committed),
                     labels=json.loads(labels),
+                    node=self.node,
                 )
                 if policy[0] is not None:
                     info.retention.CopyFrom(RetentionPolicy(*policy).to_proto())

@@ -81,8 +81,9 @@ class CkptdClient:
         world_size: int,
         labels: Mapping[str, str] | None = None,
         retention: checkpoint_pb2.RetentionPolicy | None = None,
-    ) -> str:
-        """Start a save of (run, step) written by `world_size` ranks; returns its save id.
+    ) -> checkpoint_pb2.OpenSaveResponse:
+        """Start a save of (run, step) written by `world_size` ranks: its save id, epoch and
+        coordinator, which every rank passes to `join_save` on its own node's ckptd.
 
         `retention`, if given, becomes the run's policy from now on.
         """
@@ -93,9 +94,27 @@ class CkptdClient:
             retention=retention,
         )
         try:
-            return self._stub.OpenSave(request, timeout=DEFAULT_TIMEOUT_S).save_id
+            return self._stub.OpenSave(request, timeout=DEFAULT_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise self._error(exc, f"open save {run}/{step}") from None
+
+    def join_save(
+        self, opened: checkpoint_pb2.OpenSaveResponse, run: str, step: int, world_size: int
+    ) -> str:
+        """Make this ckptd take a rank's files of a save the coordinator opened (on this node or
+        another); returns the name of the node that holds them."""
+        request = checkpoint_pb2.JoinSaveRequest(
+            save_id=opened.save_id,
+            ref=checkpoint_pb2.CheckpointRef(run=run, step=step),
+            world_size=world_size,
+            epoch=opened.epoch,
+            coordinator=opened.coordinator,
+            coordinator_address=opened.coordinator_address,
+        )
+        try:
+            return self._stub.JoinSave(request, timeout=DEFAULT_TIMEOUT_S).node
+        except grpc.RpcError as exc:
+            raise self._error(exc, f"join save {run}/{step}") from None
 
     def write_file(
         self,
@@ -253,11 +272,12 @@ class CkptdClient:
             raise self._error(exc, f"delete {run}/{step}") from None
 
     def list(
-        self, run: str = "", include_uncommitted: bool = False
+        self, run: str = "", include_uncommitted: bool = False, nodes: bool = False
     ) -> list[checkpoint_pb2.CheckpointInfo]:
-        """Checkpoints of `run` (every run if empty), oldest step first."""
+        """Checkpoints of `run` (every run if empty), oldest step first; with `nodes`, each with
+        every node's part and that node's copies of it (`CheckpointInfo.parts`)."""
         request = checkpoint_pb2.ListCheckpointsRequest(
-            run=run, include_uncommitted=include_uncommitted
+            run=run, include_uncommitted=include_uncommitted, nodes=nodes
         )
         try:
             reply = self._stub.ListCheckpoints(request, timeout=DEFAULT_TIMEOUT_S)

@@ -7,6 +7,7 @@ and are hidden from `repr`, so a logged config never leaks them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,65 @@ class S3Config:
         )
 
 
+_NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def check_address(address: str, what: str) -> str:
+    """HOST:PORT with a port number: a peer list entry, as a user may mistype it."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} {address!r} is not HOST:PORT")
+    return address
+
+
+def names_itself(address: str) -> str:
+    """The error for a peer list that names this node's own ckptd (at `address`)."""
+    return f"peer list names this node itself ({address}); list the other nodes only"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Which node this ckptd is and who its peers are (one ckptd per node).
+
+    With no peers it is a cluster of one: the same protocol, with nobody else to ask.
+    """
+
+    # None: the name the data dir was given when new (ckptd.datadir.node_of).
+    node: str | None = None
+    # HOST:PORT of every other node's ckptd: a static membership.
+    peers: tuple[str, ...] = ()
+    # HOST:PORT whose HOST resolves to every node's ckptd (a headless Service), this one too.
+    peers_dns: str | None = None
+    # The address peers reach this ckptd at; None: its listen address.
+    advertise: str | None = None
+    # How often in-doubt saves are resolved and the catalog is compared with the peers'.
+    sync_interval_s: float = 5.0
+    # How long a peer may take to answer a vote (it fsyncs its part first).
+    prepare_timeout_s: float = 120.0
+    # How long to wait for a connection to a peer before counting it unreachable.
+    # (gRPC retries a refused connection within a second: scaletrain.rpc's reconnect backoff.)
+    connect_timeout_s: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.node is not None and not _NODE_RE.fullmatch(self.node):
+            raise ValueError(
+                f"node name {self.node!r} is invalid: use 1-63 letters, digits and . _ -, "
+                "starting with a letter or digit"
+            )
+        for peer in self.peers:
+            check_address(peer, "peer")
+        if len(set(self.peers)) != len(self.peers):
+            raise ValueError(f"peer list {','.join(self.peers)} names a peer twice")
+        if self.advertise is not None:
+            check_address(self.advertise, "advertise address")
+            if self.advertise in self.peers:
+                raise ValueError(names_itself(self.advertise))
+        if self.peers_dns is not None:
+            check_address(self.peers_dns, "--peers-dns")
+        if self.sync_interval_s <= 0 or self.prepare_timeout_s <= 0:
+            raise ValueError("sync_interval_s and prepare_timeout_s must be > 0")
+
+
 @dataclass(frozen=True)
 class CkptdConfig:
     """One ckptd: its data dir holds the SSD tier and the catalog, so it can be listed offline."""
@@ -87,9 +147,13 @@ class CkptdConfig:
     data_socket: bool = True
     # How long an upload ticket waits for its data connection, and an upload for its trailer.
     upload_ticket_ttl_s: float = 30.0
+    # This node's name and its peers.
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.cluster.advertise is None and self.listen in self.cluster.peers:
+            raise ValueError(names_itself(self.listen))
         if self.memory_budget_bytes < 0:
             raise ValueError(f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")
         if self.max_checkpoint_bytes <= 0:

@@ -26,6 +26,13 @@ PHASES = (
     "s3-marker-deleted",  # a delete (retention or rm) removed an S3 marker, not yet the files
 )
 
+# The two-phase commit over several nodes (ckptd.cluster); reached only with peers.
+CLUSTER_PHASES = (
+    "cluster-prepared",  # a participant recorded its vote; the coordinator has no answer yet
+    "cluster-voted",  # the coordinator has every vote and no decision (no marker) yet
+    "cluster-decided",  # the coordinator's marker (the decision) is durable; no peer told yet
+)
+
 _lock = threading.Lock()
 _seen: dict[str, int] = {}
 

@@ -9,8 +9,9 @@ offers one), so a checkpoint keeps DCP's stock layout (`__R_I.distcp` per rank p
 on every tier, and a checkpoint saved at one parallel layout loads into another.
 
 Save protocol: the coordinator opens the save in `prepare_global_plan` (it then knows the world
-size) and hands the save id to every rank inside its plan; each rank streams its own files in
-`write_data`; the coordinator writes `.metadata` and commits in `finish`.
+size) and hands the save (id, epoch, coordinator) to every rank inside its plan; each rank joins
+it on its own node's ckptd and streams its own files there in `write_data`; the coordinator
+writes `.metadata` to its node's ckptd and commits in `finish`, which commits on every node.
 """
 
 from __future__ import annotations
@@ -206,11 +207,14 @@ class _HeldBuffer(io.BytesIO):
 
 @dataclasses.dataclass(frozen=True)
 class _CkptdPlanData:
-    """What the coordinator hands each rank with its plan: its file prefix, rank and save id."""
+    """What the coordinator hands each rank with its plan: its file prefix and rank, and the
+    save as the coordinator's ckptd opened it (id, epoch, coordinator), which each rank joins
+    on its own node's ckptd."""
 
     prefix: str
     rank: int
-    save_id: str
+    world_size: int
+    opened: bytes  # a serialized OpenSaveResponse (plans are pickled: keep it plain)
 
 
 def _checkpoint_id(run: str, step: int) -> str:
@@ -237,16 +241,20 @@ class CkptdStorageWriter(FileSystemWriter):
         self.committed: checkpoint_pb2.CheckpointInfo | None = None
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        save_id = self.client.open_save(self.run, self.step, len(plans), self.labels)
-        self.fs.save_id = save_id
+        opened = self.client.open_save(self.run, self.step, len(plans), self.labels)
+        self.fs.save_id = opened.save_id
+        wire = opened.SerializeToString()
         return [
-            dataclasses.replace(plan, storage_data=_CkptdPlanData(f"__{i}_", i, save_id))
+            dataclasses.replace(plan, storage_data=_CkptdPlanData(f"__{i}_", i, len(plans), wire))
             for i, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         data: _CkptdPlanData = plan.storage_data
-        self.fs.save_id, self.fs.rank = data.save_id, data.rank
+        opened = checkpoint_pb2.OpenSaveResponse.FromString(data.opened)
+        # This rank's files go to its own node's ckptd, which must know the save first.
+        self.client.join_save(opened, self.run, self.step, data.world_size)
+        self.fs.save_id, self.fs.rank = opened.save_id, data.rank
         return super().write_data(plan, planner)
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:

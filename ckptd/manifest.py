@@ -48,6 +48,9 @@ class FileRecord:
     kind: int
     size: int
     block_crcs: bytes
+    # The node whose ckptd received it and keeps its memory and SSD copies; "" in checkpoints
+    # saved before ckptd had nodes (they live wholly on the node that lists them).
+    node: str = ""
 
     @property
     def crc32c(self) -> int:
@@ -56,8 +59,27 @@ class FileRecord:
 
     def to_proto(self) -> checkpoint_pb2.FileInfo:
         return checkpoint_pb2.FileInfo(
-            path=self.path, rank=self.rank, kind=self.kind, size=self.size, crc32c=self.crc32c
+            path=self.path,
+            rank=self.rank,
+            kind=self.kind,
+            size=self.size,
+            crc32c=self.crc32c,
+            node=self.node,
         )
+
+    def to_wire(self) -> checkpoint_pb2.PartFile:
+        return checkpoint_pb2.PartFile(
+            path=self.path,
+            rank=self.rank,
+            kind=self.kind,
+            size=self.size,
+            block_crcs=self.block_crcs,
+            node=self.node,
+        )
+
+    @classmethod
+    def from_wire(cls, f: checkpoint_pb2.PartFile) -> FileRecord:
+        return cls(f.path, f.rank, f.kind, f.size, bytes(f.block_crcs), f.node)
 
 
 @dataclass(frozen=True)
@@ -70,10 +92,42 @@ class Manifest:
     labels: dict[str, str] = field(default_factory=dict)
     created_at: float = 0.0
     committed_at: float = 0.0
+    # The save attempt's epoch and the node that coordinated its commit (0 and "" before nodes).
+    epoch: int = 0
+    coordinator: str = ""
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    def files_on(self, node: str) -> tuple[FileRecord, ...]:
+        """The files `node` holds ("" files belong to whichever node lists them)."""
+        return tuple(f for f in self.files if f.node in ("", node))
+
+    def to_wire(self) -> checkpoint_pb2.Manifest:
+        return checkpoint_pb2.Manifest(
+            ref=checkpoint_pb2.CheckpointRef(run=self.key.run, step=self.key.step),
+            world_size=self.world_size,
+            files=[f.to_wire() for f in self.files],
+            labels=self.labels,
+            created_at=self.created_at,
+            committed_at=self.committed_at,
+            epoch=self.epoch,
+            coordinator=self.coordinator,
+        )
+
+    @classmethod
+    def from_wire(cls, m: checkpoint_pb2.Manifest) -> Manifest:
+        return cls(
+            key=CheckpointKey(m.ref.run, m.ref.step),
+            world_size=m.world_size,
+            files=tuple(FileRecord.from_wire(f) for f in m.files),
+            labels=dict(m.labels),
+            created_at=m.created_at,
+            committed_at=m.committed_at,
+            epoch=m.epoch,
+            coordinator=m.coordinator,
+        )
 
     def same_files(self, other: Manifest) -> bool:
         """Whether `other` describes the same bytes (same files, sizes and checksums)."""
@@ -91,6 +145,8 @@ class Manifest:
                 "labels": self.labels,
                 "created_at": self.created_at,
                 "committed_at": self.committed_at,
+                "epoch": self.epoch,
+                "coordinator": self.coordinator,
                 "block_bytes": BLOCK_BYTES,
                 "files": [
                     {
@@ -100,6 +156,7 @@ class Manifest:
                         "size": f.size,
                         "crc32c": f"{f.crc32c:08x}",
                         "block_crc32c": f.block_crcs.hex(),
+                        "node": f.node,
                     }
                     for f in self.files
                 ],
@@ -121,6 +178,7 @@ class Manifest:
                     kind=checkpoint_pb2.FileKind.Value(f["kind"]),
                     size=int(f["size"]),
                     block_crcs=bytes.fromhex(f["block_crc32c"]),
+                    node=str(f.get("node", "")),
                 )
                 for f in doc["files"]
             )
@@ -134,6 +192,8 @@ class Manifest:
                 labels=dict(doc.get("labels", {})),
                 created_at=float(doc.get("created_at", 0.0)),
                 committed_at=float(doc.get("committed_at", 0.0)),
+                epoch=int(doc.get("epoch", 0)),
+                coordinator=str(doc.get("coordinator", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where} is not a ckptd manifest: {exc}") from None

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one ckptd: bytes and seconds per tier, queue depth, failures.
+"""Prometheus metrics of one ckptd: bytes and seconds per tier, queue depth, failures, the
+reachability of its peers and the time each phase of a cluster-wide commit takes.
 
 Each store has its own registry (several stores can live in one test process), served over HTTP
 by `serve_metrics` when ckptd runs with --metrics-port. Names follow Prometheus conventions:
@@ -51,6 +52,16 @@ class Metrics:
             "ckptd_memory_budget_bytes", "Memory budget", registry=self.registry
         )
         self.open_saves = Gauge("ckptd_open_saves", "Saves in progress", registry=self.registry)
+        self.peer_reachable = Gauge(
+            "ckptd_peer_reachable", "1 if the peer answered the last time it was asked",
+            ["peer"], registry=self.registry,
+        )  # fmt: skip
+        self.commit_phase = Histogram(
+            "ckptd_commit_phase_seconds",
+            "Seconds of each phase of a commit: local (own part durable), prepare (every "
+            "peer's vote), decide (own marker, the decision), notify (peers told)",
+            ["phase"], buckets=_SECONDS_BUCKETS, registry=self.registry,
+        )  # fmt: skip
 
     def watch(
         self,

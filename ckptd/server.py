@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from ckptd import logs
+from ckptd.catalog import Coordination
 from ckptd.config import CkptdConfig
 from ckptd.datapath import DataPlane
 from ckptd.manifest import FileRecord
@@ -50,6 +51,7 @@ from scaletrain.v1 import (
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "scaletrain.v1.CheckpointService"
+CLUSTER_SERVICE_NAME = "scaletrain.v1.ClusterService"
 
 
 def _written(record: FileRecord) -> checkpoint_pb2.WriteFileResponse:
@@ -81,7 +83,21 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
         save_id = self._store.open_save(
             request.ref, request.world_size, dict(request.labels), retention
         )
-        return checkpoint_pb2.OpenSaveResponse(save_id=save_id)
+        coordination = self._store.coordination(save_id)
+        return checkpoint_pb2.OpenSaveResponse(
+            save_id=save_id,
+            epoch=coordination.epoch,
+            coordinator=coordination.coordinator,
+            coordinator_address=coordination.coordinator_address,
+        )
+
+    @maps_errors
+    def JoinSave(
+        self, request: checkpoint_pb2.JoinSaveRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.JoinSaveResponse:
+        coordination = Coordination(request.epoch, request.coordinator, request.coordinator_address)
+        self._store.join_save(request.save_id, request.ref, request.world_size, coordination)
+        return checkpoint_pb2.JoinSaveResponse(node=self._store.node)
 
     @maps_errors
     def WriteFile(
@@ -154,7 +170,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     def ListCheckpoints(
         self, request: checkpoint_pb2.ListCheckpointsRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.ListCheckpointsResponse:
-        infos = self._store.list(request.run, request.include_uncommitted)
+        infos = self._store.list(request.run, request.include_uncommitted, request.nodes)
         return checkpoint_pb2.ListCheckpointsResponse(checkpoints=infos)
 
     @maps_errors
@@ -174,6 +190,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
             request.length,
             piece_bytes=CHUNK_BYTES,
             tier=request.tier,
+            local_only=request.local_only,
         )
         for tier, offset, data in pieces:
             yield checkpoint_pb2.ReadFileResponse(
@@ -184,8 +201,89 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     def DeleteCheckpoint(
         self, request: checkpoint_pb2.DeleteCheckpointRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.DeleteCheckpointResponse:
-        removed, pending = self._store.delete(request.ref)
+        removed, pending = self._store.delete(request.ref, request.local_only)
         return checkpoint_pb2.DeleteCheckpointResponse(tiers=removed, pending=pending)
+
+
+class ClusterServicer(checkpoint_pb2_grpc.ClusterServiceServicer):
+    """ClusterService (ckptd to ckptd) over the store: the participant's half of the commit."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self._store = store
+
+    @maps_errors
+    def Hello(
+        self, request: checkpoint_pb2.HelloRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.HelloResponse:
+        peers = self._store.peers
+        problem = peers.conflict(request.node, request.instance, request.address)
+        if problem and request.instance != peers.instance:
+            log.error("a ckptd at %s says hello: %s", request.address, problem)
+        else:
+            peers.heard(request.node, request.address)
+        return checkpoint_pb2.HelloResponse(
+            node=peers.node, address=peers.address, instance=peers.instance
+        )
+
+    @maps_errors
+    def Prepare(
+        self, request: checkpoint_pb2.PrepareRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.PrepareResponse:
+        world_size, files = self._store.prepare(
+            request.save_id, request.ref, request.epoch, request.coordinator
+        )
+        return checkpoint_pb2.PrepareResponse(
+            node=self._store.node, world_size=world_size, files=[f.to_wire() for f in files]
+        )
+
+    @maps_errors
+    def Decide(
+        self, request: checkpoint_pb2.DecideRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.DecideResponse:
+        self._store.decide(request)
+        return checkpoint_pb2.DecideResponse()
+
+    @maps_errors
+    def Outcome(
+        self, request: checkpoint_pb2.OutcomeRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.OutcomeResponse:
+        outcome, manifest = self._store.outcome(request.save_id, request.ref, request.epoch)
+        return checkpoint_pb2.OutcomeResponse(
+            outcome=outcome, manifest=manifest.to_wire() if manifest is not None else None
+        )
+
+    @maps_errors
+    def Catalog(
+        self, request: checkpoint_pb2.CatalogRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.CatalogResponse:
+        return checkpoint_pb2.CatalogResponse(
+            node=self._store.node, entries=self._store.catalog_entries(request.run)
+        )
+
+
+class PeerSync:
+    """Resolves in-doubt saves and learns missed commits from the peers, every few seconds."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self._store = store
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckptd-peers", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        interval = self._store.config.cluster.sync_interval_s
+        while True:
+            try:
+                self._store.peers.greet(strict=False)
+                self._store.sync_with_peers()
+            except Exception:  # a round that fails is tried again next time
+                log.exception("syncing with the peers failed")
+            if self._stop.wait(interval):
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10.0)
 
 
 def access_rules(store: CheckpointStore, data: DataPlane | None = None) -> dict[str, Rule]:
@@ -211,8 +309,19 @@ def access_rules(store: CheckpointStore, data: DataPlane | None = None) -> dict[
         "GetCheckpoint": Rule(Role.READER, lambda m: [m.ref.run]),
         "ReadFile": Rule(Role.READER, lambda m: [m.ref.run]),
         "DeleteCheckpoint": Rule(Role.ADMIN, lambda m: [m.ref.run]),
+        "JoinSave": Rule(Role.TRAINER, lambda m: [m.ref.run]),
     }
-    return {f"/{SERVICE_NAME}/{method}": rule for method, rule in rules.items()}
+    # Peers: a ckptd's own service token (a trainer's grant on every run) may vote and decide.
+    cluster = {
+        "Hello": Rule(Role.READER, lambda m: [ALL_RUNS]),
+        "Prepare": Rule(Role.TRAINER, lambda m: [m.ref.run]),
+        "Decide": Rule(Role.TRAINER, lambda m: [m.ref.run]),
+        "Outcome": Rule(Role.READER, lambda m: [m.ref.run]),
+        "Catalog": Rule(Role.READER, lambda m: [m.run or ALL_RUNS]),
+    }
+    return {f"/{SERVICE_NAME}/{method}": rule for method, rule in rules.items()} | {
+        f"/{CLUSTER_SERVICE_NAME}/{method}": rule for method, rule in cluster.items()
+    }
 
 
 class TelemetryReporter:
@@ -243,10 +352,10 @@ class TelemetryReporter:
             step=commit.step,
             rank=-1,
             kind=telemetry_pb2.EVENT_KIND_CHECKPOINT_COMMITTED,
-            message=f"checkpoint committed on {TIER_NAMES[commit.tier]}",
+            message=f"checkpoint committed on {TIER_NAMES[commit.tier]} of {commit.node}",
             time=now,
             checkpoint=telemetry_pb2.CheckpointEvent(
-                tier=commit.tier, bytes=commit.bytes, seconds=commit.seconds
+                tier=commit.tier, bytes=commit.bytes, seconds=commit.seconds, node=commit.node
             ),
         )
         try:
@@ -317,11 +426,16 @@ class RunningCkptd:
         self._reporter = reporter
         self._metrics = metrics
         self.data = data
+        # Talks to the peers in the background, once they greeted this ckptd (None: no peers).
+        self.sync: PeerSync | None = None
         self.metrics_port = metrics.server_port if metrics is not None else None
 
     def stop(self, grace: float = 5.0) -> None:
         """Refuse new calls, let calls in flight (and an S3 upload) finish within `grace`."""
+        if self.sync is not None:
+            self.sync.close()
         self._server.stop(grace).wait()
+        self.store.peers.close()
         if self.data is not None:
             self.data.close()
         if self._metrics is not None:
@@ -365,8 +479,10 @@ def start(config: CkptdConfig) -> RunningCkptd:
                 )
             },
         )
+        checkpoint_pb2_grpc.add_ClusterServiceServicer_to_server(ClusterServicer(store), server)
         add_health(server, SERVICE_NAME)
         port = bind(server, config.listen)
+        store.peers.set_address(f"{host}:{port}")
         if config.metrics_listen is not None:
             try:
                 metrics, _ = serve_metrics(store.metrics, config.metrics_listen)
@@ -380,7 +496,16 @@ def start(config: CkptdConfig) -> RunningCkptd:
             reporter.close(0)
         raise
     server.start()
-    return RunningCkptd(server, store, reporter, host, port, metrics, data)
+    running = RunningCkptd(server, store, reporter, host, port, metrics, data)
+    if store.peers.enabled:
+        try:
+            # Serving already, so that a peer list naming this very process gets its answer.
+            store.peers.greet(strict=True)  # a peer list naming this node, a node name in use
+        except BaseException:
+            running.stop(0)
+            raise
+        running.sync = PeerSync(store)
+    return running
 
 
 def serve(config: CkptdConfig, grace: float = 5.0, log_format: str = "json") -> None:

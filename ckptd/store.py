@@ -4,69 +4,67 @@ No gRPC here: the servicer in `ckptd.server` only translates messages, and the c
 a store directly on a data dir to list, verify, export and remove offline. The store owns the
 rules that make a checkpoint trustworthy:
 
-- names are validated before they touch a path or an object key;
+- names are validated before they touch a path or an object key (`ckptd.names`);
 - every chunk is CRC-32C checked, and every file's checksum, before the write's reply
   (`ckptd.ingest`);
 - a checkpoint commits only with the metadata file and a shard file from every rank, and becomes
   visible only once durable on SSD with its marker (memory is filled at the same moment, S3 in
-  the background, marker last); "latest" only ever names such a checkpoint;
+  the background, marker last: `ckptd.replication`); "latest" only ever names such a checkpoint;
 - every read verifies the per-block CRCs of the bytes it returns, and falls through to the next
-  tier when a copy is damaged or missing;
+  tier when a copy is damaged or missing (`ckptd.reads`);
 - retention (`ckptd.retention`) never drops a copy that no slower tier holds, unless no tier
   wants the checkpoint any more;
 - a restart reconciles the catalog with the tiers' markers (rebuilding it if it was lost),
-  re-queues what S3 still lacks, and a janitor aborts saves whose writer went away.
+  re-queues what S3 still lacks, and a janitor aborts saves whose writer went away;
+- one store at a time holds a data dir (`ckptd.datadir`).
 """
 
 from __future__ import annotations
 
-import fcntl
+import dataclasses
 import logging
-import os
-import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
-from ckptd.background import BackgroundQueue
-from ckptd.catalog import COMMITTED, OPEN, Catalog, SaveRecord
+import grpc
+
+from ckptd import cluster
+from ckptd.catalog import COMMITTED, OPEN, Catalog, Coordination, SaveRecord
+from ckptd.cluster import Coordinator, Peers, check_votes, new_epoch
 from ckptd.config import CkptdConfig
 from ckptd.crash import crash_point
+from ckptd.datadir import lock_data_dir, node_of
 from ckptd.ingest import FileUpload
-from ckptd.manifest import MARKER, FileRecord, Manifest
+from ckptd.manifest import FileRecord, Manifest
+from ckptd.member import ClusterMember
 from ckptd.metrics import Metrics
+from ckptd.names import MAX_WORLD_SIZE, check_path, check_run, key_of
+from ckptd.reads import READ_PIECE_BYTES, Reader
+from ckptd.replication import S3Replication
 from ckptd.retention import RetentionPolicy, droppable, wanted
-from ckptd.tiers import TIER_NAMES, BlockCrcs, CheckpointKey, Tier, block_span, first_bad_block
+from ckptd.tiers import TIER_NAMES, CheckpointKey
 from ckptd.tiers.memory import MemoryBudget, MemoryTier
-from ckptd.tiers.s3 import S3Tier, describe
+from ckptd.tiers.s3 import S3Tier
 from ckptd.tiers.ssd import SsdTier
 from ckptd.wire import Chunk
 from scaletrain.errors import (
     AlreadyExists,
-    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
     ScaletrainError,
     Unavailable,
-    UserError,
 )
+from scaletrain.rpc import DEFAULT_TIMEOUT_S
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "ckptd.lock"
-MAX_WORLD_SIZE = 1 << 20
-_MAX_PATH_BYTES = 1024
-_MAX_NAME_BYTES = 255
-_RUN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+=@-]{0,127}")
-# Reads are served in pieces of this size, each from the fastest tier whose copy verifies.
-READ_PIECE_BYTES = 4 << 20
 
 SHARD = checkpoint_pb2.FILE_KIND_SHARD
 METADATA = checkpoint_pb2.FILE_KIND_METADATA
@@ -75,107 +73,6 @@ PENDING = checkpoint_pb2.TIER_STATE_PENDING
 TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
 FAILED = checkpoint_pb2.TIER_STATE_FAILED
 MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S3
-
-
-# -- names -----------------------------------------------------------------------------------------
-
-
-def check_run(run: str) -> str:
-    """A run name is one path component and one S3 key segment: a safe, short token."""
-    if not run:
-        raise InvalidArgument("run name is empty")
-    if not _RUN_RE.fullmatch(run):
-        raise InvalidArgument(
-            f"run name {run!r} is invalid: use 1-128 letters, digits and . _ : + = @ -, "
-            "starting with a letter or digit"
-        )
-    return run
-
-
-def check_step(step: int) -> int:
-    if step < 0:
-        raise InvalidArgument(f"step must be >= 0, got {step}")
-    return step
-
-
-def check_path(path: str) -> str:
-    """A file path must name a file inside the checkpoint directory, as DCP names them."""
-    if not path:
-        raise InvalidArgument("file path is empty")
-    if "\x00" in path or "\\" in path:
-        raise InvalidArgument(f"file path {path!r} contains a NUL byte or a backslash")
-    parts = path.split("/")
-    if any(part in ("", ".", "..") for part in parts):
-        raise InvalidArgument(
-            f"file path {path!r} must stay inside the checkpoint directory "
-            "(relative, no '..', '.' or empty parts)"
-        )
-    if len(path.encode()) > _MAX_PATH_BYTES or any(
-        len(part.encode()) > _MAX_NAME_BYTES for part in parts
-    ):
-        raise InvalidArgument(f"file path {path[:80]!r}... is too long")
-    if parts[0] in (MARKER, f"{MARKER}.tmp"):
-        raise InvalidArgument(f"file path {path!r} is reserved for ckptd's commit marker")
-    return path
-
-
-def key_of(ref: checkpoint_pb2.CheckpointRef) -> CheckpointKey:
-    return CheckpointKey(check_run(ref.run), check_step(ref.step))
-
-
-# -- the data dir lock -----------------------------------------------------------------------------
-
-
-def _lock_data_dir(data_dir: Path) -> IO[str]:
-    """Hold an exclusive flock on the data dir for this store's lifetime: one writer at a time."""
-    lock = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 (held open until close)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise UserError(
-            f"{data_dir} is in use by a running ckptd; stop it, or ask it over gRPC"
-        ) from None
-    lock.truncate(0)
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
-    return lock
-
-
-def ckptd_running(data_dir: Path) -> bool:
-    """Whether some process holds `data_dir` open as a store (a running ckptd, usually)."""
-    path = Path(data_dir) / LOCK_FILE
-    if not path.exists():
-        return False
-    with open(path) as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(lock, fcntl.LOCK_UN)
-    return False
-
-
-def list_offline(
-    data_dir: Path, run: str = "", include_uncommitted: bool = False
-) -> list[checkpoint_pb2.CheckpointInfo]:
-    """List checkpoints from a data dir's catalog, read-only, whether or not ckptd runs.
-
-    The memory tier reads ABSENT when no ckptd holds the data dir: its copies died with it.
-    """
-    running = ckptd_running(data_dir)
-    catalog = Catalog(data_dir, readonly=True)
-    try:
-        infos = catalog.checkpoints(check_run(run) if run else "", include_uncommitted)
-    finally:
-        catalog.close()
-    if not running:
-        for info in infos:
-            for status in info.tiers:
-                if status.tier == MEMORY:
-                    status.state = ABSENT
-                    status.bytes = 0
-    return infos
 
 
 # -- saves -----------------------------------------------------------------------------------------
@@ -190,6 +87,8 @@ class TierCommit:
     tier: int
     bytes: int
     seconds: float
+    # The node whose copy it is (memory and SSD: that node's part; S3: the whole checkpoint).
+    node: str = ""
 
 
 @dataclass
@@ -206,16 +105,6 @@ class _OpenSave:
     touched: float = field(default_factory=time.monotonic)
     # Bytes of its files, accepted or being streamed (checked against max_checkpoint_bytes).
     bytes: int = 0
-
-
-def _damage(data: bytes, lo: int, hi: int, record: FileRecord) -> str | None:
-    """What is wrong with bytes [lo, hi) of `record` as read from a tier, or None if they verify."""
-    if len(data) != hi - lo:
-        return f"{record.path} is short ({len(data)} of {hi - lo} bytes at offset {lo})"
-    bad = first_bad_block(data, lo, record.block_crcs)
-    if bad is not None:
-        return f"{record.path} fails its checksum in block {bad}"
-    return None
 
 
 class _Stream:
@@ -251,7 +140,7 @@ class _Stream:
 # -- the store -------------------------------------------------------------------------------------
 
 
-class CheckpointStore:
+class CheckpointStore(ClusterMember):
     """Checkpoints of one node: catalog + memory, SSD and (optionally) S3 tiers.
 
     Thread-safe; one store per data dir at a time (an flock enforces it).
@@ -265,26 +154,49 @@ class CheckpointStore:
         self.config = config
         data_dir = config.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
-        self._lockfile = _lock_data_dir(data_dir)
+        self._lockfile = lock_data_dir(data_dir)
         self._lock = threading.RLock()
         self._closed = threading.Event()
         self._saves: dict[str, _OpenSave] = {}
+        # Checkpoints deleted here, which a peer's catalog may still list for a while.
+        self._forgotten: set[CheckpointKey] = set()
         self._on_tier_commit = on_tier_commit
         self.metrics = Metrics()
         self.budget = MemoryBudget(config.memory_budget_bytes, self._relieve_memory)
         self.memory = MemoryTier(self.budget)
         self.s3: S3Tier | None = None
-        self._background: BackgroundQueue | None = None
+        self._replication: S3Replication | None = None
         try:
-            self.catalog = Catalog(data_dir)
+            self.node = node_of(data_dir, config.cluster.node)
+            self.peers = Peers(
+                config.cluster,
+                self.node,
+                on_reachable=lambda peer: self.metrics.peer_reachable.labels(
+                    peer.node or peer.address
+                ).set(int(peer.reachable)),
+            )
+            self._coordinator = Coordinator(self.peers)
+            self.catalog = Catalog(data_dir, node=self.node)
             self.ssd = SsdTier(data_dir / "ssd")
             self._recover()
             if config.s3 is not None:
                 self.s3 = S3Tier(config.s3)
-                self._background = BackgroundQueue(
-                    "ckptd-s3", self._s3_job_failed, config.s3.backoff_s, config.s3.backoff_max_s
+            self._reader = Reader(
+                self.catalog, self.memory, self.ssd, self.s3, self.metrics, self._lock, self.peers
+            )
+            if self.s3 is not None:
+                self._replication = S3Replication(
+                    self.s3,
+                    self.catalog,
+                    self._lock,
+                    self._closed,
+                    self.metrics,
+                    self._reader,
+                    self.policy,
+                    self._apply_retention,
+                    self._notify,
                 )
-                self._background.submit(("sync", None), self._sync_s3)
+                self._replication.start()
             else:
                 for run in self.catalog.runs():
                     self._apply_retention(run)
@@ -292,7 +204,7 @@ class CheckpointStore:
             self._lockfile.close()
             raise
         self.metrics.watch(
-            lambda: self._background.depth if self._background else 0,
+            lambda: self._replication.depth if self._replication else 0,
             lambda: self.budget.used,
             config.memory_budget_bytes,
             lambda: len(self._saves),
@@ -333,8 +245,11 @@ class CheckpointStore:
                 self.catalog.record_commit(manifest, SSD)
         for record in self.catalog.saves_in(OPEN):
             # Staged files survive a restart (the client may finish the save); the memory copies
-            # of them did not. The janitor aborts the save if nobody writes to it again.
-            self._saves[record.save_id] = _OpenSave(record, retain=False)
+            # of them did not. The janitor aborts the save if nobody writes to it again, unless
+            # this node voted on it: then only its outcome decides (ckptd.cluster).
+            self._saves[record.save_id] = _OpenSave(
+                record, retain=False, committing=record.prepared
+            )
             self.ssd.staging_dir(record.save_id).mkdir(parents=True, exist_ok=True)
         for save_id in self.ssd.staged_saves():
             if save_id not in self._saves:
@@ -349,59 +264,19 @@ class CheckpointStore:
                 self.catalog.set_tier(key, SSD, FAILED, error="directory missing at startup")
 
     def _files_present(self, key: CheckpointKey, manifest: Manifest) -> bool:
-        for f in manifest.files:
+        for f in manifest.files_on(self.node):
             path = self.ssd.path_of(key, f.path)
             if not path.is_file() or path.stat().st_size != f.size:
                 return False
         return True
-
-    def _sync_s3(self) -> None:
-        """Background: reconcile the catalog with S3's markers, then queue what S3 still owes."""
-        assert self.s3 is not None
-        listed = set(self.s3.list())
-        for key in sorted(listed):
-            with self._lock:
-                if self.catalog.deleting(key):
-                    continue  # removed (maybe just now, by a delete racing this sync)
-                save = self.catalog.save_of(key)
-                known = save is not None and save.state == COMMITTED
-                state = self.catalog.tier_state(key, S3) if known else ABSENT
-            if known and state == TIER_COMMITTED:
-                continue
-            manifest = self.s3.manifest(key)
-            if manifest is None:
-                continue
-            with self._lock:
-                if self.catalog.deleting(key):
-                    continue
-                save = self.catalog.save_of(key)
-                known = save is not None and save.state == COMMITTED
-                ours = self.catalog.manifest(key) if known else None
-                if ours is None and save is not None and save.state == OPEN:
-                    continue  # a new save of this step is in progress; it will overwrite S3
-                if ours is not None and not ours.same_files(manifest):
-                    log.warning("S3 holds a different %s; it will be uploaded again", key)
-                    continue
-                log.info("recovered %s from its S3 marker", key, extra={"run": key.run})
-                self.catalog.record_commit(manifest, S3)
-        with self._lock:
-            for key in self.catalog.committed_on(S3):
-                if key not in listed:
-                    self.catalog.set_tier(key, S3, ABSENT, error="marker missing on S3")
-            for key in self.catalog.deletions():
-                self._queue_s3_removal(key)
-            for run in self.catalog.runs():
-                self._apply_retention(run)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Give an S3 job in flight `timeout_s` to finish, drop the memory tier, release."""
         if self._closed.is_set():
             return
         self._closed.set()
-        if self._background is not None:
-            self._background.close(timeout_s)
-        if self.s3 is not None:
-            self.s3.close()
+        if self._replication is not None:
+            self._replication.close(timeout_s)  # and S3's client
         with self._lock:
             for key in self.memory.list():
                 self.memory.delete(key)
@@ -417,7 +292,7 @@ class CheckpointStore:
 
     def wait_background(self, timeout_s: float) -> bool:
         """Wait until S3 has nothing left to do (uploads, removals); False on timeout."""
-        return self._background is None or self._background.wait_idle(timeout_s)
+        return self._replication is None or self._replication.wait_idle(timeout_s)
 
     # -- save ------------------------------------------------------------------------------------
 
@@ -446,21 +321,42 @@ class CheckpointStore:
                 if stale is not None and stale.committing:
                     raise FailedPrecondition(f"checkpoint {key} is being committed right now")
                 self._drop_save(existing.save_id)
-            if self.catalog.deleting(key):
-                raise FailedPrecondition(
-                    f"checkpoint {key} is still being removed from S3; save it again later"
-                )
             if retention is not None or self.catalog.policy(key.run) is None:
                 # A run keeps the policy it started with, even if ckptd's default changes.
                 self.catalog.set_policy(key.run, retention or self.config.retention)
             save_id = uuid.uuid4().hex
-            self.catalog.open_save(key, save_id, world_size, dict(labels or {}))
-            self.ssd.staging_dir(save_id).mkdir(parents=True)
-            record = self.catalog.save(save_id)
-            assert record is not None
-            retain = self.budget.total > 0 and self.policy(key.run).memory_last > 0
-            self._saves[save_id] = _OpenSave(record, retain=retain)
-            return save_id
+            coordination = Coordination(
+                new_epoch(self.catalog.epoch_of(key)), self.node, self.peers.address
+            )
+            return self._open(key, save_id, world_size, dict(labels or {}), coordination).save_id
+
+    def _open(
+        self,
+        key: CheckpointKey,
+        save_id: str,
+        world_size: int,
+        labels: dict[str, str],
+        coordination: Coordination,
+    ) -> SaveRecord:
+        """Record a save attempt and make room for its files (under the lock)."""
+        if self.catalog.deleting(key):
+            raise FailedPrecondition(
+                f"checkpoint {key} is still being removed from S3; save it again later"
+            )
+        self.catalog.open_save(key, save_id, world_size, labels, coordination)
+        self.ssd.staging_dir(save_id).mkdir(parents=True)
+        record = self.catalog.save(save_id)
+        assert record is not None
+        retain = self.budget.total > 0 and self.policy(key.run).memory_last > 0
+        self._saves[save_id] = _OpenSave(record, retain=retain)
+        return record
+
+    def coordination(self, save_id: str) -> Coordination:
+        """Who coordinates the save `save_id`, and its epoch."""
+        record = self.catalog.save(save_id)
+        if record is None:
+            raise NotFound(f"unknown save {save_id!r}")
+        return record.coordination
 
     def _drop_save(self, save_id: str) -> None:
         """Forget an open save: cancel its streams' files, release memory, remove its staging."""
@@ -583,6 +479,7 @@ class CheckpointStore:
                     f"{record.path}: save {save.record.save_id} was replaced, aborted or "
                     "committed while the file was being written"
                 )
+            record = dataclasses.replace(record, node=self.node)
             self.catalog.add_file(save.record.key, record)
             replaced = save.files.get(record.path)
             save.files[record.path] = upload
@@ -610,9 +507,11 @@ class CheckpointStore:
                 save.bytes -= upload.size
                 self.catalog.remove_file(save.record.key, upload.path)
 
-    def commit(self, save_id: str) -> checkpoint_pb2.CheckpointInfo:
-        """Make the save a checkpoint: durable on SSD and in memory now, on S3 in the background."""
-        started = time.perf_counter()
+    def _freeze(self, save_id: str) -> tuple[_OpenSave, list[FileRecord]]:
+        """Stop a save taking writes and wait for its files here to be on disk; returns them.
+
+        The first half of a commit, on the coordinator and on every node that votes.
+        """
         with self._lock:
             save = self._writable(save_id)
             key = save.record.key
@@ -630,35 +529,75 @@ class CheckpointStore:
                     raise type(exc)(f"cannot commit {key}: {exc}") from None
             with self._lock:
                 files = self.catalog.files(key)
-                self._check_complete(save.record, files)
-            manifest = Manifest(
-                key=key,
-                world_size=save.record.world_size,
-                files=tuple(files),
-                labels=save.record.labels,
-                created_at=save.record.created_at,
-                committed_at=time.time(),
-            )
-            with self.metrics.timed(SSD, "commit"):
-                self.ssd.put(manifest, save_id)
-        except OSError as exc:
-            with self._lock:
-                save.committing = False
-            raise Unavailable(f"cannot commit {key} to SSD: {exc}") from None
+                self._check_staged(save.record, files)
         except BaseException:
             with self._lock:
                 save.committing = False
             raise
-        total = manifest.total_bytes
+        return save, files
+
+    def commit(self, save_id: str) -> checkpoint_pb2.CheckpointInfo:
+        """Make the save a checkpoint on every node: this node's part durable on SSD (and in
+        memory) now, every peer's once it voted (`ckptd.cluster`), S3 in the background."""
+        started = time.perf_counter()
+        save, files = self._freeze(save_id)
+        record = save.record
+        key = record.key
+        phase = self.metrics.commit_phase
+        try:
+            phase.labels("local").observe(time.perf_counter() - started)
+            with phase.labels("prepare").time():
+                votes = self._coordinator.prepare(record)
+            everything = sorted([*files, *votes.files], key=lambda f: f.path)
+            check_votes(key, record.world_size, everything, votes)
+            crash_point("cluster-voted")
+            manifest = Manifest(
+                key=key,
+                world_size=record.world_size,
+                files=tuple(everything),
+                labels=record.labels,
+                created_at=record.created_at,
+                committed_at=time.time(),
+                epoch=record.coordination.epoch,
+                coordinator=self.node,
+            )
+            # This node's commit marker is the decision: from here on the step is committed.
+            with phase.labels("decide").time():
+                info = self._commit_part(save, manifest)
+        except BaseException:
+            with self._lock:
+                save.committing = False
+            raise
+        crash_point("cluster-decided")
+        with phase.labels("notify").time():
+            self._coordinator.decide(record, manifest)
+        log.info(
+            "committed %s (%d bytes on %d node(s), %.3fs)", key, manifest.total_bytes,
+            len({f.node for f in manifest.files}), time.perf_counter() - started,
+            extra={"run": key.run, "step": key.step, "bytes": manifest.total_bytes},
+        )  # fmt: skip
+        return info
+
+    def _commit_part(self, save: _OpenSave, manifest: Manifest) -> checkpoint_pb2.CheckpointInfo:
+        """This node's part of a committed checkpoint: onto SSD with the checkpoint's marker,
+        into memory, and queued for S3."""
+        key = manifest.key
+        mine = manifest.files_on(self.node)
+        try:
+            with self.metrics.timed(SSD, "commit"):
+                self.ssd.put(manifest, save.record.save_id)
+        except OSError as exc:
+            raise Unavailable(f"cannot commit {key} to SSD: {exc}") from None
+        total = sum(f.size for f in mine)
         with self._lock:
-            del self._saves[save_id]
+            self._saves.pop(save.record.save_id, None)
             self.catalog.record_commit(manifest, SSD)
             crash_point("ssd-committed")
             self.metrics.commits.labels("SSD").inc()
             self._notify(key, SSD, total)
             memory = {path: upload.take_memory() for path, upload in save.files.items()}
             if all(m is not None for m in memory.values()) and set(memory) == {
-                f.path for f in files
+                f.path for f in mine
             }:
                 self.memory.put(key, memory)  # type: ignore[arg-type]
                 self.catalog.set_tier(key, MEMORY, TIER_COMMITTED, total)
@@ -672,30 +611,18 @@ class CheckpointStore:
                         self.budget.recycle(m.chunks)  # the files are written: nothing reads
             self._apply_retention(key.run)
             info = self.catalog.info(key)
-        log.info(
-            "committed %s on SSD (%d bytes, %.3fs)", key, total, time.perf_counter() - started,
-            extra={"run": key.run, "step": key.step, "bytes": total, "tier": "SSD"},
-        )  # fmt: skip
         assert info is not None
         return info
 
-    def _check_complete(self, save: SaveRecord, files: list[FileRecord]) -> None:
-        key, world_size = save.key, save.world_size
-        problems = []
-        if not any(f.kind == METADATA for f in files):
-            problems.append("no metadata file")
-        ranks = {f.rank for f in files if f.kind == SHARD}
-        missing = [r for r in range(world_size) if r not in ranks]
-        if missing:
-            shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
-            problems.append(f"no shard file from rank(s) {shown} of world size {world_size}")
+    def _check_staged(self, save: SaveRecord, files: list[FileRecord]) -> None:
         staging = self.ssd.staging_dir(save.save_id)
+        problems = []
         for f in files:
             staged = staging / f.path
             if not staged.is_file() or staged.stat().st_size != f.size:
                 problems.append(f"staged file {f.path} is missing or truncated; write it again")
         if problems:
-            raise FailedPrecondition(f"cannot commit {key}: " + "; ".join(problems))
+            raise FailedPrecondition(f"cannot commit {save.key}: " + "; ".join(problems))
 
     def abort(self, save_id: str, reason: str = "") -> None:
         """Drop a save in progress and its staged files; aborting twice is harmless."""
@@ -715,6 +642,8 @@ class CheckpointStore:
             self._drop_save(save_id)
             self.catalog.abort_save(save.record.key, " ".join(reason.split())[:500])
         log.info("aborted save %s of %s: %s", save_id, save.record.key, reason)
+        if save.record.coordination.coordinator == self.node:
+            self._coordinator.decide(save.record, None, reason)
 
     # -- memory pressure and garbage -------------------------------------------------------------
 
@@ -784,10 +713,10 @@ class CheckpointStore:
                 s3_objects = self.s3 is not None and tiers.get(S3, ABSENT) != ABSENT
                 self.catalog.delete(key, s3_too=s3_objects)
                 if s3_objects:
-                    self._queue_s3_removal(key)
+                    self._s3_jobs().queue_removal(key)
                 log.info("retention removed %s", key, extra={"run": run, "step": step})
-            elif S3 in wants[step] and not held[S3] and self._background is not None:
-                self._queue_upload(key)
+            elif S3 in wants[step] and not held[S3] and self._replication is not None:
+                self._replication.queue_upload(key)
 
     def _drop_copy(self, key: CheckpointKey, tier: int) -> None:
         if tier == MEMORY:
@@ -796,11 +725,11 @@ class CheckpointStore:
             self.ssd.delete(key)
         else:
             self.catalog.queue_deletion(key)
-            self._queue_s3_removal(key)
+            self._s3_jobs().queue_removal(key)
         self.catalog.set_tier(key, tier, ABSENT)
         log.info("retention dropped the %s copy of %s", TIER_NAMES[tier], key)
 
-    # -- read ------------------------------------------------------------------------------------
+    # -- read (`ckptd.reads`) -------------------------------------------------------------------
 
     def iter_range(
         self,
@@ -810,112 +739,15 @@ class CheckpointStore:
         length: int = 0,
         piece_bytes: int = READ_PIECE_BYTES,
         tier: int = 0,
+        local_only: bool = False,
     ) -> Iterator[tuple[int, int, bytes]]:
-        """Yield (tier, offset, bytes) pieces of [offset, offset+length) of a committed file.
-
-        `length` 0 reads to the end. Each piece comes from the fastest tier whose copy of it
-        verifies, or only from `tier` if given. Bad names and ranges raise here, before the
-        first piece.
-        """
-        key = key_of(ref)
-        check_path(path)
-        save = self.catalog.save_of(key)
-        if save is None or save.state != COMMITTED:
-            raise NotFound(f"no committed checkpoint {key}")
-        record = self.catalog.file(key, path)
-        if record is None:
-            raise NotFound(f"checkpoint {key} has no file {path!r}")
-        if offset < 0 or length < 0:
-            raise InvalidArgument(f"{path}: offset and length must be >= 0")
-        end = record.size if length == 0 else offset + length
-        if offset > record.size or end > record.size:
-            raise InvalidArgument(
-                f"{path}: range {offset}+{end - offset} is beyond its {record.size} bytes"
-            )
-        if tier:
-            if tier not in TIER_NAMES:
-                raise InvalidArgument(f"unknown tier {tier}")
-            if self.catalog.tier_state(key, tier) != TIER_COMMITTED:
-                raise NotFound(f"{key} has no committed copy on {TIER_NAMES[tier]}")
-        only = (tier,) if tier else None
-        return self._pieces(key, record, offset, end, piece_bytes, only)
-
-    def _pieces(
-        self,
-        key: CheckpointKey,
-        record: FileRecord,
-        start: int,
-        end: int,
-        piece_bytes: int,
-        only: tuple[int, ...] | None,
-    ) -> Iterator[tuple[int, int, bytes]]:
-        pos = start
-        while pos < end:
-            stop = min(end, (pos // piece_bytes + 1) * piece_bytes)
-            tier, data = self._read_verified(key, record, pos, stop, only)
-            yield tier, pos, data
-            pos = stop
+        """Yield (tier, offset, bytes) pieces of a committed file (`Reader.iter_range`)."""
+        return self._reader.iter_range(ref, path, offset, length, piece_bytes, tier, local_only)
 
     def read_range(
         self, ref: checkpoint_pb2.CheckpointRef, path: str, offset: int = 0, length: int = 0
     ) -> bytes:
-        return b"".join(data for _tier, _offset, data in self.iter_range(ref, path, offset, length))
-
-    def _read_order(self, key: CheckpointKey, only: tuple[int, ...] | None) -> list[Tier]:
-        tiers: list[Tier] = [self.memory, self.ssd]
-        if self.s3 is not None:
-            tiers.append(self.s3)
-        return [
-            t
-            for t in tiers
-            if (only is None or t.tier in only)
-            and self.catalog.tier_state(key, t.tier) == TIER_COMMITTED
-        ]
-
-    def _read_verified(
-        self,
-        key: CheckpointKey,
-        record: FileRecord,
-        start: int,
-        end: int,
-        only: tuple[int, ...] | None = None,
-    ) -> tuple[int, bytes]:
-        lo, hi = block_span(start, end - start, record.size)
-        problems = []
-        for tier in self._read_order(key, only):
-            name = TIER_NAMES[tier.tier]
-            began = time.perf_counter()
-            try:
-                data = tier.read_range(key, record.path, lo, hi - lo)
-            except FileNotFoundError:
-                damage: str | None = f"{record.path} is missing"
-            except Exception as exc:  # an unreachable tier: try the next one
-                self.metrics.failed(tier.tier, "read")
-                problems.append(f"{name}: {' '.join(str(exc).split())[:200]}")
-                log.warning("reading %s/%s from %s failed: %s", key, record.path, name, exc)
-                continue
-            else:
-                damage = _damage(data, lo, hi, record)
-                if damage is None:
-                    self.metrics.bytes.labels(name, "read").inc(len(data))
-                    self.metrics.seconds.labels(name, "read").observe(time.perf_counter() - began)
-                    if start == lo and end == hi:
-                        return tier.tier, data
-                    return tier.tier, data[start - lo : end - lo]
-            problems.append(f"{name}: {damage}")
-            self.metrics.failed(tier.tier, "verify")
-            log.error(
-                "%s copy of %s is damaged (%s); trying the next tier", name, key, damage,
-                extra={"run": key.run, "step": key.step, "tier": name},
-            )  # fmt: skip
-            with self._lock:
-                if tier is self.memory:
-                    self.memory.delete(key)
-                self.catalog.set_tier(key, tier.tier, FAILED, error=damage)
-        raise DataLoss(
-            f"no verified copy of bytes {start}-{end} of {key}/{record.path}: "
-            + ("; ".join(problems) or "no tier holds it")
-        )
+        return self._reader.read_range(ref, path, offset, length)
 
     def export(
         self,
@@ -923,52 +755,42 @@ class CheckpointStore:
         dest_dir: Path,
         progress: Callable[[int], None] | None = None,
     ) -> list[Path]:
-        """Write a committed checkpoint as a plain DCP directory (stock FileSystemReader loads it).
-
-        Each file is written under a temporary name and renamed once its block CRC-32Cs match
-        (each read is verified too).
-        `progress` gets the byte count of each piece written.
-        """
-        info = self.get(ref)
-        key = key_of(info.ref)
-        dest = Path(dest_dir)
-        if dest.exists() and any(dest.iterdir()):
-            raise FailedPrecondition(f"export target {dest} is not empty")
-        written = []
-        for record in self.catalog.files(key):
-            target = dest / record.path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f"{target.name}.partial")
-            blocks = BlockCrcs()
-            with open(partial, "wb") as out:
-                for _tier, _offset, data in self.iter_range(info.ref, record.path):
-                    out.write(data)
-                    blocks.update(data)
-                    if progress is not None:
-                        progress(len(data))
-            if blocks.packed() != record.block_crcs:
-                partial.unlink()
-                raise DataLoss(f"export of {key}/{record.path}: block CRC-32C mismatch")
-            os.replace(partial, target)
-            written.append(target)
-        return written
+        """Write a committed checkpoint as a plain DCP directory (`Reader.export`)."""
+        return self._reader.export(self.get(ref), dest_dir, progress)
 
     # -- delete ----------------------------------------------------------------------------------
 
-    def delete(self, ref: checkpoint_pb2.CheckpointRef) -> tuple[list[int], list[int]]:
-        """Remove a checkpoint (or an open or aborted save) from every tier.
+    def delete(
+        self, ref: checkpoint_pb2.CheckpointRef, local_only: bool = False
+    ) -> tuple[list[int], list[int]]:
+        """Remove a checkpoint (or an open or aborted save) from every tier of every node.
 
         Returns (tiers it was removed from, tiers it is still being removed from): S3 removal
         runs in the background, so a slow or unreachable S3 delays nothing. The checkpoint is
         invisible at once, and a restart finishes the S3 removal (the catalog remembers it).
+        `local_only` (a peer passing the removal on) removes only this node's part and entry.
         """
-        key = key_of(ref)
+        removed, pending = self._delete_here(key_of(ref), s3_too=not local_only)
+        if not local_only:
+            request = checkpoint_pb2.DeleteCheckpointRequest(ref=ref, local_only=True)
+            answers = self.peers.call(
+                self.peers.all(),
+                lambda p: p.checkpoints().DeleteCheckpoint(request, timeout=DEFAULT_TIMEOUT_S),
+            )
+            for address, answer in answers.items():
+                if isinstance(answer, BaseException) and not (
+                    isinstance(answer, grpc.RpcError) and answer.code() == grpc.StatusCode.NOT_FOUND
+                ):
+                    log.warning("peer %s did not remove its part of %s: %s", address, ref, answer)
+        return removed, pending
+
+    def _delete_here(self, key: CheckpointKey, s3_too: bool) -> tuple[list[int], list[int]]:
         with self._lock:
             record = self.catalog.save_of(key)
             if record is None:
                 raise NotFound(f"no checkpoint {key}")
             s3_state = self.catalog.tier_state(key, S3)
-            if self.s3 is None and s3_state == TIER_COMMITTED:
+            if s3_too and self.s3 is None and s3_state == TIER_COMMITTED:
                 raise FailedPrecondition(
                     f"{key} has a copy on S3 but this ckptd has no S3 configured to delete it from"
                 )
@@ -982,98 +804,14 @@ class CheckpointStore:
                 removed.append(MEMORY)
             if self.ssd.delete(key):
                 removed.append(SSD)
-            s3_objects = self.s3 is not None and s3_state != ABSENT
+            s3_objects = s3_too and self.s3 is not None and s3_state != ABSENT
             self.catalog.delete(key, s3_too=s3_objects)
+            self._forgotten.add(key)
             if s3_objects:
-                self._queue_s3_removal(key)
+                self._s3_jobs().queue_removal(key)
                 pending.append(S3)
         log.info("deleted %s", key, extra={"run": key.run, "step": key.step})
         return removed, pending
-
-    # -- S3 in the background --------------------------------------------------------------------
-
-    def _queue_upload(self, key: CheckpointKey) -> None:
-        assert self._background is not None
-        if self.catalog.tier_state(key, S3) != FAILED:
-            self.catalog.set_tier(key, S3, PENDING)
-        self._background.submit(("upload", key), lambda: self._upload(key))
-
-    def _queue_s3_removal(self, key: CheckpointKey) -> None:
-        assert self._background is not None
-        self._background.submit(("remove", key), lambda: self._remove_from_s3(key))
-
-    def _upload(self, key: CheckpointKey) -> None:
-        """Upload job: the verified local copy goes up, marker last; then retention runs."""
-        assert self.s3 is not None
-        with self._lock:
-            if self._closed.is_set():
-                return
-            manifest = self.catalog.manifest(key)
-            if manifest is None or self.catalog.tier_state(key, S3) == TIER_COMMITTED:
-                return  # deleted, or done meanwhile
-            wants = wanted(
-                self.policy(key.run),
-                list(self.catalog.run_states(key.run)),
-                [k.step for k in self.catalog.committed_on(S3) if k.run == key.run],
-                has_s3=True,
-            )
-            if S3 not in wants.get(key.step, set()):
-                self.catalog.set_tier(key, S3, ABSENT)
-                return
-        started = time.perf_counter()
-        existing = self.s3.manifest(key)
-        if existing is None or not existing.same_files(manifest):
-            records = {f.path: f for f in manifest.files}
-
-            def source(path: str, offset: int, length: int) -> bytes:
-                _tier, data = self._read_verified(
-                    key, records[path], offset, offset + length, only=(MEMORY, SSD)
-                )
-                return data
-
-            with self.metrics.timed(S3, "write", manifest.total_bytes):
-                self.s3.put(manifest, source)
-        crash_point("s3-marker-written")
-        with self._lock:
-            if self._closed.is_set():
-                return
-            still_there = self.catalog.save_of(key) is not None
-            if still_there:
-                self.catalog.set_tier(key, S3, TIER_COMMITTED, manifest.total_bytes)
-                self.metrics.commits.labels("S3").inc()
-                self._notify(key, S3, manifest.total_bytes)
-                self._apply_retention(key.run)
-            else:
-                self.catalog.delete(key, s3_too=True)
-                self._queue_s3_removal(key)
-        log.info(
-            "uploaded %s to S3 (%d bytes, %.2fs)", key, manifest.total_bytes,
-            time.perf_counter() - started,
-            extra={"run": key.run, "step": key.step, "bytes": manifest.total_bytes, "tier": "S3"},
-        )  # fmt: skip
-
-    def _remove_from_s3(self, key: CheckpointKey) -> None:
-        assert self.s3 is not None
-        with self._lock:
-            save = self.catalog.save_of(key)
-            if save is not None and self.catalog.tier_state(key, S3) == TIER_COMMITTED:
-                self.catalog.deletion_done(key)
-                return  # uploaded again meanwhile: wanted on S3 after all
-        with self.metrics.timed(S3, "delete"):
-            self.s3.delete(key)
-        with self._lock:
-            if not self._closed.is_set():
-                self.catalog.deletion_done(key)
-
-    def _s3_job_failed(self, job_id: object, exc: BaseException, retry_in: float) -> None:
-        kind, key = job_id  # type: ignore[misc]  # ("sync" | "upload" | "remove", key)
-        reason = f"{describe(exc)} (retrying in {retry_in:.1f}s)"
-        self.metrics.failed(S3, str(kind))
-        log.warning("S3 job %s failed: %s", job_id, reason)
-        if kind == "upload" and isinstance(key, CheckpointKey):
-            with self._lock:
-                if not self._closed.is_set():
-                    self.catalog.set_tier(key, S3, FAILED, error=reason)
 
     def _notify(self, key: CheckpointKey, tier: int, nbytes: int) -> None:
         """Tell the observer (telemetry) about a tier commit; its failures never fail a save."""
@@ -1082,26 +820,47 @@ class CheckpointStore:
         record = self.catalog.save_of(key)
         seconds = time.time() - record.created_at if record is not None else 0.0
         try:
-            self._on_tier_commit(TierCommit(key.run, key.step, tier, nbytes, seconds))
+            self._on_tier_commit(TierCommit(key.run, key.step, tier, nbytes, seconds, self.node))
         except Exception:  # an observer must never break a commit
             log.exception("tier commit observer failed for %s", key)
+
+    def _s3_jobs(self) -> S3Replication:
+        assert self._replication is not None
+        return self._replication
 
     # -- query -----------------------------------------------------------------------------------
 
     def list(
-        self, run: str = "", include_uncommitted: bool = False
+        self, run: str = "", include_uncommitted: bool = False, nodes: bool = False
     ) -> list[checkpoint_pb2.CheckpointInfo]:
-        return self.catalog.checkpoints(check_run(run) if run else "", include_uncommitted)
+        """Checkpoints (of `run`); with `nodes`, each with every node's part as that node says
+        (CheckpointInfo.parts)."""
+        infos = self.catalog.checkpoints(check_run(run) if run else "", include_uncommitted)
+        if nodes:
+            views = cluster.catalogs(self.peers, run)
+            for info in infos:
+                info.parts.extend(self._parts(info, views))
+        return infos
 
     def get(
         self, ref: checkpoint_pb2.CheckpointRef, latest: bool = False
     ) -> checkpoint_pb2.CheckpointInfo:
-        """A committed checkpoint, or with `latest` the newest committed one of `ref.run`."""
+        """A committed checkpoint, or with `latest` the newest committed one of `ref.run` that
+        can be restored in full right now (each node's part on that node, or S3 whole)."""
         if latest:
-            found = self.catalog.latest(check_run(ref.run))
-            if found is None:
+            run = check_run(ref.run)
+            steps = sorted(self.catalog.run_states(run), reverse=True)
+            if not steps:
                 raise NotFound(f"run {ref.run!r} has no committed checkpoint")
-            key = found
+            views = cluster.catalogs(self.peers, run) if self.peers.enabled else {}
+            key = next(
+                (k for k in (CheckpointKey(run, s) for s in steps) if self._whole(k, views)), None
+            )
+            if key is None:
+                raise NotFound(
+                    f"run {ref.run!r} has {len(steps)} committed checkpoint(s), none of which "
+                    "can be restored in full now (a node holding a part is down and S3 lacks it)"
+                )
         else:
             key = key_of(ref)
         info = self.catalog.info(key)

@@ -18,6 +18,15 @@ job has finished step STEP (the job is watched through its `[trainer] step N` li
     kill-telemetry  SIGKILL the telemetry service, restart it SECONDS later (default 3).
     sdc             flip a bit of a random rank's gradients in step STEP (--inject-sdc): the step
                     guard must catch and replay it.
+    kill-node       (--nodes 2 or more) a machine replaced: SIGKILL a random node's torchrun agent,
+                    its ranks and its ckptd, delete its ckptd's data dir (its SSD), start a fresh
+                    ckptd with an empty one at the same address, then the node's agent again; the
+                    other agents restart their ranks and the job re-forms with it. Never node0:
+                    its agent hosts the rendezvous store (and holds rank 0). The node's ranks are
+                    frozen first, until S3 holds every committed checkpoint: a part that only the
+                    dead machine held could not survive it, so the drill strikes when none is.
+    partition-node  freeze a random node's ckptd (SIGSTOP) for SECONDS (default 5), then SIGCONT:
+                    its ranks and its peers cannot reach it meanwhile.
 
 Every fault is recorded in telemetry as a `fault` event. The report says how many faults were
 injected and survived, how many committed checkpoints were lost (any checkpoint ever seen
@@ -31,6 +40,7 @@ import contextlib
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -39,20 +49,22 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 from sqlalchemy import distinct, func, select
 
 from ckptd.client import CkptdClient
 from scaletrain.embedded import _summary, check_layout, new_run_id
 from scaletrain.errors import ScaletrainError, UserError
-from scaletrain.stack import Stack, Workdir
+from scaletrain.stack import Job, Stack, Workdir, check_nodes, ckptd_service, node_name
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 from telemetry.client import TelemetryClient, event
 from telemetry.db import connect
 from telemetry.models import Event, RankStep
 
 _COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
+# What has copies on tiers: a checkpoint as one node sees it, or one node's part of it.
+_Copies = TypeVar("_Copies", checkpoint_pb2.CheckpointInfo, checkpoint_pb2.NodePart)
 
 KINDS = (
     "kill-rank",
@@ -63,16 +75,28 @@ KINDS = (
     "corrupt-shard",
     "kill-telemetry",
     "sdc",
+    "kill-node",
+    "partition-node",
 )
 # Seconds an outage lasts when the schedule does not say.
-DEFAULT_SECONDS = {"kill-ckptd": 1.0, "stop-s3": 30.0, "disk-full": 60.0, "kill-telemetry": 3.0}
+DEFAULT_SECONDS = {
+    "kill-ckptd": 1.0,
+    "stop-s3": 30.0,
+    "disk-full": 60.0,
+    "kill-telemetry": 3.0,
+    "partition-node": 5.0,
+}
 # Faults after which torchrun must restart the job.
-RESTARTING = frozenset({"kill-rank", "stop-rank", "corrupt-shard"})
-# The drill of `scaletrain chaos` without --schedule: every kind, 12 faults over its 400 steps.
-# The long outages come late: the job trains on through them, so they move later faults on.
+RESTARTING = frozenset({"kill-rank", "stop-rank", "corrupt-shard", "kill-node"})
+# Faults that need another node to survive them.
+MULTI_NODE = frozenset({"kill-node"})
+# The drill of `scaletrain chaos` without --schedule: every kind, 14 faults over its 400 steps
+# (on one node, `default_schedule` leaves out those of MULTI_NODE). The long outages come late:
+# the job trains on through them, so they move later faults on.
 DEFAULT_SCHEDULE = (
     "sdc@5,kill-rank@10,kill-telemetry@20,stop-rank@30,kill-ckptd@40,corrupt-shard@50,sdc@60,"
-    "kill-rank@70,stop-s3@80,disk-full@100,kill-telemetry@110,kill-ckptd@120"
+    "kill-rank@70,stop-s3@80,partition-node@90,disk-full@100,kill-telemetry@110,kill-ckptd@120,"
+    "kill-node@130"
 )
 # A drill's phase without progress this long fails a rank (the trainer's default is for real
 # runs; options given to the drill come later and win).
@@ -112,11 +136,22 @@ def parse_schedule(text: str) -> list[Fault]:
     return sorted(faults, key=lambda f: f.step)
 
 
+def default_schedule(nodes: int) -> str:
+    """The drill without --schedule on `nodes` nodes: DEFAULT_SCHEDULE, less what one node cannot
+    survive."""
+    if nodes > 1:
+        return DEFAULT_SCHEDULE
+    items = DEFAULT_SCHEDULE.split(",")
+    return ",".join(item for item in items if item.split("@")[0] not in MULTI_NODE)
+
+
 @dataclass(frozen=True)
 class ChaosOptions:
     workdir: Workdir
     schedule: list[Fault]
     ranks: int = 4
+    # Simulated nodes, each with its own ckptd and torchrun agent (scaletrain run --nodes).
+    nodes: int = 1
     steps: int = 400
     ckpt_every: int = 5
     trainer_args: list[str] = field(default_factory=list)
@@ -161,25 +196,6 @@ class ChaosReport:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-def rank_pids(agent_pid: int) -> dict[int, int]:
-    """RANK -> pid of the workers torchrun's agent `agent_pid` started."""
-    pids = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != agent_pid:
-                continue
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        for item in env:
-            if item.startswith(b"RANK="):
-                pids[int(item[5:])] = int(proc.name)
-    return pids
 
 
 class _Tap:
@@ -227,7 +243,7 @@ class Drill:
         self.stack, self.options, self.run_id, self.tap = stack, options, run_id, tap
         self.injected: list[Injected] = []
         self.committed: set[int] = set()
-        self.agent: subprocess.Popen[str] | None = None
+        self.job: Job | None = None
         self._done = threading.Event()
         self._started = time.monotonic()
         self._telemetry = TelemetryClient(stack.telemetry_address)
@@ -245,13 +261,20 @@ class Drill:
             for arg in ("--inject-sdc", f"step={fault.step},rank={self._rank_for(fault)}")
         ]
 
-    def _rank_for(self, fault: Fault) -> int:
-        # One random rank per fault, fixed by the seed and the fault's place in the schedule.
-        index = self.options.schedule.index(fault)
-        return random.Random(f"{self.options.seed}/{index}").randrange(self.options.ranks)
+    def _random(self, fault: Fault) -> random.Random:
+        # Fixed by the seed and the fault's place in the schedule.
+        return random.Random(f"{self.options.seed}/{self.options.schedule.index(fault)}")
 
-    def start(self, agent: subprocess.Popen[str]) -> None:
-        self.agent = agent
+    def _rank_for(self, fault: Fault) -> int:
+        return self._random(fault).randrange(self.options.ranks)
+
+    def _node_for(self, fault: Fault) -> int:
+        """A random node; for kill-node never node0, whose agent hosts the rendezvous store."""
+        first = 1 if fault.kind == "kill-node" else 0
+        return self._random(fault).randrange(first, self.options.nodes)
+
+    def start(self, job: Job) -> None:
+        self.job = job
         for thread in self._threads:
             thread.start()
 
@@ -289,6 +312,7 @@ class Drill:
 
     def _report(self, record: Injected) -> None:
         rank = int(record.target.removeprefix("rank ")) if record.target.startswith("rank ") else -1
+        # A fault on a node names it in the event's attributes: target "node1"; rank -1.
         self._telemetry.report_event(
             event(
                 self.run_id, "fault", step=record.step, rank=rank,
@@ -298,9 +322,9 @@ class Drill:
         )  # fmt: skip
 
     def _victim(self, fault: Fault) -> tuple[int, int]:
-        assert self.agent is not None
+        assert self.job is not None
         rank = self._rank_for(fault)
-        pids = rank_pids(self.agent.pid)
+        pids = self.job.rank_pids()
         if rank not in pids:
             raise UserError(f"rank {rank} has no process (ranks seen: {sorted(pids)})")
         return rank, pids[rank]
@@ -370,7 +394,8 @@ class Drill:
         # The checkpoint the job will resume from, once S3 holds the good copy to fall back on.
         latest = _committed(wait_on_s3(self.stack.ckptd_address, self.run_id))
         step = max(c.ref.step for c in latest)
-        shard = ssd_dir(self.stack.workdir) / self.run_id / str(step) / "__0_0.distcp"
+        # node0's first shard: rank 0's, which node0's ranks wrote.
+        shard = min((ssd_dir(self.stack.workdir) / self.run_id / str(step)).glob("__*.distcp"))
         with shard.open("r+b") as f:
             f.seek(shard.stat().st_size // 2)
             byte = f.read(1)
@@ -391,16 +416,95 @@ class Drill:
         rank = self._rank_for(fault)
         return f"rank {rank}", f"a gradient bit flipped in step {fault.step} (--inject-sdc)"
 
+    def _kill_node(self, fault: Fault) -> tuple[str, str]:
+        assert self.job is not None
+        attempts, node = self.tap.attempts, self._node_for(fault)
+        name, address = node_name(node), self.stack.ckptd_addresses[node]
+        ckptd = self.stack.service(ckptd_service(node))
+        # The job must have a checkpoint to resume from before its ranks are frozen.
+        self._wait_committed(bool, time.monotonic() + _WAIT_S)
+        # Frozen, the node's ranks can complete no save, so no checkpoint commits with a part
+        # that only this machine holds; its ckptd goes on uploading to S3 until S3 has them all.
+        frozen = [self.job.agent(node).pid, *self.job.rank_pids(node).values()]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + _WAIT_S
+        while True:
+            on_s3 = self._wait_committed(_all_on_s3, deadline)
+            ckptd.signal(signal.SIGSTOP)  # a commit in flight needs its vote: none now
+            if self._done.is_set():
+                ckptd.signal(signal.SIGCONT)
+                for pid in frozen:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+                raise _JobEnded
+            if not on_s3 or self._wait_committed(_all_on_s3):
+                break
+            ckptd.signal(signal.SIGCONT)
+        self.job.kill_agent(node)
+        ckptd.kill()
+        data_dir = self.stack.workdir.ckptd_dir(node)
+        shutil.rmtree(data_dir)
+        data_dir.mkdir()
+        self.stack.restart_service(ckptd.name)
+        learned = self._wait_knows_newest(address)
+        # torchrun counts restarts per agent: the new agent's ranks would start over at 0.
+        if not self.job.start_agent(node, ("--resume",)):
+            raise _JobEnded
+        held = "S3 held every committed checkpoint" if on_s3 else "S3 LACKED a committed checkpoint"
+        detail = (
+            f"agent, ranks and ckptd SIGKILLed ({held}), data dir deleted; a fresh ckptd "
+            f"at {address} {learned}, agent started again"
+        )
+        return name, detail + self._await_restart(attempts)
+
+    def _wait_committed(
+        self, enough: Callable[[list[checkpoint_pb2.CheckpointInfo]], bool], deadline: float = 0
+    ) -> bool:
+        """Whether the run's committed checkpoints are `enough` (given node0's view of them),
+        waiting for it until `deadline` (time.monotonic(); 0: asks once)."""
+        while True:
+            with contextlib.suppress(ScaletrainError), CkptdClient(self.stack.ckptd_address) as c:
+                if enough(_committed(c.list(self.run_id))):
+                    return True
+            if self._done.is_set() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+
+    def _wait_knows_newest(self, address: str) -> str:
+        """Wait until the ckptd at `address` lists node0's newest committed checkpoint."""
+        deadline = time.monotonic() + _WAIT_S
+        with CkptdClient(self.stack.ckptd_address) as client:
+            newest = max((c.ref.step for c in _committed(client.list(self.run_id))), default=-1)
+        while time.monotonic() < deadline and not self._done.is_set():
+            with contextlib.suppress(ScaletrainError), CkptdClient(address) as client:
+                if newest in {c.ref.step for c in _committed(client.list(self.run_id))}:
+                    return f"lists step {newest}"
+            time.sleep(0.2)
+        return f"does not list step {newest}"
+
+    def _partition_node(self, fault: Fault) -> tuple[str, str]:
+        node = self._node_for(fault)
+        ckptd = self.stack.service(ckptd_service(node))
+        ckptd.signal(signal.SIGSTOP)
+        try:
+            time.sleep(fault.seconds)
+        finally:
+            ckptd.signal(signal.SIGCONT)
+        return node_name(node), f"ckptd frozen (SIGSTOP) for {fault.seconds}s, then SIGCONT"
+
     # -- what is committed -----------------------------------------------------------------------
 
     def _watch_checkpoints(self) -> None:
-        """Remember every checkpoint seen committed on some tier while the job runs."""
+        """Remember every checkpoint seen committed (whole, on some tier) while the job runs."""
         while not self._done.wait(0.5):
             with (
                 contextlib.suppress(ScaletrainError),
                 CkptdClient(self.stack.ckptd_address) as client,
             ):
-                self.committed |= {c.ref.step for c in _committed(client.list(self.run_id))}
+                self.committed |= {
+                    c.ref.step for c in _intact(client.list(self.run_id, nodes=True))
+                }
 
 
 def _fill(path: Path) -> None:
@@ -411,10 +515,9 @@ def _fill(path: Path) -> None:
             out.write(block)
 
 
-def _committed(
-    checkpoints: list[checkpoint_pb2.CheckpointInfo], tier: int | None = None
-) -> list[checkpoint_pb2.CheckpointInfo]:
-    """The checkpoints committed on `tier` (None: on some tier)."""
+def _committed(checkpoints: list[_Copies], tier: int | None = None) -> list[_Copies]:
+    """The checkpoints (or nodes' parts) committed on `tier` (None: on some tier), as the
+    answering node sees them."""
     return [
         c
         for c in checkpoints
@@ -422,17 +525,38 @@ def _committed(
     ]
 
 
+def _all_on_s3(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
+    """Whether S3 holds every one of the `committed` checkpoints, and there is one."""
+    return bool(committed) and _committed(committed, common_pb2.TIER_S3) == committed
+
+
+def _intact(
+    checkpoints: list[checkpoint_pb2.CheckpointInfo],
+) -> list[checkpoint_pb2.CheckpointInfo]:
+    """The checkpoints that can still be restored: committed on S3 (whole), or every node's part
+    (`parts`, from a listing with nodes=True) committed on one of that node's tiers. Without
+    parts, committed on some tier of the answering node."""
+    return [
+        c
+        for c in _committed(checkpoints)
+        if not c.parts
+        or _committed([c], common_pb2.TIER_S3)
+        or all(p.reachable and _committed([p]) for p in c.parts)
+    ]
+
+
 def wait_on_s3(
     address: str, run_id: str, timeout_s: float = _WAIT_S
 ) -> list[checkpoint_pb2.CheckpointInfo]:
-    """The run's checkpoints, once the newest committed one is on S3 too (or the time is up).
+    """The run's checkpoints with every node's part, once the newest committed one is on S3 too
+    (or the time is up).
 
     Not every tier: a ckptd restarted by the drill lost its memory tier for good.
     """
     deadline = time.monotonic() + timeout_s
     with CkptdClient(address) as client:
         while True:
-            checkpoints = client.list(run_id)
+            checkpoints = client.list(run_id, nodes=True)
             newest = max(_committed(checkpoints), key=lambda c: c.ref.step, default=None)
             if newest is None or _committed([newest], common_pb2.TIER_S3):
                 return checkpoints
@@ -442,7 +566,7 @@ def wait_on_s3(
 
 
 def ssd_dir(workdir: Workdir) -> Path:
-    """Where ckptd keeps its SSD tier in the embedded stack."""
+    """Where node0's ckptd keeps its SSD tier in the embedded stack."""
     return workdir.ckptd / "ssd"
 
 
@@ -483,6 +607,10 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
     """Run the drill; the job's output goes to `out`."""
     if options.ranks < 2:
         raise UserError(f"--ranks must be at least 2 for a drill, got {options.ranks}")
+    check_nodes(options.ranks, options.nodes)
+    lonely = sorted({f.kind for f in options.schedule if f.kind in MULTI_NODE})
+    if lonely and options.nodes < 2:
+        raise UserError(f"--schedule: {', '.join(lonely)} needs --nodes 2 or more")
     late = [f"{f.kind}@{f.step}" for f in options.schedule if f.step >= options.steps]
     if late:
         raise UserError(f"--schedule: {', '.join(late)} at or after the last step {options.steps}")
@@ -505,11 +633,12 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
     )
     # ckptd retries S3 soon after an outage ends; S3 keeps every checkpoint, so none may vanish.
     ckptd_args = ("--s3-backoff-max-s", "2", "--s3-every", "1")
-    with disk, Stack(workdir, ckptd_args=ckptd_args) as stack:
+    with disk, Stack(workdir, ckptd_args=ckptd_args, nodes=options.nodes) as stack:
         workdir.remember_run(run_id)
         print(
             f"[chaos] run {run_id}: {len(options.schedule)} faults scheduled, up to "
-            f"{max_restarts} restarts; logs in {workdir.logs}",
+            f"{max_restarts} restarts; logs in {workdir.logs}"
+            + (f"; {options.nodes} nodes" if options.nodes > 1 else ""),
             file=out,
             flush=True,
         )
@@ -524,7 +653,7 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
             drill.finish()
         # After a failure, only what is committed now: nothing will upload any more.
         checkpoints = wait_on_s3(stack.ckptd_address, run_id, 120.0 if code == 0 else 0.0)
-        final = {c.ref.step for c in _committed(checkpoints)}
+        final = {c.ref.step for c in _intact(checkpoints)}
     summary = _summary(workdir, run_id, checkpoints, time.monotonic() - started)
     restarts, replayed, in_place = _replays(workdir, run_id)
     completed = code == 0

@@ -17,8 +17,9 @@ from typing import IO
 
 from ckptd.client import CkptdClient
 from ckptd.config import CkptdConfig
+from ckptd.datadir import ckptd_running, list_offline
 from ckptd.manifest import file_crc32c
-from ckptd.store import CheckpointStore, ckptd_running, list_offline
+from ckptd.store import CheckpointStore
 from ckptd.tiers import TIER_NAMES as _TIER_NAMES
 from ckptd.tiers import BlockCrcs
 from scaletrain.errors import NotFound, ScaletrainError, UserError

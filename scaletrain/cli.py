@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the embedded stack and a training job")
     _workdir_arg(run)
     run.add_argument("--ranks", type=int, default=4, help="training processes (default 4)")
+    _nodes_arg(run)
     run.add_argument("--steps", type=int, default=300)
     run.add_argument("--ckpt-every", type=int, default=100)
     run.add_argument("--run-id", help="name of the run (default: a new one)")
@@ -102,12 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _workdir_arg(drill)
     drill.add_argument("--ranks", type=int, default=4, help="training processes (default 4)")
+    _nodes_arg(drill)
     drill.add_argument("--steps", type=int, default=400)
     drill.add_argument("--ckpt-every", type=int, default=5)
     drill.add_argument(
         "--schedule",
         help="KIND@STEP[:SECONDS],... with KIND one of kill-rank, stop-rank, kill-ckptd, stop-s3, "
-        "disk-full, corrupt-shard, kill-telemetry, sdc (default: 12 faults of every kind)",
+        "disk-full, corrupt-shard, kill-telemetry, sdc, kill-node (--nodes 2+), partition-node "
+        "(default: 14 faults of every kind; 13 on one node, without kill-node)",
     )
     drill.add_argument(
         "--max-restarts", type=int, help="default: one per fault that needs a restart, plus 2"
@@ -147,6 +150,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--abandon-after-s", type=float, default=600.0, help="abort a save idle this long"
     )
     ckptd.add_argument("--log-format", choices=("json", "text"), default="json")
+    ckptd.add_argument(
+        "--node",
+        help="this node's name, unique in the cluster (default: the name its data dir was "
+        "given, or the host name for a new one)",
+    )
+    ckptd.add_argument(
+        "--peers",
+        default="",
+        help="HOST:PORT[,HOST:PORT...] of the other nodes' ckptds (a static membership)",
+    )
+    ckptd.add_argument(
+        "--peers-dns",
+        help="HOST:PORT: every address HOST resolves to is a peer, re-resolved as nodes come "
+        "and go (a Kubernetes headless Service)",
+    )
+    ckptd.add_argument(
+        "--advertise", help="HOST:PORT peers reach this ckptd at (default: --listen)"
+    )
+    ckptd.add_argument(
+        "--sync-interval-s",
+        type=float,
+        default=5.0,
+        help="how often in-doubt saves are resolved and missed commits fetched from peers",
+    )
     _security_args(ckptd)
 
     tel = sub.add_parser("telemetry", help="serve the telemetry service")
@@ -236,6 +263,16 @@ def _ckpt_parser(
     return parser
 
 
+def _nodes_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="simulated nodes on loopback, each with its own ckptd and torchrun agent; --ranks "
+        "is split evenly over them (default 1)",
+    )
+
+
 def _workdir_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workdir", type=Path, default=DEFAULT_WORKDIR, help="state directory (./.scaletrain)"
@@ -312,6 +349,7 @@ def _run(args: argparse.Namespace) -> int:
     options = RunOptions(
         workdir=Workdir(args.workdir),
         ranks=args.ranks,
+        nodes=args.nodes,
         steps=args.steps,
         ckpt_every=args.ckpt_every,
         run_id=args.run_id,
@@ -344,18 +382,30 @@ def _print_summary(s) -> None:
     print(f"health       {_findings(s.health_events)}")
     print(f"checkpoints  {len(s.checkpoints)} committed")
     for c in s.checkpoints:
-        print(f"  step {c['step']:>6}  {c['bytes'] / 1e6:8.2f} MB  tiers: {', '.join(c['tiers'])}")
+        print(f"  step {c['step']:>6}  {c['bytes'] / 1e6:8.2f} MB  tiers: {_tiers(c['tiers'])}")
+        for part in c["parts"] if len(c["parts"]) > 1 else []:
+            where = (
+                f"{part['files']:>3} files  tiers: {_tiers(part['tiers'])}"
+                if part["reachable"]
+                else f"unreachable: {part['error']}"
+            )
+            print(f"    {part['node']:<11}{part['bytes'] / 1e6:8.2f} MB  {where}")
     print(f"open the UI  {s.ui_command}")
 
 
+def _tiers(names: list[str]) -> str:
+    return ", ".join(names) or "none"
+
+
 def _chaos(args: argparse.Namespace) -> int:
-    from scaletrain.chaos import DEFAULT_SCHEDULE, ChaosOptions, chaos, parse_schedule
+    from scaletrain.chaos import ChaosOptions, chaos, default_schedule, parse_schedule
     from scaletrain.stack import Workdir
 
     options = ChaosOptions(
         workdir=Workdir(args.workdir),
-        schedule=parse_schedule(args.schedule or DEFAULT_SCHEDULE),
+        schedule=parse_schedule(args.schedule or default_schedule(args.nodes)),
         ranks=args.ranks,
+        nodes=args.nodes,
         steps=args.steps,
         ckpt_every=args.ckpt_every,
         trainer_args=_trainer_args(args),
@@ -402,7 +452,7 @@ def _findings(counts: dict[str, int]) -> str:
 
 
 def _ckptd(args: argparse.Namespace) -> int:
-    from ckptd.config import CkptdConfig, S3Config
+    from ckptd.config import CkptdConfig, ClusterConfig, S3Config
     from ckptd.retention import RetentionPolicy
     from ckptd.server import serve
     from scaletrain.security import ServerSecurity
@@ -432,6 +482,13 @@ def _ckptd(args: argparse.Namespace) -> int:
             abandon_after_s=args.abandon_after_s,
             metrics_listen=None if args.metrics_port is None else metrics,
             security=ServerSecurity.from_env(allow_plaintext=args.allow_plaintext),
+            cluster=ClusterConfig(
+                node=args.node,
+                peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
+                peers_dns=args.peers_dns,
+                advertise=args.advertise,
+                sync_interval_s=args.sync_interval_s,
+            ),
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -461,7 +518,7 @@ def _credentials(args: argparse.Namespace) -> int:
         print(f"require client certificates too: export {security.TLS_CLIENT_AUTH_ENV}=1")
         return 0
     if args.run != security.ALL_RUNS:
-        from ckptd.store import check_run
+        from ckptd.names import check_run
 
         check_run(args.run)
     # The token goes to stdout alone (for `export SCALETRAIN_TOKEN=$(scaletrain token ...)`);

@@ -1,7 +1,8 @@
 """`scaletrain run`: the whole platform on one machine, then a summary of what happened.
 
-Starts the embedded stack, trains under torchrun, waits until the last checkpoint has reached
-every tier, stops everything, and reads the summary back from telemetry's database and ckptd.
+Starts the embedded stack (one or more simulated nodes), trains under torchrun, waits until the
+last checkpoint has reached every tier on every node, stops everything, and reads the summary back
+from telemetry's database and node0's ckptd (which asks its peers for their parts).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import IO
 from ckptd.client import CkptdClient
 from scaletrain.errors import UserError
 from scaletrain.security import ClientSecurity, Role
-from scaletrain.stack import Stack, Workdir
+from scaletrain.stack import Stack, Workdir, check_nodes
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 from telemetry import queries
 from telemetry.db import connect
@@ -34,6 +35,8 @@ TIER_NAMES = {
 class RunOptions:
     workdir: Workdir
     ranks: int = 4
+    # Simulated nodes on loopback, each with its own ckptd and torchrun agent (ranks split evenly).
+    nodes: int = 1
     steps: int = 300
     ckpt_every: int = 100
     run_id: str | None = None
@@ -59,6 +62,8 @@ class RunSummary:
     tokens_per_s: float | None
     params_sha256: str | None
     wall_s: float
+    # Per checkpoint: step, bytes, the tiers holding all of it, and its parts per node (`parts`:
+    # node, address, files, bytes, the tiers holding that node's part, reachable, error).
     checkpoints: list[dict[str, object]]
     ui_command: str
     # Run health from telemetry: MFU and what it is relative to, goodput and badput by cause,
@@ -77,10 +82,43 @@ def new_run_id() -> str:
     return datetime.now(UTC).strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
-def committed_tiers(info: checkpoint_pb2.CheckpointInfo) -> list[str]:
+def committed_tiers(info: checkpoint_pb2.CheckpointInfo | checkpoint_pb2.NodePart) -> list[str]:
+    """The tiers on which the answering node (or a node's part) holds a committed copy."""
     return [
         TIER_NAMES[t.tier] for t in info.tiers if t.state == checkpoint_pb2.TIER_STATE_COMMITTED
     ]
+
+
+def whole_tiers(info: checkpoint_pb2.CheckpointInfo) -> list[str]:
+    """The tiers holding the whole checkpoint: memory or SSD when every node's part is there
+    (`parts`, from a listing with nodes=True), S3 when its marker is (written once every part
+    is). Without parts (a listing of the answering node alone), the answering node's tiers."""
+    if not info.parts:
+        return committed_tiers(info)
+    parts = [set(committed_tiers(p)) if p.reachable else set() for p in info.parts]
+    whole = (set(committed_tiers(info)) & {"s3"}) | set.intersection(*parts)
+    return [name for name in TIER_NAMES.values() if name in whole]
+
+
+def checkpoint_row(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
+    """A checkpoint as the summaries show it (`RunSummary.checkpoints`)."""
+    return {
+        "step": info.ref.step,
+        "bytes": info.total_bytes,
+        "tiers": whole_tiers(info),
+        "parts": [
+            {
+                "node": p.node,
+                "address": p.address,
+                "files": p.files,
+                "bytes": p.bytes,
+                "tiers": committed_tiers(p),
+                "reachable": p.reachable,
+                "error": p.error,
+            }
+            for p in info.parts
+        ],
+    }
 
 
 def run(options: RunOptions, out: IO[str]) -> RunSummary:
@@ -92,6 +130,7 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
     run_id = options.run_id or (workdir.last_run_id() if options.resume else None) or new_run_id()
     if options.resume and not workdir.last_run_id() and not options.run_id:
         raise UserError(f"--resume: no earlier run in {workdir.root}; start one without --resume")
+    check_nodes(options.ranks, options.nodes)
     check_layout(options.trainer_args, options.ranks)
     started = time.monotonic()
     trainer_args = [
@@ -99,29 +138,37 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
         *(["--resume"] if options.resume else []),
         *options.trainer_args,
     ]  # fmt: skip
-    with Stack(workdir, secure=options.secure) as stack:
+    with Stack(workdir, secure=options.secure, nodes=options.nodes) as stack:
         workdir.remember_run(run_id)
+        nodes = (
+            f" ({options.nodes} nodes of {options.ranks // options.nodes} ranks)"
+            if options.nodes > 1
+            else ""
+        )
         print(
-            f"[scaletrain] run {run_id}: ckptd {stack.ckptd_address}, telemetry "
-            f"{stack.telemetry_address}, logs in {workdir.logs}",
+            f"[scaletrain] run {run_id}: ckptd {' '.join(stack.ckptd_addresses)}, telemetry "
+            f"{stack.telemetry_address}, logs in {workdir.logs}{nodes}",
             file=out,
             flush=True,
         )
         code = stack.train(run_id, options.ranks, trainer_args, out, options.max_restarts)
         if code != 0:
-            log = workdir.logs / "trainer.log"
-            raise UserError(f"training failed (exit code {code}): {_first_error(log)}; see {log}")
+            logs = [workdir.trainer_log(node) for node in range(options.nodes)]
+            raise UserError(
+                f"training failed (exit code {code}): {_first_error(logs)}; "
+                f"see {', '.join(map(str, logs))}"
+            )
         reader = stack.client_security(Role.READER, run_id)
         checkpoints = _wait_for_tiers(stack.ckptd_address, run_id, options.upload_wait_s, reader)
     return _summary(workdir, run_id, checkpoints, time.monotonic() - started)
 
 
-def _first_error(log: Path) -> str:
+def _first_error(logs: list[Path]) -> str:
     """The trainer's own one-line error, if a rank printed one, else what torchrun saw."""
-    lines = log.read_text(errors="replace").splitlines()
-    for line in lines:
-        if line.startswith("trainer: ") and ": error: " in line:
-            return line.removeprefix("trainer: ")
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("trainer: ") and ": error: " in line:
+                return line.removeprefix("trainer: ")
     return "a rank crashed or was killed"
 
 
@@ -142,13 +189,14 @@ def check_layout(trainer_args: list[str], ranks: int) -> None:
 def _wait_for_tiers(
     address: str, run_id: str, timeout_s: float, security: ClientSecurity | None = None
 ) -> list[checkpoint_pb2.CheckpointInfo]:
-    """The run's checkpoints, once the newest is committed on every tier (or the time is up)."""
+    """The run's checkpoints with every node's part, once the newest is committed on every tier
+    of every node (or the time is up)."""
     deadline = time.monotonic() + timeout_s
     with CkptdClient(address, security) as client:
         while True:
-            checkpoints = client.list(run_id)
+            checkpoints = client.list(run_id, nodes=True)
             newest = max(checkpoints, key=lambda c: c.ref.step, default=None)
-            if newest is None or len(committed_tiers(newest)) == len(TIER_NAMES):
+            if newest is None or len(whole_tiers(newest)) == len(TIER_NAMES):
                 return checkpoints
             if time.monotonic() > deadline:
                 return checkpoints
@@ -174,10 +222,7 @@ def _summary(
         tokens_per_s=_finite(stats.tokens_per_s),
         params_sha256=stats.params_sha256 or None,
         wall_s=round(wall, 2),
-        checkpoints=[
-            {"step": c.ref.step, "bytes": c.total_bytes, "tiers": committed_tiers(c)}
-            for c in sorted(checkpoints, key=lambda c: c.ref.step)
-        ],
+        checkpoints=[checkpoint_row(c) for c in sorted(checkpoints, key=lambda c: c.ref.step)],
         ui_command=f"scaletrain ui --workdir {workdir.root}",
         mfu=_finite(health.mfu.mfu),
         mfu_label=health.mfu.label,

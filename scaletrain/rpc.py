@@ -73,6 +73,11 @@ _COMMON_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # A service that restarts is reached again within seconds (gRPC's default backoff grows to
+    # two minutes): ckptds reconnect to a peer back from a crash, clients to a restarted ckptd.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 _SERVER_OPTIONS: list[tuple[str, Any]] = [
     *_COMMON_OPTIONS,

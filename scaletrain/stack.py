@@ -3,6 +3,11 @@
 `scaletrain run` uses it to do on one machine what the Helm chart does on a cluster. Every child
 runs in its own process group with its output in `<workdir>/logs/`, so that stopping the stack,
 on success, on failure or on Ctrl-C, stops each child and everything it started.
+
+A stack of N nodes (`--nodes N`) simulates N machines on loopback: one ckptd per node (node0 ..
+node{N-1}, each told the others' addresses as its peers) and one torchrun agent per node, the
+agents joined by c10d rendezvous into one job whose ranks each talk to their own node's ckptd.
+One node is the same code with no peers. S3 and telemetry are shared, as on a cluster.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +34,28 @@ from scaletrain.security import ClientSecurity, EmbeddedCredentials, Role
 S3_BUCKET = "scaletrain"
 
 
+def node_name(node: int) -> str:
+    return f"node{node}"
+
+
+def ckptd_service(node: int) -> str:
+    """The name of node `node`'s ckptd among the stack's children (and of its log file)."""
+    return "ckptd" if node == 0 else f"ckptd-{node_name(node)}"
+
+
+def check_nodes(ranks: int, nodes: int) -> None:
+    """Refuse a number of nodes that cannot split `ranks` evenly, before anything starts."""
+    if nodes < 1:
+        raise UserError(f"--nodes must be at least 1, got {nodes}")
+    if ranks % nodes:
+        lower, upper = ranks // nodes * nodes, (ranks // nodes + 1) * nodes
+        nearest = f"{lower} or {upper}" if lower else str(upper)
+        raise UserError(
+            f"--ranks {ranks} is not a multiple of --nodes {nodes}: every node runs the same "
+            f"number of ranks; nearest valid --ranks: {nearest}"
+        )
+
+
 @dataclass(frozen=True)
 class Workdir:
     """Where the embedded stack keeps its state; everything `scaletrain` reads offline is here."""
@@ -36,7 +64,16 @@ class Workdir:
 
     @property
     def ckptd(self) -> Path:
+        """node0's ckptd data dir: what `ckpt ls --workdir` and the other offline commands read."""
         return self.root / "ckptd"
+
+    def ckptd_dir(self, node: int) -> Path:
+        """Node `node`'s ckptd data dir (its SSD tier and catalog)."""
+        return self.ckptd if node == 0 else self.root / ckptd_service(node)
+
+    def trainer_log(self, node: int) -> Path:
+        """What node `node`'s torchrun agent and its ranks printed."""
+        return self.logs / ("trainer.log" if node == 0 else f"trainer-{node_name(node)}.log")
 
     @property
     def s3(self) -> Path:
@@ -108,9 +145,13 @@ class Child:
 
     def kill(self) -> None:
         """SIGKILL the whole group at once: the child dies as in a crash."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.signal(signal.SIGKILL)
         self.proc.wait()
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send `sig` to the whole group (SIGSTOP freezes the child, SIGCONT thaws it)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
 
     def restart(self) -> None:
         """Start the same command again (after it died or was killed), logging to the same file."""
@@ -147,7 +188,8 @@ def _scaletrain_argv(*args: str) -> list[str]:
 
 
 class Stack:
-    """S3, telemetry and ckptd on free loopback ports; `close` stops them in reverse order."""
+    """S3, telemetry and one ckptd per node on free loopback ports; `close` stops them in reverse
+    order."""
 
     def __init__(
         self,
@@ -155,6 +197,7 @@ class Stack:
         memory_budget_mb: int = 512,
         secure: bool = False,
         ckptd_args: tuple[str, ...] = (),
+        nodes: int = 1,
     ) -> None:
         self.workdir = workdir
         self.memory_budget_mb = memory_budget_mb
@@ -163,10 +206,18 @@ class Stack:
         self.credentials: EmbeddedCredentials | None = None
         # More `scaletrain ckptd` options (retry backoff, retention, ...).
         self.ckptd_args = ckptd_args
+        self.nodes = nodes
         self.children: list[Child] = []
         self.s3: SeaweedS3 | None = None
-        self.ckptd_address = ""
+        # Node i's ckptd listens on ckptd_addresses[i].
+        self.ckptd_addresses: list[str] = []
         self.telemetry_address = ""
+        self._addresses: dict[str, str] = {}  # service name -> address
+
+    @property
+    def ckptd_address(self) -> str:
+        """node0's ckptd: the one the command line and the summary ask (it asks its peers)."""
+        return self.ckptd_addresses[0] if self.ckptd_addresses else ""
 
     def __enter__(self) -> Stack:
         try:
@@ -180,11 +231,11 @@ class Stack:
         self.close()
 
     def start(self) -> None:
-        """Start S3, telemetry and ckptd, overlapping their start-ups.
+        """Start S3, telemetry and the ckptds, overlapping their start-ups.
 
         Telemetry needs nothing else, so it is spawned first and imports while S3 comes up;
         ckptd needs S3's endpoint but not a telemetry that answers yet (its reporting retries),
-        so both are waited for together at the end: a run starts ~2 s sooner than when each
+        so all are waited for together at the end: a run starts ~2 s sooner than when each
         service is waited for before the next is spawned.
         """
         self.workdir.create()
@@ -201,58 +252,63 @@ class Stack:
                 "telemetry", "--listen", self.telemetry_address, "--db", self.workdir.db_url
             ),
             base_env,
+            self.telemetry_address,
         )
         self.s3 = SeaweedS3(self.workdir.s3)
         self.s3.start()
-        self.ckptd_address = f"127.0.0.1:{free_port()}"
+        # Every address first: each ckptd is told its peers' when it starts.
+        self.ckptd_addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.nodes)]
         ckptd_env = base_env | {
             "AWS_ACCESS_KEY_ID": self.s3.access_key_id,
             "AWS_SECRET_ACCESS_KEY": self.s3.secret_access_key,
         }
         if self.credentials is not None:
             ckptd_env |= self.credentials.client_env(self.credentials.service_token)
-        ckptd = self._spawn(
-            "ckptd",
-            _scaletrain_argv(
-                "ckptd",
-                "--listen",
-                self.ckptd_address,
-                "--data-dir",
-                str(self.workdir.ckptd),
-                "--memory-budget-mb",
-                str(self.memory_budget_mb),
-                "--s3-endpoint",
-                self.s3.endpoint_url,
-                "--s3-bucket",
-                S3_BUCKET,
-                "--telemetry",
-                self.telemetry_address,
-                *self.ckptd_args,
-            ),
-            ckptd_env,
-        )
-        self._wait_healthy(telemetry, self.telemetry_address)
-        self._wait_healthy(ckptd, self.ckptd_address)
+        ckptds = [
+            self._spawn(ckptd_service(node), self._ckptd_argv(node), ckptd_env, address)
+            for node, address in enumerate(self.ckptd_addresses)
+        ]
+        self._wait_healthy(telemetry)
+        for ckptd in ckptds:
+            self._wait_healthy(ckptd)
 
-    def _spawn(self, name: str, argv: list[str], env: dict) -> Child:
+    def _ckptd_argv(self, node: int) -> list[str]:
+        assert self.s3 is not None
+        data_dir = self.workdir.ckptd_dir(node)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        peers = [a for i, a in enumerate(self.ckptd_addresses) if i != node]
+        return _scaletrain_argv(
+            "ckptd",
+            "--listen", self.ckptd_addresses[node],
+            "--node", node_name(node),
+            *(["--peers", ",".join(peers)] if peers else []),
+            "--data-dir", str(data_dir),
+            "--memory-budget-mb", str(self.memory_budget_mb),
+            "--s3-endpoint", self.s3.endpoint_url,
+            "--s3-bucket", S3_BUCKET,
+            "--telemetry", self.telemetry_address,
+            *self.ckptd_args,
+        )  # fmt: skip
+
+    def _spawn(self, name: str, argv: list[str], env: dict, address: str) -> Child:
         """Start service `name` (logging to logs/<name>.log); `close` stops it from now on."""
         child = Child(name, argv, self.workdir.logs / f"{name}.log", env)
         self.children.append(child)
+        self._addresses[name] = address
         return child
 
     def service(self, name: str) -> Child:
-        """The running child `name` ("telemetry" or "ckptd")."""
+        """The running child `name` ("telemetry", or `ckptd_service(node)`: "ckptd" is node0's)."""
         return next(child for child in self.children if child.name == name)
 
     def restart_service(self, name: str) -> None:
         """Start service `name` again at its address (it died or was killed), wait until healthy."""
         child = self.service(name)
         child.restart()
-        address = self.ckptd_address if name == "ckptd" else self.telemetry_address
-        self._wait_healthy(child, address)
+        self._wait_healthy(child)
 
-    def _wait_healthy(self, child: Child, address: str) -> None:
-        name = child.name
+    def _wait_healthy(self, child: Child) -> None:
+        name, address = child.name, self._addresses[child.name]
         deadline = time.monotonic() + 60
         while True:
             if child.proc.poll() is not None:
@@ -276,62 +332,34 @@ class Stack:
     def train(
         self,
         run_id: str,
-        nproc: int,
+        ranks: int,
         trainer_args: list[str],
         out: IO[str],
         max_restarts: int = 0,
-        on_start: Callable[[subprocess.Popen[str]], None] | None = None,
+        on_start: Callable[[Job], None] | None = None,
     ) -> int:
-        """Run the training job under torchrun; its output goes to `out` and to the log.
+        """Run the training job, `ranks` split evenly over the nodes; its output goes to `out`
+        and to each node's log. Returns its exit code.
 
-        torchrun's elastic agent (c10d rendezvous on this host) restarts every rank up to
-        `max_restarts` times after any rank fails; the ranks then resume from the latest committed
-        checkpoint. `on_start` is handed the agent's process once it runs.
+        torchrun's elastic agents restart every rank up to `max_restarts` times after any rank
+        fails; the ranks then resume from the latest committed checkpoint. `on_start` is handed
+        the job once its agents run.
         """
-        argv = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--standalone", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(max_restarts),
-            "-m", "trainer",
-            "--run-id", run_id,
-            "--ckptd", self.ckptd_address,
-            "--telemetry", self.telemetry_address,
-            *trainer_args,
-        ]  # fmt: skip
+        check_nodes(ranks, self.nodes)
         env = dict(os.environ) | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         if self.credentials is not None:
             # The run's own token: it may write this run's checkpoints and telemetry only.
             token = self.credentials.mint(Role.TRAINER, run_id, f"trainer of {run_id}")
             env |= self.credentials.client_env(token)
-        log_path = self.workdir.logs / "trainer.log"
-        with log_path.open("a") as log:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                text=True,
-                start_new_session=True,
-            )
-            try:
-                if on_start is not None:
-                    on_start(proc)
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    log.write(line)
-                    out.write(line)
-                    out.flush()
-                return proc.wait()
-            finally:
-                if proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGTERM)
-                    try:
-                        proc.wait(15)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
+        job = Job(self, run_id, ranks // self.nodes, trainer_args, out, max_restarts, env)
+        try:
+            for node in range(self.nodes):
+                job.start_agent(node)
+            if on_start is not None:
+                on_start(job)
+            return job.wait()
+        finally:
+            job.stop()
 
     def close(self) -> None:
         """Stop every service, then S3. All are sent SIGTERM first, so a shutdown takes as long
@@ -343,6 +371,185 @@ class Stack:
         if self.s3 is not None:
             self.s3.stop()
             self.s3 = None
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """RANK -> pid of the workers torchrun's agent `agent_pid` started (each in a session of its
+    own, so signals to the agent's group do not reach them)."""
+    pids = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid:
+                continue
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        for item in env:
+            if item.startswith(b"RANK="):
+                pids[int(item[5:])] = int(proc.name)
+    return pids
+
+
+class Job:
+    """A training job: one torchrun agent per node of the stack, joined by c10d rendezvous.
+
+    node0's agent hosts the rendezvous store (`is_host`), and since c10d ranks the agents by
+    process id, node0's agent, started first, is group rank 0: its ranks are 0..k-1 and rank 0
+    talks to node0's ckptd. A node's agent may be killed and started again (`kill_agent`,
+    `start_agent`: a replaced machine); the others then restart their ranks and the job re-forms
+    once the new agent joins. An agent that fails for good ends the job: its peers would wait
+    for it in the rendezvous for ten minutes, so they are stopped at once.
+    """
+
+    def __init__(
+        self,
+        stack: Stack,
+        run_id: str,
+        per_node: int,
+        trainer_args: list[str],
+        out: IO[str],
+        max_restarts: int,
+        env: dict[str, str],
+    ) -> None:
+        self.stack, self.run_id, self.per_node = stack, run_id, per_node
+        self.trainer_args, self.max_restarts = trainer_args, max_restarts
+        self._out = out
+        self._env = env
+        if stack.nodes > 1:
+            # torch 2.13's agents share one store with the ranks, and the rank-0 agent tells only
+            # the agents of its first round where it is: an agent started later (a replaced node)
+            # waits for that address forever. Unshared, each attempt gets a fresh store (hosted
+            # by rank 0), announced in every round.
+            self._env = env | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        self._rendezvous = f"127.0.0.1:{free_port()}"
+        self.agents: list[subprocess.Popen[str] | None] = [None] * stack.nodes
+        self._logs = [stack.workdir.trainer_log(node).open("a") for node in range(stack.nodes)]
+        self._readers: list[threading.Thread] = []
+        self._lock = threading.Lock()  # the agents and `_replacing`
+        self._out_lock = threading.Lock()  # one line at a time on `out` and the logs
+        self._replacing: set[int] = set()  # nodes whose agent was killed, to be started again
+        self._stopped = False
+
+    def agent_argv(self, node: int, extra_args: tuple[str, ...] = ()) -> list[str]:
+        # No --node-rank: c10d assigns node ranks itself (by process id) and torchrun warns
+        # that it ignores one given.
+        conf = f"is_host={str(node == 0).lower()},keep_alive_interval=2,keep_alive_max_attempt=3"
+        return [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(self.stack.nodes), "--nproc-per-node", str(self.per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", self._rendezvous,
+            "--rdzv-id", self.run_id, "--rdzv-conf", conf, "--local-addr", "127.0.0.1",
+            "--max-restarts", str(self.max_restarts),
+            "-m", "trainer",
+            "--run-id", self.run_id,
+            "--ckptd", self.stack.ckptd_addresses[node],
+            "--telemetry", self.stack.telemetry_address,
+            *self.trainer_args, *extra_args,
+        ]  # fmt: skip
+
+    def start_agent(self, node: int, extra_args: tuple[str, ...] = ()) -> bool:
+        """Start node `node`'s agent (again, after `kill_agent`); False once the job has ended."""
+        with self._lock:
+            if self._stopped:
+                return False
+            proc = subprocess.Popen(
+                self.agent_argv(node, extra_args),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=self._env,
+                text=True,
+                start_new_session=True,
+            )
+            self.agents[node] = proc
+            self._replacing.discard(node)
+        reader = threading.Thread(target=self._pump, args=(node, proc), name=f"agent-{node}")
+        reader.start()
+        self._readers.append(reader)
+        return True
+
+    def _pump(self, node: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            with self._out_lock:
+                self._logs[node].write(line)
+                self._logs[node].flush()
+                self._out.write(line)
+                self._out.flush()
+
+    def rank_pids(self, node: int | None = None) -> dict[int, int]:
+        """RANK -> pid of the ranks running now (on node `node`, or on every node)."""
+        with self._lock:
+            agents = [a for i, a in enumerate(self.agents) if a and node in (None, i)]
+        return {rank: pid for agent in agents for rank, pid in worker_pids(agent.pid).items()}
+
+    def agent(self, node: int) -> subprocess.Popen[str]:
+        agent = self.agents[node]
+        assert agent is not None
+        return agent
+
+    def kill_agent(self, node: int) -> list[int]:
+        """SIGKILL node `node`'s agent and its ranks (a machine lost); the job goes on waiting for
+        `start_agent(node)`. Returns the pids killed."""
+        with self._lock:
+            self._replacing.add(node)
+            agent = self.agent(node)
+        ranks = list(worker_pids(agent.pid).values())
+        _kill_agent(agent)
+        return [agent.pid, *ranks]
+
+    def wait(self) -> int:
+        """Until every agent has exited: 0, or the exit code of the first agent that failed (once
+        one fails, the others are stopped)."""
+        while True:
+            with self._lock:
+                codes = [
+                    agent.poll()
+                    for node, agent in enumerate(self.agents)
+                    if agent is not None and node not in self._replacing
+                ]
+                replacing = bool(self._replacing)
+            failed = [code for code in codes if code not in (None, 0)]
+            if failed or (not replacing and all(code == 0 for code in codes)):
+                self.stop()
+                return failed[0] if failed else 0
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Stop every agent still running (SIGTERM: torchrun stops its ranks; SIGKILL for what is
+        left after 15 s), then wait until their output is passed on."""
+        with self._lock:
+            self._stopped = True
+            agents = [a for a in self.agents if a is not None]
+        running = [a for a in agents if a.poll() is None]
+        for agent in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for agent in running:
+            try:
+                agent.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _kill_agent(agent)
+        for reader in self._readers:
+            reader.join()
+        for log in self._logs:
+            log.close()
+        self._logs = []
+
+
+def _kill_agent(agent: subprocess.Popen[str]) -> None:
+    """SIGKILL a torchrun agent's group and its ranks (which run in sessions of their own)."""
+    ranks = worker_pids(agent.pid).values()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(agent.pid, signal.SIGKILL)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    agent.wait()
 
 
 @contextlib.contextmanager

@@ -452,11 +452,13 @@ def event(
     tier: str | int | None = None,
     bytes: int = 0,
     seconds: float = 0.0,
+    node: str = "",
 ) -> telemetry_pb2.Event:
     """An event stamped with the current time; `kind` as "checkpoint_committed" or an EventKind.
 
-    Giving `tier` ("memory", "ssd", "s3" or a Tier), `bytes` or `seconds` makes it a checkpoint
-    event; without a tier it describes the save as the trainer saw it.
+    Giving `tier` ("memory", "ssd", "s3" or a Tier), `bytes`, `seconds` or `node` (the node whose
+    copy it is) makes it a checkpoint event; without a tier it describes the save as the trainer
+    saw it.
     """
     if isinstance(kind, str):
         kind = telemetry_pb2.EventKind.Value(f"EVENT_KIND_{kind.upper()}")
@@ -468,12 +470,12 @@ def event(
         message=message,
         attributes=dict(attributes or {}),
     )
-    if tier is not None or bytes or seconds:
+    if tier is not None or bytes or seconds or node:
         if isinstance(tier, str):
             tier = common_pb2.Tier.Value(f"TIER_{tier.upper()}")
         result.checkpoint.CopyFrom(
             telemetry_pb2.CheckpointEvent(
-                tier=tier or common_pb2.TIER_UNSPECIFIED, bytes=bytes, seconds=seconds
+                tier=tier or common_pb2.TIER_UNSPECIFIED, bytes=bytes, seconds=seconds, node=node
             )
         )
     result.time.FromDatetime(_now())

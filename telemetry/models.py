@@ -31,6 +31,8 @@ from sqlalchemy.types import TypeDecorator
 RUN_STATUSES = ("running", "finished", "failed")
 # The `tier` of a checkpoint row that describes the save as the trainer saw it.
 TRAINER_TIER = "trainer"
+# The storage tier that holds the whole checkpoint (every node's part): one row per step, node "".
+WHOLE_TIER = "s3"
 
 # Deterministic constraint names, so that later migrations can name what they alter.
 NAMING_CONVENTION = {
@@ -179,11 +181,16 @@ class RankStep(Base):
 
 
 class Checkpoint(Base):
-    """The life of one checkpoint on one tier, kept up to date from checkpoint events.
+    """The life of one checkpoint on one tier of one node, kept up to date from checkpoint events.
 
     `tier` is "memory", "ssd" or "s3" for ckptd's tiers, or TRAINER_TIER for the save as the trainer
     saw it: `started_at` when it began, `staged_at` when training resumed, and `seconds` the time
     training was blocked. On a storage tier, `seconds` is what the commit there took.
+
+    A checkpoint is spread over nodes: each node's ckptd holds its part (the files its ranks wrote)
+    on its memory and SSD tiers, so those tiers have one row per node, `node` naming it. S3
+    (WHOLE_TIER) holds the whole checkpoint and the trainer row describes the whole save: their
+    `node` is "", as is every row recorded before nodes were.
     """
 
     __tablename__ = "checkpoints"
@@ -193,6 +200,7 @@ class Checkpoint(Base):
     )
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     tier: Mapped[str] = mapped_column(String(16), primary_key=True)
+    node: Mapped[str] = mapped_column(String(128), primary_key=True, default="", server_default="")
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     staged_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     committed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
@@ -211,7 +219,8 @@ class Event(Base):
 
     __tablename__ = "events"
     __table_args__ = (
-        UniqueConstraint("run_id", "kind", "step", "rank", "time"),
+        # `node` too: every node's ckptd reports its own commits, at times that may coincide.
+        UniqueConstraint("run_id", "kind", "step", "rank", "time", "node"),
         Index("ix_events_run_id_time", "run_id", "time"),
     )
 
@@ -230,3 +239,5 @@ class Event(Base):
     tier: Mapped[str | None] = mapped_column(String(16), nullable=True)
     bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     seconds: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # The node the event came from (ckptd's commits: the node whose copy it is); "" when none.
+    node: Mapped[str] = mapped_column(String(128), default="", server_default="")

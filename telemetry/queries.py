@@ -36,7 +36,8 @@ EVENT_COLUMNS = [
 ]
 
 CHECKPOINT_COLUMNS = [
-    "step", "tier", "started_at", "staged_at", "committed_at", "failed_at", "bytes", "seconds",
+    "step", "tier", "node", "started_at", "staged_at", "committed_at", "failed_at", "bytes",
+    "seconds",
 ]  # fmt: skip
 
 _newer = aliased(RankStep)
@@ -50,15 +51,17 @@ LATEST_ATTEMPT = ~exists().where(
 
 
 def checkpoints(bind: Bind, run_id: str) -> pd.DataFrame:
-    """Every checkpoint of `run_id` on every tier, by step then tier: CHECKPOINT_COLUMNS.
+    """Every checkpoint of `run_id` on every tier, by step, tier and node: CHECKPOINT_COLUMNS.
 
     Tier "trainer" is the save as the trainer saw it (seconds: how long training was blocked);
-    the storage tiers say when the checkpoint was committed there and how long that took.
+    the storage tiers say when the checkpoint was committed there and how long that took. Memory
+    and SSD have a row per node, for the part of the checkpoint that node holds; S3 holds the whole
+    checkpoint, and it and the trainer have node "".
     """
     statement = (
         select(*(getattr(Checkpoint, column) for column in CHECKPOINT_COLUMNS))
         .where(Checkpoint.run_id == run_id)
-        .order_by(Checkpoint.step, Checkpoint.tier)
+        .order_by(Checkpoint.step, Checkpoint.tier, Checkpoint.node)
     )
     with connection_of(bind) as connection:
         rows = connection.execute(statement).all()

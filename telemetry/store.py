@@ -31,7 +31,7 @@ from telemetry.ingest import (
     step_values,
     time_format,
 )
-from telemetry.models import TRAINER_TIER, Checkpoint, Event, Rank, RankStep, Run
+from telemetry.models import TRAINER_TIER, WHOLE_TIER, Checkpoint, Event, Rank, RankStep, Run
 
 # "EVENT_KIND_CHECKPOINT_COMMITTED" is stored as "checkpoint_committed"; "TIER_SSD" as "ssd".
 EVENT_KIND_NAMES: dict[int, str] = {
@@ -58,6 +58,7 @@ _FINAL_STATUS = {
     EVENT_KIND_NAMES[telemetry_pb2.EVENT_KIND_RUN_FAILED]: "failed",
 }
 _MAX_ID_CHARS = 128
+_MAX_NODE_CHARS = 128
 # Rows per INSERT statement: far below SQLite's and PostgreSQL's limits on bound parameters.
 _ROWS_PER_INSERT = 500
 _LAYOUT_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
@@ -299,16 +300,21 @@ class TelemetryStore:
 
     @staticmethod
     def _record_checkpoint(session: Session, event: dict[str, Any]) -> None:
-        """Stamp the checkpoint row of the event's step and tier with the event's time.
+        """Stamp the checkpoint row of the event's step, tier and node with the event's time.
 
         Bytes and seconds are kept unless the event carries them. A staged event of a save whose
         start was never reported sets `started_at` to the staging time minus the blocked seconds.
+        The trainer's row and S3's (the whole checkpoint) have node "": every node reports S3's
+        copy once it sees it there, and the row keeps the earliest report of each kind.
         """
         column = _CHECKPOINT_TIME_COLUMN[event["kind"]]
+        tier = event["tier"] or TRAINER_TIER
+        whole = tier in (TRAINER_TIER, WHOLE_TIER)
         values: dict[str, Any] = {
             "run_id": event["run_id"],
             "step": event["step"],
-            "tier": event["tier"] or TRAINER_TIER,
+            "tier": tier,
+            "node": "" if whole else event["node"],
             column: event["time"],
             "bytes": event["bytes"] or 0,
             "seconds": event["seconds"] or 0.0,
@@ -322,9 +328,15 @@ class TelemetryStore:
             values["started_at"] = event["time"] - timedelta(seconds=event["seconds"] or 0.0)
             started = literal(values["started_at"], Checkpoint.__table__.c.started_at.type)
             changes["started_at"] = func.coalesce(Checkpoint.started_at, started)
+        stamped = getattr(Checkpoint, column)
+        earlier = stamped.is_(None) | (stamped > literal(event["time"], stamped.type))
         statement = _insert(session, Checkpoint).values(values)
         session.execute(
-            statement.on_conflict_do_update(index_elements=["run_id", "step", "tier"], set_=changes)
+            statement.on_conflict_do_update(
+                index_elements=["run_id", "step", "tier", "node"],
+                set_=changes,
+                where=earlier if tier == WHOLE_TIER else None,
+            )
         )
 
     @contextmanager
@@ -460,6 +472,7 @@ def _event_row(index: int, event: telemetry_pb2.Event) -> dict[str, Any]:
     tier: str | None = None
     size: int | None = None
     seconds: float | None = None
+    node = ""
     if event.HasField("checkpoint"):
         checkpoint = event.checkpoint
         if checkpoint.tier != common_pb2.TIER_UNSPECIFIED:
@@ -470,7 +483,9 @@ def _event_row(index: int, event: telemetry_pb2.Event) -> dict[str, Any]:
             raise bad(f"checkpoint.bytes must not be negative, got {checkpoint.bytes}")
         if not (math.isfinite(checkpoint.seconds) and checkpoint.seconds >= 0):
             raise bad(f"checkpoint.seconds must be finite and >= 0, got {checkpoint.seconds}")
-        size, seconds = checkpoint.bytes, checkpoint.seconds
+        if len(checkpoint.node) > _MAX_NODE_CHARS or not checkpoint.node.isprintable():
+            raise bad(f"checkpoint.node must be printable and at most {_MAX_NODE_CHARS} characters")
+        size, seconds, node = checkpoint.bytes, checkpoint.seconds, checkpoint.node
     try:
         time = _time(event, "time")
     except InvalidArgument as exc:
@@ -486,4 +501,5 @@ def _event_row(index: int, event: telemetry_pb2.Event) -> dict[str, Any]:
         "tier": tier,
         "bytes": size,
         "seconds": seconds,
+        "node": node,
     }

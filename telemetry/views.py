@@ -14,17 +14,17 @@ Where a step was recorded by several attempts, each rank's latest attempt counts
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import ColumnElement, Select, and_, exists, func, select, true
+from sqlalchemy import ColumnElement, Select, and_, case, exists, func, select, true
 
-from telemetry import queries
 from telemetry.detect import median_without
 from telemetry.efficiency import mfu
-from telemetry.models import TRAINER_TIER, Checkpoint, Event, RankStep, Run
+from telemetry.models import TRAINER_TIER, WHOLE_TIER, Checkpoint, Event, RankStep, Run
 from telemetry.queries import LATEST_ATTEMPT, Bind, connection_of
 
 # Storage tiers, fastest first, as ckptd names them.
@@ -44,9 +44,12 @@ RANK_STEP_COLUMNS = ["step", "rank", "step_s", "compute_s", *PHASE_COLUMNS]
 RANK_PHASE_COLUMNS = ["rank", "step_s", "compute_s", *PHASE_COLUMNS, "relative_score"]
 MARKER_COLUMNS = ["step", "kind", "label"]
 TIMELINE_COLUMNS = [
-    "step", "started_at", "blocking_s", "background_s", "tiers", "failed_tiers",
+    "step", "started_at", "blocking_s", "background_s", "tiers", "failed_tiers", "nodes",
     *(f"{tier}_bytes" for tier in TIERS),
 ]  # fmt: skip
+PART_COLUMNS = ["step", "tier", "node", "bytes", "committed_at"]
+# The most nodes the checkpoint timeline names on one tier; beyond, it counts them.
+NAMED_NODES = 8
 OFFSET_COLUMNS = ["rank", "global_sample", "rank_sample", "epoch"]
 # A checkpoint row that says the checkpoint is restorable: committed on a storage tier.
 COMMITTED = (Checkpoint.committed_at.is_not(None), Checkpoint.tier != TRAINER_TIER)
@@ -84,13 +87,23 @@ def runs_table(bind: Bind, *, window: int = 20) -> pd.DataFrame:
                 Run.run_id, Run.name, Run.status, Run.world_size, Run.attempt, Run.started_at
             ).order_by(Run.started_at.desc())
         ).all()
+        # Each run's latest committed step, when it was first committed on any tier of any node.
+        latest = (
+            select(Checkpoint.run_id, func.max(Checkpoint.step).label("step"))
+            .where(*COMMITTED)
+            .group_by(Checkpoint.run_id)
+            .subquery()
+        )
         committed = {
             run_id: (step, time)
             for run_id, step, time in connection.execute(
-                select(Checkpoint.run_id, Checkpoint.step, Checkpoint.committed_at)
+                select(Checkpoint.run_id, Checkpoint.step, func.min(Checkpoint.committed_at))
+                .join(
+                    latest,
+                    and_(Checkpoint.run_id == latest.c.run_id, Checkpoint.step == latest.c.step),
+                )
                 .where(*COMMITTED)
-                # The last row per run wins: its latest step, first committed there.
-                .order_by(Checkpoint.run_id, Checkpoint.step, Checkpoint.committed_at.desc())
+                .group_by(Checkpoint.run_id, Checkpoint.step)
             )
         }
         rows = []
@@ -264,17 +277,65 @@ def markers(bind: Bind, run_id: str, *, limit: int = 2000) -> pd.DataFrame:
     return frame.sort_values("step", kind="stable", ignore_index=True)
 
 
+def checkpoint_parts(bind: Bind, run_id: str) -> pd.DataFrame:
+    """Where each checkpoint of `run_id` is held: PART_COLUMNS, a row per storage tier and node
+    holding it, by step, tier (fastest first) and node.
+
+    A memory or SSD row is one node's part of the checkpoint (the files its ranks wrote), `bytes`
+    its size; S3 holds the whole checkpoint, with node "" (as has every row recorded before
+    telemetry knew nodes).
+    """
+    with connection_of(bind) as connection:
+        rows = connection.execute(
+            select(*(getattr(Checkpoint, column) for column in PART_COLUMNS)).where(
+                Checkpoint.run_id == run_id, Checkpoint.tier.in_(TIERS), *COMMITTED
+            )
+        ).all()
+    parts = pd.DataFrame(rows, columns=PART_COLUMNS)
+    order = {
+        "tier": {tier: index for index, tier in enumerate(TIERS)},
+        "node": {node: index for index, node in enumerate(_by_name(set(parts["node"])))},
+    }
+    return parts.sort_values(
+        ["step", "tier", "node"],
+        key=lambda column: column.map(order[column.name]) if column.name in order else column,
+        ignore_index=True,
+    )
+
+
 def checkpoint_timeline(bind: Bind, run_id: str) -> pd.DataFrame:
     """One row per checkpoint of `run_id`, by step: TIMELINE_COLUMNS.
 
     blocking_s is how long training was blocked (the trainer's staging), background_s how long
     the save streamed afterwards (its checkpoint_saved event); tiers lists the tiers it was
-    committed on, fastest first, with its size on each in <tier>_bytes (NaN where not committed).
-    Telemetry records commits, not evictions: a tier that dropped the checkpoint under its
-    retention policy is still listed.
+    committed on (on any node), fastest first, with its size on each in <tier>_bytes (the sum of
+    the nodes' parts; NaN where not committed). When the run's checkpoints are spread over several
+    nodes, nodes says which ones hold their part on each tier ("memory: node0, node1 · ssd: node0,
+    node1 · s3", S3 holding the whole; beyond NAMED_NODES nodes on a tier, "ssd: 63 of 64 nodes,
+    not node7"); else it is "". Telemetry records commits, not evictions: a tier that dropped the
+    checkpoint under its retention policy is still listed.
+
+    The database sums up each step's tiers over their nodes (one row per step and tier, the
+    holding nodes' names joined), so a run of many nodes reads no more rows than one of one node.
     """
-    saves = queries.checkpoints(bind, run_id)
+    held = Checkpoint.committed_at.is_not(None)
     with connection_of(bind) as connection:
+        tier_rows = connection.execute(
+            select(
+                Checkpoint.step,
+                Checkpoint.tier,
+                func.min(Checkpoint.started_at).label("started_at"),
+                func.min(Checkpoint.committed_at).label("committed_at"),
+                func.count(Checkpoint.committed_at).label("holding"),
+                func.count(Checkpoint.failed_at).label("failed"),
+                func.sum(case((held, Checkpoint.bytes), else_=0)).label("bytes"),
+                func.max(Checkpoint.seconds).label("seconds"),
+                _joined(connection, case((held, Checkpoint.node))).label("nodes"),
+            )
+            .where(Checkpoint.run_id == run_id)
+            .group_by(Checkpoint.step, Checkpoint.tier)
+            .order_by(Checkpoint.step)
+        ).all()
         background = dict(
             connection.execute(
                 select(Event.step, func.max(Event.seconds))
@@ -282,21 +343,35 @@ def checkpoint_timeline(bind: Bind, run_id: str) -> pd.DataFrame:
                 .group_by(Event.step)
             ).all()
         )
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in tier_rows:
+        by_step.setdefault(row.step, {})[row.tier] = row
+    holders = {
+        (row.step, row.tier): _by_name({node for node in row.nodes.split(_NAMES_SEPARATOR) if node})
+        for row in tier_rows
+        if row.tier in TIERS and row.nodes
+    }
+    every_node = _by_name(set().union(*holders.values()))
     rows = []
-    for step, group in saves.groupby("step", sort=True):
-        by_tier = {row.tier: row for row in group.itertuples()}
+    for step, by_tier in by_step.items():
+        committed = [tier for tier in TIERS if tier in by_tier and by_tier[tier].holding]
+        # When it began, or else (no start reported) when it was first committed anywhere.
+        started = [row.started_at for row in by_tier.values() if row.started_at is not None] or [
+            row.committed_at for row in by_tier.values() if row.committed_at is not None
+        ]
         trainer = by_tier.get(TRAINER_TIER)
-        committed = [t for t in TIERS if t in by_tier and pd.notna(by_tier[t].committed_at)]
-        started = group["started_at"].dropna()
         rows.append(
             {
                 "step": int(step),
-                "started_at": started.min() if len(started) else group["committed_at"].min(),
-                "blocking_s": float(trainer.seconds) if trainer is not None else math.nan,
+                "started_at": min(started, default=None),
+                "blocking_s": _float(trainer.seconds if trainer is not None else None),
                 "background_s": _float(background.get(step)),
                 "tiers": ", ".join(committed),
-                "failed_tiers": ", ".join(
-                    t for t in TIERS if t in by_tier and pd.notna(by_tier[t].failed_at)
+                "failed_tiers": ", ".join(t for t in TIERS if t in by_tier and by_tier[t].failed),
+                "nodes": " · ".join(
+                    _held_by(tier, holders.get((step, tier), []), every_node)
+                    for tier in committed
+                    if len(every_node) > 1
                 ),
                 **{
                     f"{tier}_bytes": float(by_tier[tier].bytes) if tier in committed else math.nan
@@ -305,6 +380,40 @@ def checkpoint_timeline(bind: Bind, run_id: str) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows, columns=TIMELINE_COLUMNS)
+
+
+# Joins the node names of a step's tier in SQL: no node name holds it (ckptd's are [A-Za-z0-9._-]).
+_NAMES_SEPARATOR = "\n"
+
+
+def _joined(connection: Any, names: ColumnElement[Any]) -> ColumnElement[str]:
+    """The names of a group joined by _NAMES_SEPARATOR, NULLs left out, in no particular order."""
+    dialect = (
+        connection.dialect if hasattr(connection, "dialect") else connection.get_bind().dialect
+    )
+    if dialect.name == "postgresql":
+        return func.string_agg(names, _NAMES_SEPARATOR)
+    return func.group_concat(names, _NAMES_SEPARATOR)
+
+
+def _by_name(nodes: set[str]) -> list[str]:
+    """Node names in order, their numbers as numbers: node2 before node10."""
+    return sorted(
+        nodes, key=lambda node: [int(p) if p.isdecimal() else p for p in re.split(r"(\d+)", node)]
+    )
+
+
+def _held_by(tier: str, nodes: list[str], every_node: list[str]) -> str:
+    """A tier and the nodes holding their part there ("ssd: node0, node1"), counted beyond
+    NAMED_NODES with the missing ones named when few are; S3 holds the whole checkpoint."""
+    if tier == WHOLE_TIER or not nodes:
+        return tier
+    if len(nodes) <= NAMED_NODES:
+        return f"{tier}: {', '.join(nodes)}"
+    holding = set(nodes)
+    missing = [node for node in every_node if node not in holding]
+    absent = f", not {', '.join(missing)}" if 0 < len(missing) <= NAMED_NODES else ""
+    return f"{tier}: {len(nodes)} of {len(every_node)} nodes{absent}"
 
 
 def resume_offsets(bind: Bind, run_id: str) -> tuple[int | None, pd.DataFrame]:

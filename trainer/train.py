@@ -73,9 +73,12 @@ def _attempt_store(timeout: timedelta) -> dict[str, object]:
 
     torchrun's agent keeps one key-value store across restarts, where the earlier attempt left
     its ranks' addresses: read them and the new ranks try to reach dead ones ("Connection refused").
+    Without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which `scaletrain run
+    --nodes N` sets for N > 1) every attempt gets a fresh store of its own, hosted by rank 0, and
+    agents may count restarts differently (a replaced node's agent starts again at 0): no prefix.
     """
     restarts = restart_count()
-    if restarts == 0:
+    if restarts == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
@@ -361,18 +364,13 @@ def resume(
         if not required:
             return 0
         raise UserError("--resume needs --ckptd: there is no checkpoint store to resume from")
-    from ckptd.client import CkptdClient
-
-    with CkptdClient(cfg.ckptd) as client:
-        try:
-            latest = client.get(cfg.run_id)
-        except NotFound:
-            if required:
-                raise
-            if rank == 0:
-                print(f"[trainer] run {cfg.run_id}: no checkpoint yet, starting over", flush=True)
-            return 0
-    step = int(latest.ref.step)
+    step = _latest_step(cfg, rank)
+    if step < 0:
+        if required:
+            raise NotFound(f"run {cfg.run_id!r} has no committed checkpoint")
+        if rank == 0:
+            print(f"[trainer] run {cfg.run_id}: no checkpoint yet, starting over", flush=True)
+        return 0
     train_state = checkpointer.load(step)
     expected = loader.offset()
     recorded = reporter.resume_offsets(step)
@@ -392,6 +390,30 @@ def resume(
             flush=True,
         )
     return int(train_state["step"])
+
+
+def _latest_step(cfg: TrainConfig, rank: int) -> int:
+    """The step every rank restores (-1: none yet): rank 0 asks its node's ckptd and tells the
+    others, so that ranks on nodes whose ckptds learned of a commit at different instants still
+    restore the same step."""
+    from ckptd.client import CkptdClient
+
+    step = -1
+    error = ""
+    if rank == 0:
+        assert cfg.ckptd is not None
+        with CkptdClient(cfg.ckptd) as client:
+            try:
+                step = int(client.get(cfg.run_id).ref.step)
+            except NotFound:
+                step = -1
+            except ScaletrainError as exc:
+                error = str(exc)
+    shared: list[object] = [step, error]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[1]:
+        raise ScaletrainError(str(shared[1]))
+    return int(shared[0])  # type: ignore[call-overload]
 
 
 def check_offsets(

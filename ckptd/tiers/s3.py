@@ -143,15 +143,39 @@ class S3Tier:
 
     # -- upload ----------------------------------------------------------------------------------
 
-    def put(self, manifest: Manifest, source: PartSource) -> None:
-        """Upload every file of `manifest` from `source`, verify each, then write the marker."""
+    def put(self, manifest: Manifest, source: PartSource, node: str) -> list[str]:
+        """Upload `node`'s part of `manifest` from `source` and verify each file; then write the
+        marker if every node's part is there. Returns the paths S3 still lacks (none: the
+        marker is written), which other nodes are to upload."""
         self.ensure_bucket()
-        self.abort_incomplete(manifest.key)
-        for record in manifest.files:
-            self._put_file(manifest.key, record.path, record.size, source)
+        part = manifest.files_on(node)
+        self.abort_incomplete(manifest.key, {f.path for f in part})
+        for record in part:
+            if self._size_of(manifest.key, record.path) != record.size:  # a retry skips what is up
+                self._put_file(manifest.key, record.path, record.size, source)
         crash_point("s3-files-uploaded")
-        body = manifest.to_json()
-        self._put_object(self.object_key(manifest.key, MARKER), body)
+        return self.complete(manifest)
+
+    def complete(self, manifest: Manifest) -> list[str]:
+        """Write the marker once every file of `manifest` is on S3 at its size; returns the
+        paths still missing (the marker is then not written)."""
+        missing = [f.path for f in manifest.files if self._size_of(manifest.key, f.path) != f.size]
+        if not missing:
+            self._put_object(self.object_key(manifest.key, MARKER), manifest.to_json())
+        return missing
+
+    def _size_of(self, key: CheckpointKey, path: str) -> int | None:
+        object_key = self.object_key(key, path)
+        try:
+            head = self.call(
+                f"check {object_key}",
+                lambda: self._client.head_object(Bucket=self.bucket, Key=object_key),
+            )
+        except ClientError as exc:
+            if _code(exc) in _MISSING:
+                return None
+            raise
+        return int(head["ContentLength"])
 
     def _put_file(self, key: CheckpointKey, path: str, size: int, source: PartSource) -> None:
         object_key = self.object_key(key, path)
@@ -243,14 +267,19 @@ class S3Tier:
                 f"sent {size} bytes with ETag {etag}"
             )
 
-    def abort_incomplete(self, key: CheckpointKey) -> int:
-        """Abort multipart uploads left under `key` by an earlier, interrupted attempt."""
+    def abort_incomplete(self, key: CheckpointKey, paths: set[str] | None = None) -> int:
+        """Abort multipart uploads left under `key` by an earlier, interrupted attempt (only of
+        `paths`, if given: other nodes may be uploading the other files right now)."""
         prefix = f"{key.run}/{key.step}/"
         listing = self.call(
             f"list uploads under {prefix}",
             lambda: self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix),
         )
-        uploads = listing.get("Uploads") or []
+        uploads = [
+            u
+            for u in listing.get("Uploads") or []
+            if paths is None or u["Key"].removeprefix(prefix) in paths
+        ]
         for upload in uploads:
             self.call(
                 f"abort upload of {upload['Key']}",

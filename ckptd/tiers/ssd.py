@@ -198,6 +198,12 @@ class SsdTier:
             shutil.rmtree(self.root / sub, ignore_errors=True)
             (self.root / sub).mkdir()
 
+    def sync_staging(self, save_id: str) -> None:
+        """Make a staged save's directory entries durable (its files are fsynced as staged)."""
+        for dirpath, _dirs, _files in os.walk(self.staging_dir(save_id)):
+            fsync_path(Path(dirpath), directory=True)
+        fsync_path(self.root / _STAGING, directory=True)
+
     def put(self, manifest: Manifest, save_id: str) -> None:
         """Commit a staged save: marker, fsyncs, rename into place, fsync of the parent."""
         staging = self.staging_dir(save_id)

@@ -24,6 +24,14 @@ class TierState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_STATE_PENDING: _ClassVar[TierState]
     TIER_STATE_COMMITTED: _ClassVar[TierState]
     TIER_STATE_FAILED: _ClassVar[TierState]
+
+class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
+    OUTCOME_IN_PROGRESS: _ClassVar[Outcome]
+    OUTCOME_COMMITTED: _ClassVar[Outcome]
+    OUTCOME_ABORTED: _ClassVar[Outcome]
+    OUTCOME_UNKNOWN: _ClassVar[Outcome]
 FILE_KIND_UNSPECIFIED: FileKind
 FILE_KIND_SHARD: FileKind
 FILE_KIND_METADATA: FileKind
@@ -32,6 +40,11 @@ TIER_STATE_ABSENT: TierState
 TIER_STATE_PENDING: TierState
 TIER_STATE_COMMITTED: TierState
 TIER_STATE_FAILED: TierState
+OUTCOME_UNSPECIFIED: Outcome
+OUTCOME_IN_PROGRESS: Outcome
+OUTCOME_COMMITTED: Outcome
+OUTCOME_ABORTED: Outcome
+OUTCOME_UNKNOWN: Outcome
 
 class CheckpointRef(_message.Message):
     __slots__ = ("run", "step")
@@ -71,10 +84,38 @@ class RetentionPolicy(_message.Message):
     def __init__(self, memory_last: _Optional[int] = ..., ssd_last: _Optional[int] = ..., s3_every: _Optional[int] = ...) -> None: ...
 
 class OpenSaveResponse(_message.Message):
-    __slots__ = ("save_id",)
+    __slots__ = ("save_id", "epoch", "coordinator", "coordinator_address")
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     save_id: str
-    def __init__(self, save_id: _Optional[str] = ...) -> None: ...
+    epoch: int
+    coordinator: str
+    coordinator_address: str
+    def __init__(self, save_id: _Optional[str] = ..., epoch: _Optional[int] = ..., coordinator: _Optional[str] = ..., coordinator_address: _Optional[str] = ...) -> None: ...
+
+class JoinSaveRequest(_message.Message):
+    __slots__ = ("save_id", "ref", "world_size", "epoch", "coordinator", "coordinator_address")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    ref: CheckpointRef
+    world_size: int
+    epoch: int
+    coordinator: str
+    coordinator_address: str
+    def __init__(self, save_id: _Optional[str] = ..., ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., coordinator: _Optional[str] = ..., coordinator_address: _Optional[str] = ...) -> None: ...
+
+class JoinSaveResponse(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
 
 class FileHeader(_message.Message):
     __slots__ = ("save_id", "path", "rank", "kind")
@@ -187,21 +228,23 @@ class TierStatus(_message.Message):
     def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., state: _Optional[_Union[TierState, str]] = ..., bytes: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FileInfo(_message.Message):
-    __slots__ = ("path", "rank", "kind", "size", "crc32c")
+    __slots__ = ("path", "rank", "kind", "size", "crc32c", "node")
     PATH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     path: str
     rank: int
     kind: FileKind
     size: int
     crc32c: int
-    def __init__(self, path: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FileKind, str]] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    node: str
+    def __init__(self, path: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FileKind, str]] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("ref", "world_size", "committed", "tiers", "files", "total_bytes", "created_at", "committed_at", "labels", "retention")
+    __slots__ = ("ref", "world_size", "committed", "tiers", "files", "total_bytes", "created_at", "committed_at", "labels", "retention", "node", "parts")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +262,8 @@ class CheckpointInfo(_message.Message):
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
     world_size: int
     committed: bool
@@ -229,15 +274,37 @@ class CheckpointInfo(_message.Message):
     committed_at: _timestamp_pb2.Timestamp
     labels: _containers.ScalarMap[str, str]
     retention: RetentionPolicy
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., committed: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ...) -> None: ...
+    node: str
+    parts: _containers.RepeatedCompositeFieldContainer[NodePart]
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., committed: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ..., node: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[NodePart, _Mapping]]] = ...) -> None: ...
+
+class NodePart(_message.Message):
+    __slots__ = ("node", "address", "files", "bytes", "tiers", "reachable", "error")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    address: str
+    files: int
+    bytes: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
+    reachable: bool
+    error: str
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., files: _Optional[int] = ..., bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
-    __slots__ = ("run", "include_uncommitted")
+    __slots__ = ("run", "include_uncommitted", "nodes")
     RUN_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_UNCOMMITTED_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
     run: str
     include_uncommitted: bool
-    def __init__(self, run: _Optional[str] = ..., include_uncommitted: _Optional[bool] = ...) -> None: ...
+    nodes: bool
+    def __init__(self, run: _Optional[str] = ..., include_uncommitted: _Optional[bool] = ..., nodes: _Optional[bool] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
     __slots__ = ("checkpoints",)
@@ -254,18 +321,20 @@ class GetCheckpointRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., latest: _Optional[bool] = ...) -> None: ...
 
 class ReadFileRequest(_message.Message):
-    __slots__ = ("ref", "path", "offset", "length", "tier")
+    __slots__ = ("ref", "path", "offset", "length", "tier", "local_only")
     REF_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
     path: str
     offset: int
     length: int
     tier: _common_pb2.Tier
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ...) -> None: ...
+    local_only: bool
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., local_only: _Optional[bool] = ...) -> None: ...
 
 class ReadFileResponse(_message.Message):
     __slots__ = ("offset", "data", "crc32c", "tier")
@@ -280,10 +349,12 @@ class ReadFileResponse(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ...) -> None: ...
 
 class DeleteCheckpointRequest(_message.Message):
-    __slots__ = ("ref",)
+    __slots__ = ("ref", "local_only")
     REF_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ...) -> None: ...
+    local_only: bool
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., local_only: _Optional[bool] = ...) -> None: ...
 
 class DeleteCheckpointResponse(_message.Message):
     __slots__ = ("tiers", "pending")
@@ -292,3 +363,150 @@ class DeleteCheckpointResponse(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
     pending: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
     def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., pending: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ("node", "address", "instance")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    address: str
+    instance: str
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
+
+class HelloResponse(_message.Message):
+    __slots__ = ("node", "address", "instance")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    address: str
+    instance: str
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
+
+class PartFile(_message.Message):
+    __slots__ = ("path", "rank", "kind", "size", "block_crcs", "node")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CRCS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    rank: int
+    kind: FileKind
+    size: int
+    block_crcs: bytes
+    node: str
+    def __init__(self, path: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FileKind, str]] = ..., size: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., node: _Optional[str] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("ref", "world_size", "files", "labels", "created_at", "committed_at", "epoch", "coordinator")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REF_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    ref: CheckpointRef
+    world_size: int
+    files: _containers.RepeatedCompositeFieldContainer[PartFile]
+    labels: _containers.ScalarMap[str, str]
+    created_at: float
+    committed_at: float
+    epoch: int
+    coordinator: str
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., files: _Optional[_Iterable[_Union[PartFile, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., epoch: _Optional[int] = ..., coordinator: _Optional[str] = ...) -> None: ...
+
+class PrepareRequest(_message.Message):
+    __slots__ = ("save_id", "ref", "epoch", "coordinator")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    ref: CheckpointRef
+    epoch: int
+    coordinator: str
+    def __init__(self, save_id: _Optional[str] = ..., ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., epoch: _Optional[int] = ..., coordinator: _Optional[str] = ...) -> None: ...
+
+class PrepareResponse(_message.Message):
+    __slots__ = ("node", "world_size", "files")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    world_size: int
+    files: _containers.RepeatedCompositeFieldContainer[PartFile]
+    def __init__(self, node: _Optional[str] = ..., world_size: _Optional[int] = ..., files: _Optional[_Iterable[_Union[PartFile, _Mapping]]] = ...) -> None: ...
+
+class DecideRequest(_message.Message):
+    __slots__ = ("save_id", "epoch", "coordinator", "commit", "manifest", "reason", "ref")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    epoch: int
+    coordinator: str
+    commit: bool
+    manifest: Manifest
+    reason: str
+    ref: CheckpointRef
+    def __init__(self, save_id: _Optional[str] = ..., epoch: _Optional[int] = ..., coordinator: _Optional[str] = ..., commit: _Optional[bool] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., reason: _Optional[str] = ..., ref: _Optional[_Union[CheckpointRef, _Mapping]] = ...) -> None: ...
+
+class DecideResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OutcomeRequest(_message.Message):
+    __slots__ = ("save_id", "ref", "epoch")
+    SAVE_ID_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    save_id: str
+    ref: CheckpointRef
+    epoch: int
+    def __init__(self, save_id: _Optional[str] = ..., ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class OutcomeResponse(_message.Message):
+    __slots__ = ("outcome", "manifest")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    outcome: Outcome
+    manifest: Manifest
+    def __init__(self, outcome: _Optional[_Union[Outcome, str]] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ...) -> None: ...
+
+class CatalogRequest(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    def __init__(self, run: _Optional[str] = ...) -> None: ...
+
+class CatalogEntry(_message.Message):
+    __slots__ = ("manifest", "tiers")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ...) -> None: ...
+
+class CatalogResponse(_message.Message):
+    __slots__ = ("node", "entries")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    entries: _containers.RepeatedCompositeFieldContainer[CatalogEntry]
+    def __init__(self, node: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[CatalogEntry, _Mapping]]] = ...) -> None: ...

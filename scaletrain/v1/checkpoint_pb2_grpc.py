@@ -61,6 +61,11 @@ class CheckpointServiceStub:
                 request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.FinishUploadRequest.SerializeToString,
                 response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.WriteFileResponse.FromString,
                 _registered_method=True)
+        self.JoinSave = channel.unary_unary(
+                '/scaletrain.v1.CheckpointService/JoinSave',
+                request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.JoinSaveRequest.SerializeToString,
+                response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.JoinSaveResponse.FromString,
+                _registered_method=True)
         self.CommitSave = channel.unary_unary(
                 '/scaletrain.v1.CheckpointService/CommitSave',
                 request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.CommitSaveRequest.SerializeToString,
@@ -147,8 +152,19 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinSave(self, request, context):
+        """A rank's first call on its own node's ckptd in a save that another node's ckptd opened
+        (the coordinator's): this node then takes the rank's files for that save and votes on it
+        when the coordinator commits. A no-op on the coordinator's own ckptd.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CommitSave(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Commits the save on every node (ClusterService's two-phase commit) once every rank's files
+        and the metadata are durable on some node.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -207,6 +223,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.FinishUpload,
                     request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.FinishUploadRequest.FromString,
                     response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.WriteFileResponse.SerializeToString,
+            ),
+            'JoinSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinSave,
+                    request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.JoinSaveRequest.FromString,
+                    response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.JoinSaveResponse.SerializeToString,
             ),
             'CommitSave': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitSave,
@@ -354,6 +375,33 @@ class CheckpointService:
             '/scaletrain.v1.CheckpointService/FinishUpload',
             scaletrain_dot_v1_dot_checkpoint__pb2.FinishUploadRequest.SerializeToString,
             scaletrain_dot_v1_dot_checkpoint__pb2.WriteFileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scaletrain.v1.CheckpointService/JoinSave',
+            scaletrain_dot_v1_dot_checkpoint__pb2.JoinSaveRequest.SerializeToString,
+            scaletrain_dot_v1_dot_checkpoint__pb2.JoinSaveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -516,6 +564,281 @@ class CheckpointService:
             '/scaletrain.v1.CheckpointService/DeleteCheckpoint',
             scaletrain_dot_v1_dot_checkpoint__pb2.DeleteCheckpointRequest.SerializeToString,
             scaletrain_dot_v1_dot_checkpoint__pb2.DeleteCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ClusterServiceStub:
+    """ckptd to ckptd: membership, the two-phase commit of a checkpoint spread over nodes, and the
+    catalog every node keeps of every node's checkpoints.
+
+    Commit: the coordinator (the ckptd the saving job's coordinator rank talks to) asks every peer
+    to Prepare; a peer that holds files of the save makes them durable, records its vote and
+    answers its part. Once the parts together hold the metadata and a shard of every rank, the
+    coordinator writes its own part's commit marker (the decision, durable), then tells every
+    peer to Decide. A peer that restarts in doubt asks the coordinator (then its other peers) for
+    the Outcome; a coordinator with no marker presumes abort. Mutating messages carry the save's
+    epoch: a node refuses one older than the newest attempt it saw of that (run, step).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Hello = channel.unary_unary(
+                '/scaletrain.v1.ClusterService/Hello',
+                request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.HelloRequest.SerializeToString,
+                response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.HelloResponse.FromString,
+                _registered_method=True)
+        self.Prepare = channel.unary_unary(
+                '/scaletrain.v1.ClusterService/Prepare',
+                request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.PrepareRequest.SerializeToString,
+                response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.PrepareResponse.FromString,
+                _registered_method=True)
+        self.Decide = channel.unary_unary(
+                '/scaletrain.v1.ClusterService/Decide',
+                request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.DecideRequest.SerializeToString,
+                response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.DecideResponse.FromString,
+                _registered_method=True)
+        self.Outcome = channel.unary_unary(
+                '/scaletrain.v1.ClusterService/Outcome',
+                request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.OutcomeRequest.SerializeToString,
+                response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.OutcomeResponse.FromString,
+                _registered_method=True)
+        self.Catalog = channel.unary_unary(
+                '/scaletrain.v1.ClusterService/Catalog',
+                request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.CatalogRequest.SerializeToString,
+                response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.CatalogResponse.FromString,
+                _registered_method=True)
+
+
+class ClusterServiceServicer:
+    """ckptd to ckptd: membership, the two-phase commit of a checkpoint spread over nodes, and the
+    catalog every node keeps of every node's checkpoints.
+
+    Commit: the coordinator (the ckptd the saving job's coordinator rank talks to) asks every peer
+    to Prepare; a peer that holds files of the save makes them durable, records its vote and
+    answers its part. Once the parts together hold the metadata and a shard of every rank, the
+    coordinator writes its own part's commit marker (the decision, durable), then tells every
+    peer to Decide. A peer that restarts in doubt asks the coordinator (then its other peers) for
+    the Outcome; a coordinator with no marker presumes abort. Mutating messages carry the save's
+    epoch: a node refuses one older than the newest attempt it saw of that (run, step).
+    """
+
+    def Hello(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prepare(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decide(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Outcome(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Catalog(self, request, context):
+        """Every committed checkpoint this node knows, with this node's copies of its own part.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ClusterServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Hello': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hello,
+                    request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.HelloRequest.FromString,
+                    response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.HelloResponse.SerializeToString,
+            ),
+            'Prepare': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prepare,
+                    request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.PrepareRequest.FromString,
+                    response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.PrepareResponse.SerializeToString,
+            ),
+            'Decide': grpc.unary_unary_rpc_method_handler(
+                    servicer.Decide,
+                    request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.DecideRequest.FromString,
+                    response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.DecideResponse.SerializeToString,
+            ),
+            'Outcome': grpc.unary_unary_rpc_method_handler(
+                    servicer.Outcome,
+                    request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.OutcomeRequest.FromString,
+                    response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.OutcomeResponse.SerializeToString,
+            ),
+            'Catalog': grpc.unary_unary_rpc_method_handler(
+                    servicer.Catalog,
+                    request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.CatalogRequest.FromString,
+                    response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.CatalogResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'scaletrain.v1.ClusterService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('scaletrain.v1.ClusterService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ClusterService:
+    """ckptd to ckptd: membership, the two-phase commit of a checkpoint spread over nodes, and the
+    catalog every node keeps of every node's checkpoints.
+
+    Commit: the coordinator (the ckptd the saving job's coordinator rank talks to) asks every peer
+    to Prepare; a peer that holds files of the save makes them durable, records its vote and
+    answers its part. Once the parts together hold the metadata and a shard of every rank, the
+    coordinator writes its own part's commit marker (the decision, durable), then tells every
+    peer to Decide. A peer that restarts in doubt asks the coordinator (then its other peers) for
+    the Outcome; a coordinator with no marker presumes abort. Mutating messages carry the save's
+    epoch: a node refuses one older than the newest attempt it saw of that (run, step).
+    """
+
+    @staticmethod
+    def Hello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scaletrain.v1.ClusterService/Hello',
+            scaletrain_dot_v1_dot_checkpoint__pb2.HelloRequest.SerializeToString,
+            scaletrain_dot_v1_dot_checkpoint__pb2.HelloResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prepare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scaletrain.v1.ClusterService/Prepare',
+            scaletrain_dot_v1_dot_checkpoint__pb2.PrepareRequest.SerializeToString,
+            scaletrain_dot_v1_dot_checkpoint__pb2.PrepareResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decide(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scaletrain.v1.ClusterService/Decide',
+            scaletrain_dot_v1_dot_checkpoint__pb2.DecideRequest.SerializeToString,
+            scaletrain_dot_v1_dot_checkpoint__pb2.DecideResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Outcome(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scaletrain.v1.ClusterService/Outcome',
+            scaletrain_dot_v1_dot_checkpoint__pb2.OutcomeRequest.SerializeToString,
+            scaletrain_dot_v1_dot_checkpoint__pb2.OutcomeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Catalog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scaletrain.v1.ClusterService/Catalog',
+            scaletrain_dot_v1_dot_checkpoint__pb2.CatalogRequest.SerializeToString,
+            scaletrain_dot_v1_dot_checkpoint__pb2.CatalogResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -239,14 +239,16 @@ class ReportStepsResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
 class CheckpointEvent(_message.Message):
-    __slots__ = ("tier", "bytes", "seconds")
+    __slots__ = ("tier", "bytes", "seconds", "node")
     TIER_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     tier: _common_pb2.Tier
     bytes: int
     seconds: float
-    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    node: str
+    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., node: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("run_id", "step", "rank", "kind", "message", "time", "attributes", "checkpoint")

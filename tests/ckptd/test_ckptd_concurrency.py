@@ -37,7 +37,7 @@ def test_64_concurrent_shard_streams_of_two_runs_commit_and_read_back_under_conc
     shards = {(run, rank): payload(200_000 + rank, hash((run, rank)) % 1000) for run in runs
               for rank in range(world)}  # fmt: skip
     with CkptdClient(running.address) as client:
-        saves = {run: client.open_save(run, 100, world_size=world) for run in runs}
+        saves = {run: client.open_save(run, 100, world_size=world).save_id for run in runs}
         start = threading.Barrier(len(shards))
 
         def write(item: tuple[tuple[str, int], bytes]) -> None:

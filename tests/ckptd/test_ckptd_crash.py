@@ -28,8 +28,9 @@ from ckptd_testing import (
 from ckptd.client import CkptdClient
 from ckptd.config import S3Config
 from ckptd.crash import PHASES
+from ckptd.datadir import list_offline
 from ckptd.manifest import MARKER
-from ckptd.store import CheckpointStore, list_offline
+from ckptd.store import CheckpointStore
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.s3 import S3Tier, make_s3_client
 from scaletrain.errors import ScaletrainError
@@ -58,7 +59,7 @@ def step_20_files() -> Files:
 
 
 def save_through(client: CkptdClient, step: int, files: Files) -> None:
-    save_id = client.open_save("run", step, world_size=2)
+    save_id = client.open_save("run", step, world_size=2).save_id
     for path, (rank, kind, data) in files.items():
         client.write_file(save_id, path, rank, kind, data)
     client.commit(save_id)

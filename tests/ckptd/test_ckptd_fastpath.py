@@ -99,7 +99,7 @@ def test_the_fast_path_round_trips_files_bit_for_bit_and_commits_like_write_file
     infos = []
     with CkptdClient(running.address) as fast, CkptdClient(running.address, fast_path=False) as rpc:
         for step, client in ((1, fast), (2, rpc)):
-            save_id = client.open_save("run", step, world_size=1)
+            save_id = client.open_save("run", step, world_size=1).save_id
             for path, data in files.items():
                 kind = METADATA if path == ".metadata" else SHARD
                 reply = client.write_file(save_id, path, 0, kind, data)
@@ -160,7 +160,7 @@ def test_truncated_oversized_or_damaged_data_is_refused_and_nothing_is_committed
     running = run_ckptd()
     stub = stub_for(running)
     with CkptdClient(running.address) as client:
-        save_id = client.open_save("run", 1, world_size=1)
+        save_id = client.open_save("run", 1, world_size=1).save_id
         data = payload(1000, 0)
 
         cases = {
@@ -207,7 +207,7 @@ def test_the_client_falls_back_to_write_file_when_ckptd_has_no_data_socket(
     data = payload(5 << 20, 0)
     with CkptdClient(running.address) as client:
         assert client.fast_path
-        save_id = client.open_save("run", 1, world_size=1)
+        save_id = client.open_save("run", 1, world_size=1).save_id
         client.write_file(save_id, "__0_0.distcp", 0, SHARD, data)
         client.write_file(save_id, ".metadata", 0, METADATA, b"meta")
         assert client.commit(save_id).committed
@@ -231,7 +231,7 @@ def test_with_tls_and_tokens_only_a_trainer_of_the_run_gets_and_spends_an_upload
         make_channel(running.address, ClientSecurity(tls, alpha)) as alpha_channel,
         make_channel(running.address, ClientSecurity(tls, beta)) as beta_channel,
     ):
-        save_id = owner.open_save("alpha", 1, world_size=1)
+        save_id = owner.open_save("alpha", 1, world_size=1).save_id
         with pytest.raises(PermissionDenied, match="may not"):
             other.write_file(save_id, "__0_0.distcp", 0, SHARD, data)
 
@@ -259,7 +259,7 @@ def test_a_stream_of_unknown_size_takes_the_fast_path_and_a_failing_one_stores_n
     data = payload((5 << 20) + 777, 3)
     pieces = [data[:10], data[10 : 3 << 20], data[3 << 20 :]]
     with CkptdClient(running.address) as client:
-        save_id = client.open_save("run", 1, world_size=1)
+        save_id = client.open_save("run", 1, world_size=1).save_id
         reply = client.write_file(save_id, "__0_0.distcp", 0, SHARD, iter(pieces))
         assert (reply.size, reply.crc32c) == (len(data), data_crc32c(data))
         assert client.fast_path

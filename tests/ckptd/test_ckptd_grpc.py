@@ -16,9 +16,9 @@ from ckptd_testing import METADATA, SHARD, chunk, payload, ref, tier_states, wai
 
 from ckptd.client import CkptdClient
 from ckptd.config import S3Config
+from ckptd.datadir import ckptd_running, list_offline
 from ckptd.manifest import data_crc32c
 from ckptd.server import RunningCkptd
-from ckptd.store import ckptd_running, list_offline
 from scaletrain.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -52,7 +52,7 @@ def save_two_ranks(client: CkptdClient, run: str, step: int) -> dict[str, bytes]
         "__1_0.distcp": payload((5 << 20) + 3, 1),
         ".metadata": payload(2048, 2),
     }
-    save_id = client.open_save(run, step, world_size=2, labels={"layout": "dp2"})
+    save_id = client.open_save(run, step, world_size=2, labels={"layout": "dp2"}).save_id
     client.write_file(save_id, "__0_0.distcp", 0, SHARD, files["__0_0.distcp"])
     # An iterable of odd-sized writes, as a DCP stream produces them.
     data = files["__1_0.distcp"]
@@ -128,7 +128,7 @@ def test_bad_input_gets_the_right_status_code_and_stores_nothing(
 ) -> None:
     running = run_ckptd()
     client = client_for(running)
-    save_id = client.open_save("run", 1, world_size=2)
+    save_id = client.open_save("run", 1, world_size=2).save_id
 
     with pytest.raises(InvalidArgument, match=r"INVALID_ARGUMENT.*inside the checkpoint"):
         client.write_file(save_id, "../../etc/passwd", 0, SHARD, b"x")
@@ -192,7 +192,7 @@ def test_an_error_in_the_callers_data_iterable_reaches_the_caller_and_stores_not
 ) -> None:
     running = run_ckptd()
     client = client_for(running)
-    save_id = client.open_save("run", 1, world_size=1)
+    save_id = client.open_save("run", 1, world_size=1).save_id
 
     def broken() -> Iterator[bytes]:
         yield b"some bytes"

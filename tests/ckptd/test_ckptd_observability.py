@@ -37,7 +37,7 @@ def test_metrics_count_bytes_seconds_failures_and_the_queue_per_tier_and_health_
     wait_until_healthy(running.address, timeout_s=10, service=SERVICE_NAME)
     files = checkpoint_files(world_size=1, shard_bytes=1 << 20)
     with CkptdClient(running.address) as client:
-        save_id = client.open_save("run", 1, world_size=1)
+        save_id = client.open_save("run", 1, world_size=1).save_id
         for path, (rank, kind, data) in files.items():
             client.write_file(save_id, path, rank, kind, data)
         client.commit(save_id)

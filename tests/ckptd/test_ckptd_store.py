@@ -19,8 +19,9 @@ from ckptd_testing import (
     trailer,
 )
 
+from ckptd.datadir import list_offline
 from ckptd.manifest import data_crc32c
-from ckptd.store import CheckpointStore, list_offline
+from ckptd.store import CheckpointStore
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.memory import MemoryFile
 from scaletrain.errors import (

@@ -11,7 +11,7 @@ import pytest
 
 from ckptd.config import CkptdConfig, S3Config
 from ckptd.manifest import data_crc32c, file_crc32c
-from ckptd.store import check_path, check_run
+from ckptd.names import check_path, check_run
 from ckptd.tiers import BLOCK_BYTES, BlockCrcs, block_crcs_of, block_span, first_bad_block
 from ckptd.tiers.memory import MemoryBudget
 from ckptd.tiers.ssd import IncomingFile

@@ -11,21 +11,18 @@ without it that case skips.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import subprocess
 import sys
 
 import pytest
+from e2e_runs import TINY, events, injected, restart_after, scaletrain_json
 
 from scaletrain.chaos import can_mount_tmpfs
 
 pytestmark = pytest.mark.e2e
 
 RANKS, STEPS, EVERY = 4, 240, 5
-# A model small enough that a step takes ~0.1 s on two shared cores.
-TINY = ["--dim", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1",
-        "--seq-len", "32", "--global-batch", "8"]  # fmt: skip
 CAN_MOUNT = can_mount_tmpfs()
 # The corruption strikes after the last rank is killed: a rank SIGKILLed within half a second of
 # a step takes that step's unsent events with it.
@@ -42,21 +39,10 @@ SCHEDULE = [
 ]
 
 
-def _scaletrain_json(*args: str) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "scaletrain", *args, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout) | {"_log": result.stderr}
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("chaos-reference")
-    return _scaletrain_json(
+    return scaletrain_json(
         "run", "--workdir", str(workdir), "--ranks", str(RANKS), "--steps", str(STEPS),
         "--ckpt-every", str(EVERY), *TINY,
     )  # fmt: skip
@@ -65,37 +51,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("chaos")
-    report = _scaletrain_json(
+    report = scaletrain_json(
         "chaos", "--workdir", str(workdir), "--ranks", str(RANKS), "--steps", str(STEPS),
         "--ckpt-every", str(EVERY), "--schedule", ",".join(SCHEDULE), "--seed", "8",
         "--watchdog-min-s", "6", "--ssd-mb", "32", *TINY,
     )  # fmt: skip
     return report | {"workdir": workdir}
-
-
-def _events(drill: dict, kind: str) -> list[tuple[int, int, str, dict]]:
-    with sqlite3.connect(drill["workdir"] / "telemetry.db") as db:
-        rows = db.execute(
-            "SELECT step, rank, message, attributes FROM events WHERE run_id = ? AND kind = ? "
-            "ORDER BY time",
-            (drill["run_id"], kind),
-        ).fetchall()
-    return [(step, rank, message, json.loads(attrs or "{}")) for step, rank, message, attrs in rows]
-
-
-def _injected(drill: dict, kind: str) -> dict:
-    """The drill's record of fault `kind`, after checking telemetry recorded it too."""
-    (fault,) = [f for f in drill["faults"] if f["kind"] == kind]
-    assert not fault["detail"].startswith("could not inject"), fault
-    recorded = [attrs for *_, attrs in _events(drill, "fault") if attrs.get("fault") == kind]
-    assert recorded == [{"fault": kind, "target": fault["target"]}]
-    return fault
-
-
-def _restart_after(drill: dict, fault: dict) -> None:
-    assert fault["detail"].endswith("the job restarted"), fault
-    resumed = [step for step, *_ in _events(drill, "restart")]
-    assert any(step <= fault["step"] for step in resumed), (resumed, fault)
 
 
 def test_every_scheduled_fault_is_injected_and_the_run_completes(drill: dict):
@@ -119,25 +80,25 @@ def test_no_committed_checkpoint_is_lost(drill: dict):
 
 
 def test_case1_a_rank_killed_mid_step_restarts_the_job_from_its_checkpoint(drill: dict):
-    fault = _injected(drill, "kill-rank")
+    fault = injected(drill, "kill-rank")
     assert fault["target"].startswith("rank ")
-    _restart_after(drill, fault)
+    restart_after(drill, fault)
 
 
 def test_case2_a_stopped_rank_is_turned_into_a_failure_by_the_watchdog(drill: dict):
-    fault = _injected(drill, "stop-rank")
+    fault = injected(drill, "stop-rank")
     assert "a watchdog fired" in fault["detail"]
-    hangs = _events(drill, "hang")
+    hangs = events(drill, "hang")
     assert hangs, "no hang event in telemetry"
     # The diagnostic names the rank and the phase it was stuck in.
     step, rank, message, attrs = hangs[0]
     assert f"rank {rank} made no progress in phase {attrs['phase']} of step {step}" in message
     assert float(attrs["waited_s"]) > float(attrs["deadline_s"]) >= 6
-    _restart_after(drill, fault)
+    restart_after(drill, fault)
 
 
 def test_case3_ckptd_killed_mid_upload_is_restarted_and_the_run_goes_on(drill: dict):
-    fault = _injected(drill, "kill-ckptd")
+    fault = injected(drill, "kill-ckptd")
     assert fault["detail"].startswith("SIGKILL with an upload in flight, restarted")
     # Started once, then again after this fault and after corrupt-shard's restart.
     log = (drill["workdir"] / "logs" / "ckptd.log").read_text()
@@ -145,7 +106,7 @@ def test_case3_ckptd_killed_mid_upload_is_restarted_and_the_run_goes_on(drill: d
 
 
 def test_case4_an_s3_outage_ends_with_every_checkpoint_on_s3(drill: dict):
-    fault = _injected(drill, "stop-s3")
+    fault = injected(drill, "stop-s3")
     assert fault["detail"] == "stopped for 2.0s"
     final = max(drill["checkpoints"], key=lambda c: c["step"])
     assert final["step"] == STEPS and "s3" in final["tiers"]
@@ -153,28 +114,28 @@ def test_case4_an_s3_outage_ends_with_every_checkpoint_on_s3(drill: dict):
 
 @pytest.mark.skipif(not CAN_MOUNT, reason="mounting a size-limited tmpfs for the SSD needs root")
 def test_case5_a_full_ssd_fails_saves_until_it_is_freed(drill: dict):
-    fault = _injected(drill, "disk-full")
+    fault = injected(drill, "disk-full")
     assert "(a save failed)" in fault["detail"]
-    failed = [msg for _, _, msg, _ in _events(drill, "checkpoint_failed")]
+    failed = [msg for _, _, msg, _ in events(drill, "checkpoint_failed")]
     assert any("No space left on device" in msg for msg in failed)
     final = max(drill["checkpoints"], key=lambda c: c["step"])
     assert final["step"] == STEPS and "ssd" in final["tiers"]
 
 
 def test_case6_a_shard_damaged_on_ssd_is_read_from_s3_on_resume(drill: dict):
-    fault = _injected(drill, "corrupt-shard")
+    fault = injected(drill, "corrupt-shard")
     damaged_step = int(fault["detail"].split(" of step ")[1].split()[0])
     log = (drill["workdir"] / "logs" / "ckptd.log").read_text()
     assert f"SSD copy of {drill['run_id']}/{damaged_step} is damaged" in log
-    resumed = [step for step, *_ in _events(drill, "restart")]
+    resumed = [step for step, *_ in events(drill, "restart")]
     assert damaged_step in resumed
-    _restart_after(drill, fault)
+    restart_after(drill, fault)
 
 
 def test_case7_telemetry_killed_and_restarted_loses_no_step_record(drill: dict):
     """Every rank's record of every step from the outage on reaches telemetry (a rank SIGKILLed
     earlier may take its last unsent records with it: that is another fault's cost)."""
-    fault = _injected(drill, "kill-telemetry")
+    fault = injected(drill, "kill-telemetry")
     with sqlite3.connect(drill["workdir"] / "telemetry.db") as db:
         recorded = set(
             db.execute(
@@ -186,15 +147,15 @@ def test_case7_telemetry_killed_and_restarted_loses_no_step_record(drill: dict):
 
 
 def test_case8_an_injected_silent_data_corruption_is_caught_and_replayed(drill: dict):
-    fault = _injected(drill, "sdc")
+    fault = injected(drill, "sdc")
     rank = int(fault["target"].removeprefix("rank "))
-    sdc = [(step, r) for step, r, *_ in _events(drill, "sdc")]
+    sdc = [(step, r) for step, r, *_ in events(drill, "sdc")]
     assert (SDC_STEP, rank) in sdc
-    assert any(step == SDC_STEP for step, *_ in _events(drill, "replay"))
+    assert any(step == SDC_STEP for step, *_ in events(drill, "replay"))
 
 
 def test_the_drill_prints_its_report_and_every_rank_heartbeats(drill: dict):
-    beats = {rank for _, rank, _, _ in _events(drill, "heartbeat")}
+    beats = {rank for _, rank, _, _ in events(drill, "heartbeat")}
     assert beats == set(range(RANKS))
     assert f"[chaos] run {drill['run_id']}: {len(SCHEDULE)} faults scheduled" in drill["_log"]
 

@@ -96,12 +96,19 @@ MATRIX = {
 }
 CASES: dict[str, dict[str, Any]] = {"defaults": {}, **MATRIX}
 BIG_JOB = "bundled-pg/ingress-on/Job/16-nodes"
+# The other ways ckptd finds its peers; the defaults find them through the headless Service.
+STATIC_PEERS = ["ckpt-0.example.com:50051", "10.0.3.7:50051", "[fd00::7]:50051"]
+CKPTD_CLUSTER_CASES: dict[str, dict[str, Any]] = {
+    "ckptd-static-peers": {"ckptd": {"cluster": {"peers": STATIC_PEERS}}},
+    "ckptd-cluster-off": {"ckptd": {"cluster": {"enabled": False}}},
+}
+CLUSTER_FLAGS = ("--node", "--advertise", "--peers", "--peers-dns")
 
 
 @cache
 def rendered_raw(case: str) -> dict[str, str]:
     with helm.Chart.load(CHART_DIR) as chart:
-        return render_raw(chart, CASES[case])
+        return render_raw(chart, (CASES | CKPTD_CLUSTER_CASES)[case])
 
 
 @cache
@@ -175,6 +182,18 @@ def trainer(docs: list[dict]) -> dict:
     found = [d for d in docs if component_of(d) == "trainer" and d["kind"] != "NetworkPolicy"]
     (launcher,) = [d for d in found if d["kind"] in ("Job", "JobSet", "PyTorchJob")]
     return launcher
+
+
+def client_service(docs: list[dict], component: str) -> dict:
+    """The Service a component's clients dial (ckptd and PostgreSQL also have a headless one)."""
+    services = [
+        s for s in of_kind(docs, "Service", component) if s["spec"].get("clusterIP") != "None"
+    ]
+    return one(services, "Service")
+
+
+def headless_services(docs: list[dict], component: str) -> list[dict]:
+    return [s for s in of_kind(docs, "Service", component) if s["spec"].get("clusterIP") == "None"]
 
 
 def env_of(c: dict) -> dict[str, dict]:
@@ -390,7 +409,7 @@ def test_trainer_takes_its_layout_fp8_recipe_and_services_from_values(chart) -> 
         "--fp8": "blockwise",
         "--steps": "1000000",
         "--ckpt-every": "500",
-        "--ckptd": f"{one(docs, 'Service', 'ckptd')['metadata']['name']}:50051",
+        "--ckptd": f"{client_service(docs, 'ckptd')['metadata']['name']}:50051",
         "--telemetry": f"{one(docs, 'Service', 'telemetry')['metadata']['name']}:50052",
     }
     assert {name: flag(argv, name) for name in expected} == expected
@@ -495,7 +514,7 @@ def test_ckptd_is_a_daemonset_behind_a_node_local_service_with_its_s3_tier() -> 
     docs = rendered(BIG_JOB)
     ckptd = workload(docs, "ckptd")
     assert ckptd["kind"] == "DaemonSet"
-    service = one(docs, "Service", "ckptd")
+    service = client_service(docs, "ckptd")
     assert service["spec"]["internalTrafficPolicy"] == "Local"
     c = container(ckptd)
     expected = {
@@ -564,12 +583,112 @@ def test_ckptd_as_a_deployment_is_one_replica_behind_a_cluster_wide_service(char
     assert ckptd["kind"] == "Deployment"
     assert ckptd["spec"]["replicas"] == 1
     assert "internalTrafficPolicy" not in one(docs, "Service", "ckptd")["spec"]
+    # A single ckptd is a cluster of one: no peers to find, none to admit.
+    assert not set(CLUSTER_FLAGS) & set(container(ckptd)["args"])
+    assert admitted(docs, "ckptd")["grpc"] == {"trainer"}
 
 
 def test_ckptd_has_no_s3_tier_and_no_credentials_by_default() -> None:
     c = container(workload(rendered("defaults"), "ckptd"))
     assert not any(a.startswith("--s3-") for a in c["args"])
     assert "AWS_ACCESS_KEY_ID" not in env_of(c)
+
+
+def test_ckptd_finds_its_peers_through_a_headless_service_of_the_daemonset() -> None:
+    docs = rendered("defaults")
+    ckptd = workload(docs, "ckptd")
+    (peers,) = headless_services(docs, "ckptd")
+    spec = peers["spec"]
+    assert spec["publishNotReadyAddresses"] is True
+    assert spec["selector"].items() <= ckptd["spec"]["template"]["metadata"]["labels"].items()
+    c = container(ckptd)
+    (port,) = spec["ports"]
+    assert (port["port"], port["targetPort"]) == (50051, "grpc")
+    assert {"name": "grpc", "containerPort": 50051, "protocol": "TCP"} in c["ports"]
+    env = env_of(c)
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    fqdn = f"{peers['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    assert {name: flag(c["args"], name) for name in CLUSTER_FLAGS if name in c["args"]} == {
+        "--node": "$(NODE_NAME)",
+        "--advertise": "$(POD_IP):50051",
+        "--peers-dns": f"{fqdn}:{port['port']}",
+    }
+    # The trainers' Service is still the node-local one.
+    service = client_service(docs, "ckptd")
+    assert service["spec"]["internalTrafficPolicy"] == "Local"
+    assert peers["metadata"]["name"] != service["metadata"]["name"]
+    assert (
+        f"Peers: every ckptd pod behind {fqdn}:50051"
+        in rendered_raw("defaults")["scaletrain/templates/NOTES.txt"]
+    )
+
+
+def test_a_static_peer_list_replaces_the_dns_lookup() -> None:
+    docs = rendered("ckptd-static-peers")
+    args = container(workload(docs, "ckptd"))["args"]
+    assert flag(args, "--peers") == ",".join(STATIC_PEERS)
+    assert "--peers-dns" not in args
+    assert (flag(args, "--node"), flag(args, "--advertise")) == ("$(NODE_NAME)", "$(POD_IP):50051")
+    assert headless_services(docs, "ckptd") == []
+
+
+def test_ckptd_without_a_cluster_gets_no_peer_flags_and_no_headless_service() -> None:
+    docs = rendered("ckptd-cluster-off")
+    c = container(workload(docs, "ckptd"))
+    assert not set(CLUSTER_FLAGS) & set(c["args"])
+    assert not {"NODE_NAME", "POD_IP"} & env_of(c).keys()
+    assert headless_services(docs, "ckptd") == []
+    assert client_service(docs, "ckptd")["spec"]["internalTrafficPolicy"] == "Local"
+
+
+@pytest.mark.parametrize("case", ["defaults", *CKPTD_CLUSTER_CASES])
+def test_ckptd_pods_admit_their_peers_on_the_grpc_port(case: str) -> None:
+    docs = rendered(case)
+    clustered = case != "ckptd-cluster-off"
+    assert admitted(docs, "ckptd")["grpc"] == ({"trainer", "ckptd"} if clustered else {"trainer"})
+    policy = one(docs, "NetworkPolicy", "ckptd")
+    pod_labels = workload(docs, "ckptd")["spec"]["template"]["metadata"]["labels"]
+    (grpc,) = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "grpc"]
+    selectors = [p["podSelector"]["matchLabels"] for p in grpc["from"]]
+    assert any(s.items() <= pod_labels.items() for s in selectors) is clustered
+
+
+@pytest.mark.parametrize("case", ["defaults", *CKPTD_CLUSTER_CASES])
+def test_ckptd_accepts_its_cluster_flags_once_kubernetes_fills_them_in(case: str) -> None:
+    from ckptd.config import ClusterConfig
+    from scaletrain.cli import build_parser
+
+    c = container(workload(rendered(case), "ckptd"))
+    pod = {"NODE_NAME": "gpu-node-07.ec2.internal", "POD_IP": "10.0.3.9"}
+    argv = [
+        re.sub(r"\$\((\w+)\)", lambda m: pod[m.group(1)], a) for a in c["command"][1:] + c["args"]
+    ]
+    args = build_parser().parse_args(argv)
+    cluster = ClusterConfig(
+        node=args.node or "pod-hostname",
+        peers=tuple(p for p in args.peers.split(",") if p),
+        peers_dns=args.peers_dns,
+        advertise=args.advertise,
+    )
+    if case == "ckptd-cluster-off":
+        assert (cluster.peers, cluster.peers_dns, cluster.advertise) == ((), None, None)
+    else:
+        assert (cluster.node, cluster.advertise) == (pod["NODE_NAME"], "10.0.3.9:50051")
+        assert cluster.peers == (tuple(STATIC_PEERS) if case == "ckptd-static-peers" else ())
+        assert (cluster.peers_dns is None) == (case == "ckptd-static-peers")
+
+
+@pytest.mark.parametrize("case", CKPTD_CLUSTER_CASES)
+def test_other_ckptd_cluster_settings_lint_and_render_valid_kubernetes(case: str) -> None:
+    report = helm.lint(
+        CHART_DIR, CKPTD_CLUSTER_CASES[case], strict=True, kube_version=f"v{KUBE_VERSIONS[-1]}"
+    )
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+    for doc in [d for d in rendered(case) if component_of(d) == "ckptd"]:
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
 
 
 # --- databases and secrets ------------------------------------------------------------------------
@@ -759,7 +878,7 @@ def admitted(docs: list[dict], component: str) -> dict[str, set[str]]:
 @pytest.mark.parametrize("case", ["defaults", BIG_JOB])
 def test_network_policies_admit_only_the_intended_peers(case: str) -> None:
     docs = rendered(case)
-    assert admitted(docs, "ckptd") == {"grpc": {"trainer"}, "metrics": {"*"}}
+    assert admitted(docs, "ckptd") == {"grpc": {"trainer", "ckptd"}, "metrics": {"*"}}
     assert admitted(docs, "telemetry") == {"grpc": {"trainer", "ckptd"}, "metrics": {"*"}}
     assert admitted(docs, "postgresql") == {"postgresql": {"telemetry", "ui"}}
     assert admitted(docs, "ui") == {"http": {"*"}}
@@ -775,7 +894,7 @@ def test_service_monitors_scrape_the_metrics_ports_of_ckptd_and_telemetry(case: 
     else:
         assert {component_of(m) for m in monitors} == {"ckptd", "telemetry"}
     for component, port in (("ckptd", 9101), ("telemetry", 9102)):
-        service = one(docs, "Service", component)
+        service = client_service(docs, component)
         ports = {p["name"]: p for p in service["spec"]["ports"]}
         assert ports["metrics"]["port"] == port
         assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in container(
@@ -862,6 +981,26 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
         (with_trainer(node=2), helm.HelmValuesError, "'node' not allowed"),
         ({"ckptd": {"kind": "StatefulSet"}}, helm.HelmValuesError, "/ckptd/kind"),
         (
+            {"ckptd": {"cluster": {"peers": ["ckpt-0.example.com"]}}},
+            helm.HelmValuesError,
+            "at '/ckptd/cluster/peers/0'.*does not match pattern",
+        ),
+        (
+            {"ckptd": {"cluster": {"peers": ["a:50051,b:50051"]}}},
+            helm.HelmValuesError,
+            "at '/ckptd/cluster/peers/0'",
+        ),
+        (
+            {"ckptd": {"cluster": {"peers": ["a:50051", "a:50051"]}}},
+            helm.HelmValuesError,
+            "at '/ckptd/cluster/peers': items at 0 and 1 are equal",
+        ),
+        (
+            {"ckptd": {"kind": "Deployment", "cluster": {"peers": ["a:50051"]}}},
+            helm.HelmRenderError,
+            "ckptd.cluster.peers needs ckptd.kind DaemonSet",
+        ),
+        (
             {"postgresql": {"auth": {"password": "p@ss/word"}}},
             helm.HelmValuesError,
             "/postgresql/auth/password",
@@ -917,6 +1056,10 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
         "zero-tensor-parallel",
         "misspelt-key",
         "unknown-ckptd-kind",
+        "ckptd-peer-without-port",
+        "ckptd-peers-in-one-entry",
+        "ckptd-peer-twice",
+        "ckptd-static-peers-of-a-deployment",
         "password-not-url-safe",
         "world-size-not-the-layout",
         "world-size-not-divisible-by-the-layout",

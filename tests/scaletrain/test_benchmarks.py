@@ -38,6 +38,7 @@ def run_bench(script: str, *args: str) -> str:
         ("ckptd_ssd.py", SMALL, "ratio SSD tier / dd"),
         ("ckptd_restore.py", SMALL, "ratio memory/SSD"),
         ("ckptd_s3.py", SMALL, "ratio S3 tier / boto3"),
+        ("ckptd_cluster.py", SMALL, "ratio commit latency 2 nodes/1 node"),
         ("ckpt_stall.py", ["--dim", "96", "--layers", "1", "--steps", "2"], '"ours_over_floor"'),
     ],
 )

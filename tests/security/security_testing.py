@@ -142,7 +142,7 @@ def payload(size: int, seed: int) -> bytes:
 def save_checkpoint(client: CkptdClient, run: str, step: int, size: int = 70_000) -> bytes:
     """Save a one-rank checkpoint (a shard and the metadata) and return the shard's bytes."""
     shard = payload(size, step)
-    save_id = client.open_save(run, step, 1)
+    save_id = client.open_save(run, step, 1).save_id
     client.write_file(save_id, "__0_0.distcp", 0, SHARD, shard)
     client.write_file(save_id, ".metadata", 0, METADATA, b"meta" * 10)
     client.commit(save_id)

@@ -28,7 +28,7 @@ def stored(services: Services) -> Services:
     """alpha@1 committed, an open save of alpha@2 with one file, alpha's run and a step."""
     with services.ckptd_client(services.tokens.alpha) as alpha:
         save_checkpoint(alpha, "alpha", 1)
-        save_id = alpha.open_save("alpha", 2, 1)
+        save_id = alpha.open_save("alpha", 2, 1).save_id
         alpha.write_file(save_id, "__0_0.distcp", 0, SHARD, b"x" * 1000)
     # The file reaches the save's staging directory in the background: let it settle.
     incoming = services.ckptd.store.config.data_dir / "ssd" / ".incoming"

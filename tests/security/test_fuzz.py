@@ -344,7 +344,7 @@ OPEN_SAVES: list[str] = []
 
 def test_hostile_write_streams_in_any_order_store_nothing_outside_their_save(fuzzed: Fuzzed):
     with fuzzed.services.ckptd_client(fuzzed.tokens["fuzz"]) as client:
-        OPEN_SAVES[:] = [client.open_save(FUZZ_RUN, step, 2) for step in (1, 2)]
+        OPEN_SAVES[:] = [client.open_save(FUZZ_RUN, step, 2).save_id for step in (1, 2)]
 
     @FUZZ
     @given(token=TOKENS, stream=write_streams())
@@ -474,7 +474,7 @@ def test_path_traversal_in_run_and_file_names_is_refused_and_touches_nothing_out
             checkpoint_pb2.OpenSaveRequest(ref=ref, world_size=1).SerializeToString(),
         )
         assert open_code == grpc.StatusCode.INVALID_ARGUMENT
-        save_id = admin.open_save(FUZZ_RUN, 100, 1)
+        save_id = admin.open_save(FUZZ_RUN, 100, 1).save_id
         header = checkpoint_pb2.FileHeader(save_id=save_id, path=run, rank=0, kind=SHARD)
         stream = [
             checkpoint_pb2.WriteFileRequest(header=header).SerializeToString(),

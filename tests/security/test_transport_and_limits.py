@@ -145,7 +145,7 @@ def test_a_checkpoint_over_the_size_limit_is_refused_and_the_next_save_works(tmp
         running_services(tmp_path, max_checkpoint_bytes=1 << 20) as services,
         services.ckptd_client(services.tokens.alpha) as client,
     ):
-        save_id = client.open_save("alpha", 1, 1)
+        save_id = client.open_save("alpha", 1, 1).save_id
         client.write_file(save_id, "__0_0.distcp", 0, SHARD, b"a" * (700 << 10))
         with pytest.raises(ResourceExhausted, match="max_checkpoint_bytes"):
             client.write_file(save_id, "__0_1.distcp", 0, SHARD, b"b" * (700 << 10))

@@ -1,18 +1,24 @@
-"""The database layer: migrations match the models, read-only engines, readable URL errors."""
+"""The database layer: migrations match the models and upgrade older databases, read-only
+engines, readable URL errors."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import Engine, inspect, text
+from sqlalchemy import JSON, Engine, column, inspect, table, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from scaletrain.errors import UserError
-from telemetry.db import VERSION_TABLE, MissingDatabase, connect, migrate
-from telemetry.models import Base
+from telemetry import queries, views
+from telemetry.client import event
+from telemetry.db import VERSION_TABLE, MissingDatabase, alembic_config, connect, migrate
+from telemetry.models import Base, UTCDateTime
+from telemetry.store import TelemetryStore
 
 
 def test_migrations_create_exactly_the_schema_of_the_models(engine: Engine) -> None:
@@ -29,7 +35,84 @@ def test_migrating_an_up_to_date_database_again_changes_nothing(engine: Engine) 
     migrate(engine)
     with engine.connect() as connection:
         versions = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).all()
-    assert versions == [("0002",)]
+    assert versions == [("0003",)]
+
+
+def test_a_database_from_before_checkpoint_nodes_upgrades_and_keeps_its_checkpoints(
+    db_url: str,
+) -> None:
+    at = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+    engine = connect(db_url)
+    try:
+        config = alembic_config()
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.upgrade(config, "0002")
+            # What revision 0002 stored: a run, its SSD and trainer checkpoint rows, the event.
+            connection.execute(_OLD_RUNS.insert().values({**_OLD_RUN, "started_at": at}))
+            connection.execute(
+                _OLD_CHECKPOINTS.insert(),
+                [
+                    {"run_id": "old", "step": 4, "tier": tier, "committed_at": committed,
+                     "bytes": 900, "seconds": 1.0}
+                    for tier, committed in (("ssd", at), ("trainer", None))
+                ],
+            )  # fmt: skip
+            connection.execute(
+                _OLD_EVENTS.insert().values(
+                    run_id="old", step=4, rank=-1, kind="checkpoint_committed", message="",
+                    time=at, attributes={}, tier="ssd", bytes=900, seconds=1.0,
+                )
+            )  # fmt: skip
+        migrate(engine)
+
+        with engine.connect() as connection:
+            context = MigrationContext.configure(
+                connection, opts={"compare_type": True, "version_table": VERSION_TABLE}
+            )
+            assert compare_metadata(context, Base.metadata) == []
+            # Autogenerate does not compare primary keys.
+            key = inspect(connection).get_pk_constraint("checkpoints")["constrained_columns"]
+            assert key == ["run_id", "step", "tier", "node"]
+        store = TelemetryStore(engine)
+        # The resent old event is still recognised; two nodes' parts of a new step are two rows.
+        resent = event("old", "checkpoint_committed", step=4, tier="ssd", bytes=900, seconds=1.0)
+        resent.time.FromDatetime(at)
+        assert store.add_events([resent]) == 0
+        store.add_events(
+            [
+                event("old", "checkpoint_committed", step=8, tier="ssd", node=f"node{n}")
+                for n in (0, 1)
+            ]
+        )
+        stored = queries.checkpoints(engine, "old")
+        assert stored[["step", "tier", "node"]].values.tolist() == [
+            [4, "ssd", ""], [4, "trainer", ""], [8, "ssd", "node0"], [8, "ssd", "node1"],
+        ]  # fmt: skip
+        assert views.checkpoint_timeline(engine, "old")["nodes"].tolist() == [
+            "ssd",
+            "ssd: node0, node1",
+        ]
+    finally:
+        engine.dispose()
+
+
+# The tables of revision 0002 as far as the test above writes them (the models are newer).
+_OLD_RUN = {
+    "run_id": "old", "name": "", "config_json": "{}", "world_size": 2, "dp_replicate": 1,
+    "dp_shard": 2, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "model_params": 0, "hardware": "cpu",
+    "status": "running",
+}  # fmt: skip
+_OLD_RUNS = table("runs", *map(column, _OLD_RUN), column("started_at", UTCDateTime()))
+_OLD_CHECKPOINTS = table(
+    "checkpoints", *map(column, ("run_id", "step", "tier", "bytes", "seconds")),
+    column("committed_at", UTCDateTime()),
+)  # fmt: skip
+_OLD_EVENTS = table(
+    "events", *map(column, ("run_id", "step", "rank", "kind", "message", "tier", "bytes",
+                            "seconds")),
+    column("time", UTCDateTime()), column("attributes", JSON()),
+)  # fmt: skip
 
 
 def test_a_read_only_engine_reads_but_refuses_to_write(engine: Engine, db_url: str) -> None:

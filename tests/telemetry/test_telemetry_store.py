@@ -286,6 +286,8 @@ def test_bad_events_and_resume_requests_are_refused(
         store.add_events([event("run-1", "checkpoint_committed", tier="ssd", seconds=math.nan)])
     with pytest.raises(InvalidArgument, match="rank must be -1"):
         store.add_events([event("run-1", "straggler", rank=-3)])
+    with pytest.raises(InvalidArgument, match=r"checkpoint\.node must be printable"):
+        store.add_events([event("run-1", "checkpoint_committed", tier="ssd", node="node\n0")])
     with pytest.raises(InvalidArgument, match="run_id is empty"):
         store.resume_point("")
     with pytest.raises(InvalidArgument, match="step must not be negative"):

@@ -134,6 +134,67 @@ def test_the_checkpoint_timeline_has_blocking_and_background_time_and_the_tiers_
     assert (row["ssd_bytes"], row["s3_bytes"]) == (900, 901)
     assert math.isnan(row["memory_bytes"])
     assert row["started_at"] == T0 + timedelta(seconds=0.75)
+    # No node named: no node names to show.
+    assert row["nodes"] == ""
+
+
+def test_two_nodes_commits_of_one_step_are_two_parts_and_the_views_show_both_nodes(
+    engine: Engine, registered: TelemetryStore
+) -> None:
+    def committed(tier: str, node: str, size: int, at: float) -> telemetry_pb2.Event:
+        built = event("run-1", "checkpoint_committed", step=4, tier=tier, bytes=size, node=node)
+        return stamped(built, at)
+
+    first = [
+        stamped(event("run-1", "checkpoint_staged", step=4, bytes=1000, seconds=0.5), 1),
+        committed("memory", "node2", 400, 2), committed("ssd", "node2", 400, 3),
+        committed("s3", "node2", 1000, 5),
+    ]  # fmt: skip
+    assert registered.add_events(first) == 4
+    # While one node is all there is, its name says nothing.
+    assert views.checkpoint_timeline(engine, "run-1")["nodes"].tolist() == [""]
+    # The second node commits on memory at the same instant as the first: a second event, not
+    # a resent one. Each node reports S3's whole copy once it sees it: the earliest report counts.
+    second = [
+        committed("memory", "node10", 600, 2), committed("ssd", "node10", 600, 3.5),
+        committed("s3", "node10", 1000, 6),
+    ]  # fmt: skip
+    assert registered.add_events(second) == 3
+    assert registered.add_events(first + second) == 0
+
+    parts = views.checkpoint_parts(engine, "run-1")
+    assert list(parts.columns) == views.PART_COLUMNS
+    assert parts[["step", "tier", "node", "bytes"]].values.tolist() == [
+        [4, "memory", "node2", 400], [4, "memory", "node10", 600],
+        [4, "ssd", "node2", 400], [4, "ssd", "node10", 600],
+        [4, "s3", "", 1000],
+    ]  # fmt: skip
+    assert parts["committed_at"].iloc[-1] == T0 + timedelta(seconds=5)
+    (row,) = views.checkpoint_timeline(engine, "run-1").to_dict("records")
+    assert row["tiers"] == "memory, ssd, s3"
+    assert row["nodes"] == "memory: node2, node10 · ssd: node2, node10 · s3"
+    assert (row["memory_bytes"], row["ssd_bytes"], row["s3_bytes"]) == (1000, 1000, 1000)
+    assert row["blocking_s"] == 0.5
+    (overview,) = views.runs_table(engine).to_dict("records")
+    assert (overview["last_checkpoint"], overview["last_checkpoint_at"]) == (
+        4,
+        T0 + timedelta(seconds=2),
+    )
+    assert views.headline(engine, "run-1").last_checkpoint == 4
+
+
+def test_beyond_a_handful_of_nodes_the_timeline_counts_them_and_names_the_missing_ones(
+    engine: Engine, registered: TelemetryStore
+) -> None:
+    registered.add_events(
+        [
+            event("run-1", "checkpoint_committed", step=4, tier=tier, node=f"node{n}")
+            for tier, nodes in (("memory", 9), ("ssd", 10))
+            for n in range(nodes)
+        ]
+    )
+    (row,) = views.checkpoint_timeline(engine, "run-1").to_dict("records")
+    assert row["nodes"] == "memory: 9 of 10 nodes, not node9 · ssd: 10 of 10 nodes"
 
 
 def test_the_resume_point_is_the_latest_committed_step_with_each_ranks_offset(

@@ -65,6 +65,8 @@ def test_the_health_page_of_a_real_run_shows_every_section(
     assert list(tiers["step"]) == [12, 8, 4]
     assert all("ssd" in held for held in tiers["tiers"])
     assert (tiers["ssd MB"] > 0).all()
+    # One ckptd, one node: no node names.
+    assert "nodes" not in tiers.columns
     assert list(offsets["rank"]) == [0, 1]
     assert (offsets["global_sample"] > 0).all()
     assert {"straggler", "sdc", "loss_spike", "replay", "checkpoint_committed"} <= set(log["kind"])
@@ -151,6 +153,26 @@ def test_a_run_without_steps_or_checkpoints_explains_what_is_missing(
     assert metrics(app)["step"] == "1"
     assert metrics(app)["last checkpoint"] == "none"
     assert NO_CHECKPOINTS in infos(app)
+
+
+def test_a_checkpoint_spread_over_two_nodes_shows_which_nodes_hold_their_part_on_each_tier(
+    monkeypatch: pytest.MonkeyPatch, empty_db: str
+) -> None:
+    store = TelemetryStore(connect(empty_db))
+    store.register_run(telemetry_pb2.RegisterRunRequest(run_id="two-nodes", world_size=4))
+    store.add_events(
+        [
+            event("two-nodes", "checkpoint_committed", step=8, tier=tier, bytes=1 << 20, node=node)
+            for tier in ("memory", "ssd", "s3")
+            for node in ("node0", "node1")
+        ]
+    )
+    app = open_page(monkeypatch, empty_db, RUN_HEALTH, run="two-nodes")
+    (tiers,) = (frame.value for frame in app.dataframe if "tiers" in frame.value.columns)
+    assert tiers[["step", "tiers", "nodes"]].values.tolist() == [
+        [8, "memory, ssd, s3", "memory: node0, node1 · ssd: node0, node1 · s3"]
+    ]
+    assert tiers["ssd MB"].tolist() == [pytest.approx(2 * (1 << 20) / 1e6)]
 
 
 @pytest.mark.postgres

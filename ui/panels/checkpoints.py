@@ -1,5 +1,6 @@
 """Checkpoints: a timeline of saves with blocking and background time, the tiers that hold each
-one with sizes, and every rank's data-loader offset at the latest (the resume point)."""
+one with sizes (and, for a run on several nodes, which nodes hold their part on each), and every
+rank's data-loader offset at the latest (the resume point)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ def render(engine: Engine, run_id: str) -> None:
             "background while training went on."
         )
     with tiers:
-        sizes = timeline[["step", "tiers", "failed_tiers"]].assign(
+        # Node names only for a run spread over several nodes: with one, they say nothing.
+        spread = bool((timeline["nodes"] != "").any())
+        shown = ["step", "tiers", *(["nodes"] if spread else []), "failed_tiers"]
+        sizes = timeline[shown].assign(
             **{f"{tier} MB": timeline[f"{tier}_bytes"] / 1e6 for tier in views.TIERS}
         )
         st.dataframe(
@@ -41,10 +45,17 @@ def render(engine: Engine, run_id: str) -> None:
                     for tier in views.TIERS
                 },
                 "failed_tiers": st.column_config.TextColumn("failed on"),
+                "nodes": st.column_config.TextColumn("held by nodes"),
             },
         )
         st.caption(
             "Tiers each checkpoint was committed on, with its size there (blank: not on it)."
+            + (
+                " Each node holds its part (its ranks' files) on its own memory and SSD tiers: "
+                '"held by nodes" names them. S3 holds the whole checkpoint.'
+                if spread
+                else ""
+            )
         )
     step, offsets = views.resume_offsets(engine, run_id)
     if step is None:

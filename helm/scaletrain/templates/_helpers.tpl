@@ -141,6 +141,23 @@ Addresses (HOST:PORT) of the services, as the other components dial them.
 {{- end }}
 {{- end }}
 
+{{/*
+Whether the ckptds form a cluster of the DaemonSet's pods ("true" or empty), the headless Service
+they find each other through, and the --peers-dns address (that Service's FQDN and the gRPC port).
+*/}}
+{{- define "scaletrain.ckptdCluster" -}}
+{{- $c := .Values.ckptd }}
+{{- if and $c.enabled $c.cluster.enabled (eq $c.kind "DaemonSet") }}true{{ end }}
+{{- end }}
+
+{{- define "scaletrain.ckptdPeersName" -}}
+{{- printf "%s-peers" (include "scaletrain.componentName" (list . "ckptd")) }}
+{{- end }}
+
+{{- define "scaletrain.ckptdPeersDns" -}}
+{{- printf "%s.%s.svc.%s:%v" (include "scaletrain.ckptdPeersName" .) .Release.Namespace .Values.clusterDomain .Values.ckptd.service.port }}
+{{- end }}
+
 {{- define "scaletrain.telemetryAddress" -}}
 {{- if .Values.trainer.telemetryAddress }}
 {{- .Values.trainer.telemetryAddress }}
@@ -287,6 +304,9 @@ Checks of values that the schema cannot express; templates/validate.yaml runs th
 {{- if and (not .Values.telemetry.enabled) (not $t.telemetryAddress) }}
 {{- fail "trainer.enabled needs telemetry.enabled or trainer.telemetryAddress" }}
 {{- end }}
+{{- end }}
+{{- if and .Values.ckptd.enabled .Values.ckptd.cluster.peers (ne .Values.ckptd.kind "DaemonSet") }}
+{{- fail "ckptd.cluster.peers needs ckptd.kind DaemonSet: a single ckptd (Deployment) has no peers" }}
 {{- end }}
 {{- $c := .Values.ckptd.s3.credentials }}
 {{- if and (not $c.existingSecret) (ne (empty $c.accessKeyId) (empty $c.secretAccessKey)) }}

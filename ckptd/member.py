@@ -1,0 +1,299 @@
+"""The store's half of the cluster: what a node does when peers ask, and what it asks them.
+
+`ckptd.cluster` holds the coordinator's half of the two-phase commit and the peers; this is the
+participant's: joining a save a peer's coordinator opened, voting on it (Prepare), taking the
+decision (Decide, or learning it later: Outcome), and the catalog every node keeps of every
+node's checkpoints (Catalog, and the sync that resolves in-doubt saves and fetches the commits a
+node missed while it was down, frozen or replaced). It also answers the cluster-wide questions
+of the store's API: every node's part of a checkpoint, and whether a step can be restored in
+full right now ("latest" only names such a step).
+
+A mixin of `CheckpointStore`: it acts on the store's saves and catalog, under the store's lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from ckptd import cluster
+from ckptd.catalog import ABORTED, COMMITTED, OPEN, Catalog, Coordination, SaveRecord
+from ckptd.cluster import Peers, check_epoch
+from ckptd.crash import crash_point
+from ckptd.manifest import FileRecord, Manifest
+from ckptd.names import MAX_WORLD_SIZE, check_run, key_of
+from ckptd.tiers import CheckpointKey
+from ckptd.tiers.ssd import SsdTier
+from scaletrain.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ScaletrainError,
+)
+from scaletrain.v1 import checkpoint_pb2, common_pb2
+
+if TYPE_CHECKING:
+    from ckptd.replication import S3Replication
+    from ckptd.store import _OpenSave
+
+log = logging.getLogger("ckptd.store")
+
+TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
+MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S3
+
+
+class ClusterMember:
+    """The participant's half of the commit and the cluster-wide queries (see the module)."""
+
+    # The store's, which these methods share (as are its _drop_save, _writable, _freeze, _open,
+    # _commit_part and _apply_retention).
+    node: str
+    peers: Peers
+    catalog: Catalog
+    ssd: SsdTier
+    _lock: threading.RLock
+    _closed: threading.Event
+    _saves: dict[str, _OpenSave]
+    _forgotten: set[CheckpointKey]
+    _replication: S3Replication | None
+
+    def join_save(
+        self,
+        save_id: str,
+        ref: checkpoint_pb2.CheckpointRef,
+        world_size: int,
+        coordination: Coordination,
+    ) -> None:
+        """Take a rank's files of a save that `coordination`'s node opened (a no-op for a save
+        this node already has)."""
+        key = key_of(ref)
+        if not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise InvalidArgument(f"world size must be 1..{MAX_WORLD_SIZE}, got {world_size}")
+        with self._lock:
+            save = self._saves.get(save_id)
+            if save is not None:
+                if save.record.world_size != world_size:
+                    raise InvalidArgument(
+                        f"save {save_id} of {key} has world size {save.record.world_size} on "
+                        f"node {self.node}; a rank joined it with world size {world_size}"
+                    )
+                return
+            existing = self.catalog.save_of(key)
+            if existing is not None:
+                if existing.save_id == save_id:
+                    self._writable(save_id)  # committed or aborted: says which
+                if existing.state == COMMITTED:
+                    raise AlreadyExists(f"checkpoint {key} is already committed")
+                check_epoch(
+                    key, coordination.epoch, existing.coordination.epoch,
+                    f"a rank joining save {save_id}",
+                )  # fmt: skip
+                self._drop_save(existing.save_id)
+            self._open(key, save_id, world_size, {}, coordination)
+
+    def prepare(
+        self, save_id: str, ref: checkpoint_pb2.CheckpointRef, epoch: int, coordinator: str
+    ) -> tuple[int, list[FileRecord]]:
+        """Vote on a save: make this node's files of it durable and record the vote; returns the
+        world size this node was told and its files. From here only the outcome decides."""
+        key = key_of(ref)
+        with self._lock:
+            check_epoch(
+                key, epoch, self.catalog.epoch_of(key), f"the vote request of node {coordinator}"
+            )
+            record = self.catalog.save(save_id)
+            if record is None or record.key != key:
+                raise NotFound(
+                    f"unknown save {save_id!r} of {key}: no rank wrote to node {self.node}"
+                )
+            if record.state == ABORTED:
+                raise FailedPrecondition(f"save {save_id} of {key} was aborted on {self.node}")
+            if record.state == COMMITTED or record.prepared:
+                return record.world_size, self.catalog.files(key)
+        save, files = self._freeze(save_id)
+        self.ssd.sync_staging(save_id)
+        with self._lock:
+            self.catalog.set_prepared(save_id)
+            save.record = dataclasses.replace(save.record, prepared=True)
+        crash_point("cluster-prepared")
+        return save.record.world_size, files
+
+    def decide(self, request: checkpoint_pb2.DecideRequest) -> None:
+        """The coordinator's decision on a save this node voted on (or holds nothing of)."""
+        key = key_of(request.ref)
+        with self._lock:
+            check_epoch(
+                key, request.epoch, self.catalog.epoch_of(key),
+                f"the decision of node {request.coordinator}",
+            )  # fmt: skip
+            if not request.commit:
+                save = self._saves.get(request.save_id)
+                if save is not None:
+                    self._drop_save(request.save_id)
+                    self.catalog.abort_save(key, " ".join(request.reason.split())[:500])
+                return
+        manifest = Manifest.from_wire(request.manifest)
+        if manifest.key != key:
+            raise InvalidArgument(f"a decision on {key} carries the manifest of {manifest.key}")
+        self.adopt(manifest, request.save_id)
+
+    def adopt(self, manifest: Manifest, save_id: str | None) -> None:
+        """Learn that `manifest` is committed. This node's part of it, if the save `save_id` (or
+        an attempt of the same epoch) holds it here, commits too; a node that lost its part
+        (a replaced machine) only records the checkpoint, which others hold."""
+        key = manifest.key
+        mine = manifest.files_on(self.node)
+        with self._lock:
+            record = self.catalog.save_of(key)
+            if record is not None and record.state == COMMITTED:
+                return
+            save = None
+            if record is not None and (
+                record.save_id == save_id or record.coordination.epoch == manifest.epoch
+            ):
+                save = self._saves.get(record.save_id)
+            if save is None or not mine:
+                if save_id is not None and mine:
+                    raise FailedPrecondition(
+                        f"the commit of {key} names {len(mine)} file(s) on node {self.node}, "
+                        f"which holds no save {save_id!r} of it"
+                    )
+                if record is not None and record.state == OPEN:
+                    self._drop_save(record.save_id)
+                self.catalog.record_commit(manifest, None)
+                self._apply_retention(key.run)
+                return
+            held = {(f.path, f.size, f.block_crcs) for f in self.catalog.files(key)}
+            if held != {(f.path, f.size, f.block_crcs) for f in mine}:
+                raise FailedPrecondition(
+                    f"the commit of {key} does not name the files node {self.node} holds"
+                )
+        self._commit_part(save, manifest)
+
+    def outcome(
+        self, save_id: str, ref: checkpoint_pb2.CheckpointRef, epoch: int
+    ) -> tuple[int, Manifest | None]:
+        """What this node knows became of a save attempt (ckptd.cluster.Outcome)."""
+        key = key_of(ref)
+        record = self.catalog.save_of(key)
+        if record is None:
+            return cluster.UNKNOWN, None
+        if record.state == COMMITTED:
+            if record.coordination.epoch == epoch:
+                return cluster.COMMITTED, self.catalog.manifest(key)
+            return cluster.ABORTED, None  # another attempt of the step committed
+        if record.save_id != save_id or record.state == ABORTED:
+            return (cluster.ABORTED if record.coordination.epoch > epoch else cluster.UNKNOWN), None
+        if record.coordination.coordinator == self.node:
+            return cluster.IN_PROGRESS, None
+        return cluster.UNKNOWN, None
+
+    def in_doubt(self) -> list[SaveRecord]:
+        """Saves this node voted on whose outcome it has not heard."""
+        with self._lock:
+            return [s.record for s in self._saves.values() if s.record.prepared]
+
+    def _parts(
+        self,
+        info: checkpoint_pb2.CheckpointInfo,
+        views: dict[str, checkpoint_pb2.CatalogResponse | str],
+    ) -> list[checkpoint_pb2.NodePart]:
+        holders: dict[str, list[checkpoint_pb2.FileInfo]] = {}
+        for f in info.files:
+            holders.setdefault(f.node or self.node, []).append(f)
+        parts = []
+        addresses = {p.node: p.address for p in self.peers.all() if p.node}
+        addresses[self.node] = self.peers.address
+        for node in sorted(set(holders) | {self.node} | set(views)):
+            files = holders.get(node, [])
+            part = checkpoint_pb2.NodePart(
+                node=node,
+                address=addresses.get(node, ""),
+                files=len(files),
+                bytes=sum(f.size for f in files),
+            )
+            view = self.node if node == self.node else views.get(node, "not a peer of this node")
+            if isinstance(view, str) and node != self.node:
+                part.reachable, part.error = False, view
+            else:
+                part.reachable = True
+                part.tiers.extend(
+                    info.tiers if node == self.node else tiers_in(view, info.ref)  # type: ignore[arg-type]
+                )
+            parts.append(part)
+        return parts
+
+    def _whole(
+        self, key: CheckpointKey, views: dict[str, checkpoint_pb2.CatalogResponse | str]
+    ) -> bool:
+        """Whether every file of `key` has a committed copy somewhere reachable now."""
+        if self.catalog.tier_state(key, S3) == TIER_COMMITTED:
+            return True
+        ref = checkpoint_pb2.CheckpointRef(run=key.run, step=key.step)
+        for node in {f.node or self.node for f in self.catalog.files(key)}:
+            if node == self.node:
+                states = [self.catalog.tier_state(key, t) for t in (MEMORY, SSD)]
+            else:
+                view = views.get(node)
+                if not isinstance(view, checkpoint_pb2.CatalogResponse):
+                    return False
+                states = [t.state for t in tiers_in(view, ref)]
+            if TIER_COMMITTED not in states:
+                return False
+        return True
+
+    def catalog_entries(self, run: str = "") -> list[checkpoint_pb2.CatalogEntry]:
+        """Every committed checkpoint this node knows (of `run`), with its own copies."""
+        entries = []
+        for info in self.catalog.checkpoints(check_run(run) if run else ""):
+            manifest = self.catalog.manifest(CheckpointKey(info.ref.run, info.ref.step))
+            if manifest is not None:
+                entries.append(
+                    checkpoint_pb2.CatalogEntry(manifest=manifest.to_wire(), tiers=info.tiers)
+                )
+        return entries
+
+    def sync_with_peers(self) -> None:
+        """Resolve the saves this node voted on, and learn the commits it missed (down, frozen,
+        or a replaced machine with an empty data dir). Run at start and every few seconds."""
+        if not self.peers.enabled or self._closed.is_set():
+            return
+        for record in self.in_doubt():
+            outcome, manifest = cluster.outcome(self.peers, record)
+            try:
+                if outcome == cluster.COMMITTED and manifest is not None:
+                    self.adopt(manifest, record.save_id)
+                elif outcome == cluster.ABORTED:
+                    with self._lock:
+                        if record.save_id in self._saves:
+                            self._drop_save(record.save_id)
+                            self.catalog.abort_save(record.key, "aborted by its coordinator")
+            except ScaletrainError as exc:
+                log.warning("cannot resolve save %s of %s: %s", record.save_id, record.key, exc)
+        for view in cluster.catalogs(self.peers).values():
+            if not isinstance(view, checkpoint_pb2.CatalogResponse):
+                continue
+            for entry in view.entries:
+                manifest = Manifest.from_wire(entry.manifest)
+                if manifest.key in self._forgotten:
+                    continue
+                try:
+                    self.adopt(manifest, None)
+                except ScaletrainError as exc:
+                    log.warning("cannot take %s from node %s: %s", manifest.key, view.node, exc)
+                on_s3 = any(t.tier == S3 and t.state == TIER_COMMITTED for t in entry.tiers)
+                if on_s3 and self._replication is not None:
+                    self._replication.queue_check(manifest.key)
+
+
+def tiers_in(
+    view: checkpoint_pb2.CatalogResponse, ref: checkpoint_pb2.CheckpointRef
+) -> list[checkpoint_pb2.TierStatus]:
+    """A peer's copies of checkpoint `ref`, from its catalog (none if it does not list it)."""
+    for entry in view.entries:
+        if entry.manifest.ref.run == ref.run and entry.manifest.ref.step == ref.step:
+            return list(entry.tiers)
+    return []

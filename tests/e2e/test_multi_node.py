@@ -1,0 +1,240 @@
+"""Two nodes on one machine: `scaletrain run --nodes 2` and the chaos drill on two nodes.
+
+Each simulated node has its own ckptd and torchrun agent; the agents form one 4-rank gloo job by
+c10d rendezvous, each rank saving to its own node's ckptd, and a save commits across both. To stay
+inside the CI budget (under three minutes for all of this) the checks share two jobs: a fault-free
+`scaletrain run --nodes 2`, which is also the drill's reference, and one `scaletrain chaos --nodes
+2` whose schedule strikes the two node faults (kill-node: a machine replaced, its SSD gone;
+partition-node: a node's ckptd frozen), an S3 outage (S3 holds whole checkpoints, every node's
+part) and a silent data corruption. The other faults strike the same code on one node as on two
+and run in the one-node chaos suite.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from e2e_runs import TINY, events, injected, restart_after, scaletrain, scaletrain_json
+
+from scaletrain.chaos import DEFAULT_SCHEDULE, KINDS, MULTI_NODE, default_schedule, parse_schedule
+from scaletrain.cli import _print_summary, main
+from scaletrain.embedded import TIER_NAMES, RunSummary, checkpoint_row, whole_tiers
+from scaletrain.stack import Stack, Workdir
+from scaletrain.v1 import checkpoint_pb2
+
+pytestmark = pytest.mark.e2e
+
+RANKS, NODES, STEPS, EVERY = 4, 2, 50, 5
+# ckptd's default retention: memory keeps the newest 2 checkpoints, SSD the newest 5, S3 all.
+KEEP = {"memory": 2, "ssd": 5, "s3": STEPS}
+SDC_STEP = 24
+SCHEDULE = ["kill-node@8", "partition-node@18:2", f"sdc@{SDC_STEP}", "stop-s3@28:2"]
+LAYOUT = ["--ranks", str(RANKS), "--nodes", str(NODES), "--steps", str(STEPS),
+          "--ckpt-every", str(EVERY), *TINY]  # fmt: skip
+
+
+def tiers_of(step: int, tiers: tuple[str, ...] = tuple(KEEP)) -> list[str]:
+    """The tiers of `tiers` that keep the checkpoint of `step` once the run has ended."""
+    newer = (STEPS - step) // EVERY
+    return [tier for tier in tiers if newer < KEEP[tier]]
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    workdir = tmp_path_factory.mktemp("two-nodes")
+    return scaletrain_json("run", "--workdir", str(workdir), *LAYOUT) | {"workdir": workdir}
+
+
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    workdir = tmp_path_factory.mktemp("two-node-drill")
+    report = scaletrain_json(
+        "chaos", "--workdir", str(workdir), *LAYOUT, "--schedule", ",".join(SCHEDULE),
+        "--seed", "3", "--watchdog-min-s", "6",
+    )  # fmt: skip
+    return report | {"workdir": workdir}
+
+
+def test_a_two_node_run_commits_every_checkpoint_with_a_part_on_each_node(two_nodes: dict):
+    assert two_nodes["steps"] == STEPS
+    assert f"({NODES} nodes of {RANKS // NODES} ranks)" in two_nodes["_log"]
+    assert [c["step"] for c in two_nodes["checkpoints"]] == list(range(EVERY, STEPS + 1, EVERY))
+    for checkpoint in two_nodes["checkpoints"]:
+        tiers = tiers_of(checkpoint["step"])
+        assert checkpoint["tiers"] == tiers, checkpoint
+        parts = checkpoint["parts"]
+        assert [p["node"] for p in parts] == ["node0", "node1"], checkpoint
+        # Each node holds its two ranks' shards (node0 the metadata too), on the same tiers.
+        assert all(p["reachable"] and p["tiers"] == tiers for p in parts), checkpoint
+        assert [p["files"] for p in parts] == [3, 2], checkpoint
+        assert sum(p["bytes"] for p in parts) == checkpoint["bytes"] > 0
+    # The newest on every tier of every node: what the end of the run waited for.
+    assert two_nodes["checkpoints"][-1]["tiers"] == list(KEEP)
+    # Each rank saved to its own node's ckptd: node0 (its agent c10d's group rank 0) has ranks 0
+    # and 1, node1 ranks 2 and 3. node0's data dir and log keep the names they have on one node.
+    workdir = Workdir(two_nodes["workdir"])
+    run, step = two_nodes["run_id"], str(STEPS)
+    on_ssd = [
+        sorted(p.name for p in (workdir.ckptd_dir(node) / "ssd" / run / step).iterdir())
+        for node in range(NODES)
+    ]
+    assert on_ssd == [
+        [".metadata", "_COMMITTED", "__0_0.distcp", "__1_0.distcp"],
+        ["_COMMITTED", "__2_0.distcp", "__3_0.distcp"],
+    ]
+    assert workdir.ckptd == workdir.ckptd_dir(0) and workdir.trainer_log(1).exists()
+    assert "[trainer] done: final loss" in workdir.trainer_log(0).read_text()
+
+
+def _listed(*where: str) -> list[tuple[int, int, list[str]]]:
+    result = scaletrain("ckpt", "ls", *where, "--json")
+    assert result.returncode == 0, result.stderr
+    return [(c["step"], c["world_size"], c["tiers"]) for c in json.loads(result.stdout)]
+
+
+def test_every_nodes_ckptd_lists_the_same_checkpoints(two_nodes: dict):
+    """`ckpt ls` against each node's ckptd (the cluster started again on the run's data dirs),
+    and offline on the work directory."""
+    # The memory tier died with the first cluster.
+    expected = [(s, RANKS, tiers_of(s, ("ssd", "s3"))) for s in range(EVERY, STEPS + 1, EVERY)]
+    workdir = Workdir(two_nodes["workdir"])
+    with Stack(workdir, nodes=NODES) as stack:
+        listings = [_listed("--ckptd", address) for address in stack.ckptd_addresses]
+    assert listings == [expected] * NODES
+    assert _listed("--workdir", str(workdir.root)) == expected
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["run", "--ranks", "3", "--nodes", "2"],
+         "scaletrain run: error: --ranks 3 is not a multiple of --nodes 2: every node runs the "
+         "same number of ranks; nearest valid --ranks: 2 or 4"),
+        (["chaos", "--ranks", "4", "--nodes", "3"],
+         "scaletrain chaos: error: --ranks 4 is not a multiple of --nodes 3: every node runs the "
+         "same number of ranks; nearest valid --ranks: 3 or 6"),
+        (["chaos", "--schedule", "kill-node@3"],
+         "scaletrain chaos: error: --schedule: kill-node needs --nodes 2 or more"),
+    ],
+)  # fmt: skip
+def test_a_layout_the_nodes_cannot_split_is_refused_in_one_line_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str], message: str
+):
+    workdir = tmp_path / "refused"
+    assert main([command[0], "--workdir", str(workdir), *command[1:]]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [message]
+    assert not workdir.exists()
+
+
+def test_a_two_node_drill_ends_bit_for_bit_as_the_fault_free_run(two_nodes: dict, drill: dict):
+    assert drill["completed"], drill["_log"][-3000:]
+    assert drill["faults_injected"] == drill["faults_survived"] == len(SCHEDULE)
+    assert drill["last_loss"] == two_nodes["last_loss"]
+    assert drill["params_sha256"] == two_nodes["params_sha256"]
+    assert drill["checkpoints_lost"] == []
+    assert drill["checkpoints_committed"] >= STEPS // EVERY // 2
+    assert injected(drill, "stop-s3")["detail"] == "stopped for 2.0s"
+    injected(drill, "sdc")
+    assert any(step == SDC_STEP for step, *_ in events(drill, "replay"))
+
+
+def test_a_killed_node_is_replaced_by_a_fresh_machine_and_the_job_reforms(drill: dict):
+    fault = injected(drill, "kill-node")
+    # Never node0: its agent hosts the rendezvous store.
+    assert fault["target"] == "node1"
+    assert "data dir deleted; a fresh ckptd at " in fault["detail"]
+    assert " lists step " in fault["detail"], fault
+    restart_after(drill, fault)
+    workdir = Workdir(drill["workdir"])
+    ckptd_log = (workdir.logs / "ckptd-node1.log").read_text()
+    assert ckptd_log.count('"message": "ckptd started on') == 2
+    # Checkpoints committed after the replacement have node1's part on its new SSD.
+    final = max(drill["checkpoints"], key=lambda c: c["step"])
+    assert final["step"] == STEPS
+    assert all("ssd" in part["tiers"] for part in final["parts"]), final
+
+
+def test_a_partitioned_node_is_frozen_and_thawed_and_the_run_goes_on(drill: dict):
+    fault = injected(drill, "partition-node")
+    assert fault["target"] in ("node0", "node1")
+    assert fault["detail"] == "ckptd frozen (SIGSTOP) for 2.0s, then SIGCONT"
+
+
+def _info(
+    own: tuple[str, ...], *parts: tuple[str, tuple[str, ...], bool]
+) -> checkpoint_pb2.CheckpointInfo:
+    """A CheckpointInfo with the answering node's tiers `own` and `parts` (node, its tiers,
+    reachable)."""
+    tier_of = {name: tier for tier, name in TIER_NAMES.items()}
+
+    def statuses(names: tuple[str, ...]) -> list[checkpoint_pb2.TierStatus]:
+        return [
+            checkpoint_pb2.TierStatus(tier=tier_of[n], state=checkpoint_pb2.TIER_STATE_COMMITTED)
+            for n in names
+        ]
+
+    return checkpoint_pb2.CheckpointInfo(
+        ref=checkpoint_pb2.CheckpointRef(run="r", step=7),
+        total_bytes=3_000_000,
+        tiers=statuses(own),
+        parts=[
+            checkpoint_pb2.NodePart(
+                node=node, files=2, bytes=1_500_000, tiers=statuses(tiers), reachable=reachable,
+                error="" if reachable else "UNAVAILABLE",
+            )
+            for node, tiers, reachable in parts
+        ],
+    )  # fmt: skip
+
+
+def test_a_checkpoint_is_whole_on_a_tier_only_where_every_nodes_part_is(
+    capsys: pytest.CaptureFixture[str],
+):
+    every = ("memory", "ssd", "s3")
+    assert whole_tiers(_info(every)) == list(every)  # one node's view, no parts asked for
+    assert whole_tiers(_info(every, ("node0", every, True), ("node1", ("ssd", "s3"), True))) == [
+        "ssd", "s3",
+    ]  # fmt: skip
+    # An unreachable node's part counts on no tier of its own; S3's marker still says it is whole.
+    lost = _info(every, ("node0", every, True), ("node1", (), False))
+    assert whole_tiers(lost) == ["s3"]
+    row = checkpoint_row(lost)
+    summary = RunSummary("r", "w", 0, 7, 1.0, 0.5, 1.0, "sha", 1.0, [row], "ui")
+    _print_summary(summary)
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("  step      7      3.00 MB  tiers: s3")
+    assert lines[at + 1 : at + 3] == [
+        "    node0          1.50 MB    2 files  tiers: memory, ssd, s3",
+        "    node1          1.50 MB  unreachable: UNAVAILABLE",
+    ]
+
+
+def test_the_default_drill_leaves_out_on_one_node_what_needs_two():
+    assert default_schedule(2) == DEFAULT_SCHEDULE
+    kinds = {f.kind for f in parse_schedule(default_schedule(1))}
+    assert kinds == set(KINDS) - MULTI_NODE and "partition-node" in kinds
+
+
+def test_a_two_node_checkpoint_restores_at_two_ranks_on_one_node_and_at_eight_over_four(
+    two_nodes: dict,
+):
+    """The run saved at 4 ranks over 2 nodes resumes resharded: at 2 ranks on 1 node (node1's
+    part, its ckptd not running, comes from S3), then at 8 ranks over 4 nodes (two of them new,
+    empty machines that learn the checkpoints from their peers and read their parts from them).
+    Runs last: it adds steps to the two-node run."""
+    workdir = str(two_nodes["workdir"])
+    for ranks, nodes, steps in ((2, 1, STEPS + EVERY), (8, 4, STEPS + 2 * EVERY)):
+        resumed = scaletrain_json(
+            "run", "--workdir", workdir, "--resume", "--ranks", str(ranks), "--nodes", str(nodes),
+            "--steps", str(steps), "--ckpt-every", str(EVERY), *TINY,
+        )  # fmt: skip
+        assert resumed["run_id"] == two_nodes["run_id"]
+        assert f"from step {steps - EVERY}" in resumed["_log"], resumed["_log"][-3000:]
+        assert resumed["steps"] == steps
+        newest = max(resumed["checkpoints"], key=lambda c: c["step"])
+        assert newest["step"] == steps
+        assert [p["node"] for p in newest["parts"] if p["files"]] == [
+            f"node{i}" for i in range(nodes)
+        ]
