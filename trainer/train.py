@@ -364,10 +364,10 @@ def resume(
         if not required:
             return 0
         raise UserError("--resume needs --ckptd: there is no checkpoint store to resume from")
-    step = _latest_step(cfg, rank)
+    step, none_because = _latest_step(cfg, rank)
     if step < 0:
         if required:
-            raise NotFound(f"run {cfg.run_id!r} has no committed checkpoint")
+            raise NotFound(none_because)
         if rank == 0:
             print(f"[trainer] run {cfg.run_id}: no checkpoint yet, starting over", flush=True)
         return 0
@@ -392,28 +392,27 @@ def resume(
     return int(train_state["step"])
 
 
-def _latest_step(cfg: TrainConfig, rank: int) -> int:
-    """The step every rank restores (-1: none yet): rank 0 asks its node's ckptd and tells the
-    others, so that ranks on nodes whose ckptds learned of a commit at different instants still
-    restore the same step."""
+def _latest_step(cfg: TrainConfig, rank: int) -> tuple[int, str]:
+    """The step every rank restores, or -1 and ckptd's reason there is none: rank 0 asks its
+    node's ckptd and tells the others, so that ranks on nodes whose ckptds learned of a commit at
+    different instants still restore the same step."""
     from ckptd.client import CkptdClient
 
-    step = -1
-    error = ""
+    step, none_because, error = -1, "", ""
     if rank == 0:
         assert cfg.ckptd is not None
         with CkptdClient(cfg.ckptd) as client:
             try:
                 step = int(client.get(cfg.run_id).ref.step)
-            except NotFound:
-                step = -1
+            except NotFound as exc:
+                none_because = str(exc)
             except ScaletrainError as exc:
                 error = str(exc)
-    shared: list[object] = [step, error]
+    shared: list[object] = [step, none_because, error]
     dist.broadcast_object_list(shared, src=0)
-    if shared[1]:
-        raise ScaletrainError(str(shared[1]))
-    return int(shared[0])  # type: ignore[call-overload]
+    if shared[2]:
+        raise ScaletrainError(str(shared[2]))
+    return int(shared[0]), str(shared[1])  # type: ignore[call-overload]
 
 
 def check_offsets(
