@@ -31,6 +31,7 @@ from scaletrain.errors import (
     ScaletrainError,
     Unavailable,
 )
+from scaletrain.rpc import wait_until_healthy
 from scaletrain.stack import free_port
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
@@ -61,7 +62,10 @@ class Cluster:
             self.data_dir(i), self.s3, crash_at, (*args, "--sync-interval-s", "0.5")
         )
         self.procs[i] = proc
-        self.clients[i].close()  # a fresh channel, not one in reconnect backoff
+        # gRPC shares connections between channels to one address: wait out the backoff of the
+        # one to the process this replaces, so the first call does not fail UNAVAILABLE.
+        wait_until_healthy(self.addresses[i], timeout_s=30)
+        self.clients[i].close()
         self.clients[i] = CkptdClient(self.addresses[i])
         return proc
 
