@@ -477,13 +477,6 @@ class Catalog:
 
     # -- listing ---------------------------------------------------------------------------------
 
-    def latest(self, run: str) -> CheckpointKey | None:
-        rows = self._query(
-            "SELECT step FROM checkpoints WHERE run = ? AND state = ? ORDER BY step DESC LIMIT 1",
-            (run, COMMITTED),
-        )
-        return CheckpointKey(run, rows[0][0]) if rows else None
-
     def info(self, key: CheckpointKey) -> checkpoint_pb2.CheckpointInfo | None:
         found = self._infos("c.run = ? AND c.step = ?", (key.run, key.step))
         return found[0] if found else None

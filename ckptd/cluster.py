@@ -3,7 +3,8 @@
 Every rank streams its files to its own node's ckptd; a checkpoint is therefore spread over
 nodes, each holding the part its ranks wrote. This module is what a ckptd knows of the others
 and how it talks to them (`Peers`), and the coordinator's half of the two-phase commit
-(`Coordinator`); the participant's half lives in the store, next to the saves it acts on.
+(`Coordinator`); the participant's half is `ckptd.member`, a part of the store, next to the
+saves it acts on.
 
     coordinator (the ckptd of the saving job's coordinator rank)       participant (each peer)
       own files durable                                                   .
@@ -218,16 +219,6 @@ class Peers:
             for peer in self._peers.values():
                 if peer.address == address:
                     peer.node, peer.reachable = node, True
-
-    def named(self, node: str) -> Peer | None:
-        """The peer that is `node`, greeting the unnamed ones if needed."""
-        for attempt in range(2):
-            for peer in self.all():
-                if peer.node == node:
-                    return peer
-            if attempt == 0:
-                self.greet(strict=False)
-        return None
 
     def call(
         self, peers: list[Peer], fn: Callable[[Peer], object]

@@ -113,8 +113,8 @@ class ClusterConfig:
                 raise ValueError(names_itself(self.advertise))
         if self.peers_dns is not None:
             check_address(self.peers_dns, "--peers-dns")
-        if self.sync_interval_s <= 0 or self.prepare_timeout_s <= 0:
-            raise ValueError("sync_interval_s and prepare_timeout_s must be > 0")
+        if min(self.sync_interval_s, self.prepare_timeout_s, self.connect_timeout_s) <= 0:
+            raise ValueError("sync_interval_s, prepare_timeout_s and connect_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)

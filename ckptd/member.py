@@ -48,8 +48,8 @@ MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S
 class ClusterMember:
     """The participant's half of the commit and the cluster-wide queries (see the module)."""
 
-    # The store's, which these methods share (as are its _drop_save, _writable, _freeze, _open,
-    # _commit_part and _apply_retention).
+    # The store's, which these methods share (as are its _drop_save, _drop_aborted, _writable,
+    # _freeze, _open, _commit_part and _apply_retention).
     node: str
     peers: Peers
     catalog: Catalog
@@ -132,8 +132,7 @@ class ClusterMember:
             if not request.commit:
                 save = self._saves.get(request.save_id)
                 if save is not None:
-                    self._drop_save(request.save_id)
-                    self.catalog.abort_save(key, " ".join(request.reason.split())[:500])
+                    self._drop_aborted(save.record, request.reason)
                 return
         manifest = Manifest.from_wire(request.manifest)
         if manifest.key != key:
@@ -269,8 +268,7 @@ class ClusterMember:
                 elif outcome == cluster.ABORTED:
                     with self._lock:
                         if record.save_id in self._saves:
-                            self._drop_save(record.save_id)
-                            self.catalog.abort_save(record.key, "aborted by its coordinator")
+                            self._drop_aborted(record, "aborted by its coordinator")
             except ScaletrainError as exc:
                 log.warning("cannot resolve save %s of %s: %s", record.save_id, record.key, exc)
         for view in cluster.catalogs(self.peers).values():

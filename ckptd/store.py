@@ -366,6 +366,11 @@ class CheckpointStore(ClusterMember):
                 upload.spill()
         self.ssd.discard_staging(save_id)
 
+    def _drop_aborted(self, record: SaveRecord, reason: str) -> None:
+        """Forget an open save and record it aborted, with `reason` on one line (under the lock)."""
+        self._drop_save(record.save_id)
+        self.catalog.abort_save(record.key, " ".join(reason.split())[:500])
+
     def _writable(self, save_id: str) -> _OpenSave:
         """The open save `save_id`, or the reason it cannot take writes or a commit."""
         save = self._saves.get(save_id)
@@ -639,8 +644,7 @@ class CheckpointStore(ClusterMember):
                 return
             if save.committing:
                 raise FailedPrecondition(f"save {save_id} of {save.record.key} is being committed")
-            self._drop_save(save_id)
-            self.catalog.abort_save(save.record.key, " ".join(reason.split())[:500])
+            self._drop_aborted(save.record, reason)
         log.info("aborted save %s of %s: %s", save_id, save.record.key, reason)
         if save.record.coordination.coordinator == self.node:
             self._coordinator.decide(save.record, None, reason)
