@@ -30,15 +30,25 @@ METADATA = checkpoint_pb2.FILE_KIND_METADATA
 
 
 class Nodes:
-    """`n` ckptd processes that list each other as peers."""
+    """`n` ckptd processes that list each other as peers; `extra` goes to every one's command
+    line (after the defaults, so it overrides them), `per_node[i]` to node i's."""
 
-    def __init__(self, root: Path, n: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        n: int,
+        *extra: str,
+        per_node: list[tuple[str, ...]] | None = None,
+    ) -> None:
         addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
         self.procs = []
         for i, address in enumerate(addresses):
             peers = ",".join(a for a in addresses if a != address)
             args = ["--listen", address, "--node", f"node{i}", "--memory-budget-mb", "1024"]
-            self.procs.append(CkptdProcess(root / f"node{i}", *args, "--peers", peers))
+            own = per_node[i] if per_node else ()
+            self.procs.append(
+                CkptdProcess(root / f"node{i}", *args, "--peers", peers, *extra, *own)
+            )
         self.clients = [CkptdClient(p.address) for p in self.procs]
 
     def close(self) -> None:
@@ -71,7 +81,9 @@ def main() -> None:
     args = parser.parse_args()
     shard = payload(max(1, args.mib // args.ranks))
     with tempfile.TemporaryDirectory(prefix="ckptd-cluster-bench-") as tmp:
-        clusters = {n: Nodes(Path(tmp) / f"n{n}", n) for n in (1, 2)}
+        # No replicas: the commit alone, as before replicas existed (bench/ckptd_replicas.py
+        # measures those).
+        clusters = {n: Nodes(Path(tmp) / f"n{n}", n, "--replicas", "1") for n in (1, 2)}
         try:
             commit: dict[int, list[float]] = {1: [], 2: []}
             whole: dict[int, list[float]] = {1: [], 2: []}

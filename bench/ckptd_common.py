@@ -1,4 +1,5 @@
-"""What the ckptd benchmarks share: incompressible payloads, best-of timing, a ckptd process.
+"""What the ckptd benchmarks share: incompressible payloads, best-of timing, a ckptd process, and
+the raw TCP loopback baseline (`RawTcp`) that both ingest and restore are measured against.
 
 Each benchmark measures its baseline in the same command as the thing it compares, interleaved
 run by run, because this machine's disk and CPUs are shared and noisy: only the ratio of two
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -86,6 +88,15 @@ class CkptdProcess:
             self.process.wait()
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of every thread of process `pid` so far (None: this one)."""
+    if pid is None:
+        own = os.times()
+        return own.user + own.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def timed(fn: Callable[[], object]) -> float:
     started = time.perf_counter()
     fn()
@@ -112,3 +123,70 @@ def save_one_shard(store: CheckpointStore, step: int, shard: tuple[list, FileTra
     ):
         store.write_file(FileHeader(save_id=save_id, path=path, kind=kind), chunks, trailer)
     store.commit(save_id)
+
+
+def _serve_raw_tcp(direction: str, size: int) -> None:
+    """The child process of `RawTcp`: accept, then take `size` bytes into a preallocated buffer
+    (and ack) or send `size` bytes in CHUNK_BYTES slices, once per connection, until killed."""
+    buffer = bytearray(os.urandom(size) if direction == "source" else size)
+    view = memoryview(buffer)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        print(listener.getsockname()[1], flush=True)
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                if direction == "source":
+                    for offset in range(0, size, CHUNK_BYTES):
+                        conn.sendall(view[offset : offset + CHUNK_BYTES])
+                else:
+                    _recv_all(conn, view)
+                    conn.sendall(b"k")
+
+
+def _recv_all(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got : got + CHUNK_BYTES])
+        if n == 0:
+            raise ConnectionError(f"the raw TCP peer hung up after {got} bytes")
+        got += n
+
+
+class RawTcp:
+    """The baseline of the ckptd benchmarks: `size` bytes over a plain loopback TCP connection
+    between this process and a child process, as fast as Python moves them (`sendall` of
+    CHUNK_BYTES slices, `recv_into` a preallocated buffer). `to_child` sends from here, as a
+    trainer rank sends a save to ckptd; otherwise the child sends, as ckptd serves a restore."""
+
+    def __init__(self, size: int, to_child: bool) -> None:
+        self._size, self._to_child = size, to_child
+        direction = "sink" if to_child else "source"
+        self._child = subprocess.Popen(
+            [sys.executable, __file__, direction, str(size)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._child.stdout is not None
+        self._port = int(self._child.stdout.readline())
+        self._buffer = memoryview(bytearray(os.urandom(size) if to_child else size))
+
+    def transfer(self) -> float:
+        """One transfer, in seconds."""
+        started = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", self._port)) as conn:
+            if self._to_child:
+                for offset in range(0, self._size, CHUNK_BYTES):
+                    conn.sendall(self._buffer[offset : offset + CHUNK_BYTES])
+                conn.recv(1)
+            else:
+                _recv_all(conn, self._buffer)
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self._child.kill()
+        self._child.wait()
+
+
+if __name__ == "__main__":
+    _serve_raw_tcp(sys.argv[1], int(sys.argv[2]))

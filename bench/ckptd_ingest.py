@@ -4,7 +4,7 @@ Transfers of the same shard from this process to another one, as a trainer rank 
 node's ckptd, interleaved run by run, best of a few each:
 
 1. raw TCP: `sendall` of 4 MiB slices into a receiver process that `recv_into`s a preallocated
-   buffer (the baseline);
+   buffer (the baseline, `ckptd_common.RawTcp`);
 2. ckptd fast path: `CkptdClient.write_file` into a ckptd process over its data socket
    (OpenUpload, frames with a CRC-32C per 256 KiB block computed by the client, FinishUpload with
    the file's checksum; ckptd checks every block and the file's checksum before the reply, and
@@ -24,38 +24,28 @@ Run: `.venv/bin/python bench/ckptd_ingest.py [--mib 256] [--runs 3]`.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import grpc
-from ckptd_common import CkptdProcess, bench_parser, best_of, line, payload, timed
+from ckptd_common import (
+    CkptdProcess,
+    RawTcp,
+    bench_parser,
+    best_of,
+    cpu_seconds,
+    line,
+    payload,
+    timed,
+)
 
 from ckptd.client import CkptdClient
 from scaletrain.rpc import CHUNK_BYTES, make_channel, make_server
 from scaletrain.v1 import checkpoint_pb2
 
 _SINK_METHOD = "/bench.Sink/Write"
-
-
-def serve_tcp(size: int) -> None:
-    """Receiver process of the raw TCP baseline: accept, recv_into a buffer, ack, repeat."""
-    sink = bytearray(size)
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        print(listener.getsockname()[1], flush=True)
-        while True:
-            conn, _ = listener.accept()
-            with conn:
-                view, got = memoryview(sink), 0
-                while got < size:
-                    n = conn.recv_into(view[got : got + CHUNK_BYTES])
-                    if n == 0:
-                        return
-                    got += n
-                conn.sendall(b"k")
 
 
 def serve_grpc_sink() -> None:
@@ -76,13 +66,6 @@ def serve_grpc_sink() -> None:
     server.wait_for_termination()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of every thread of this process and of process `pid`."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    own = os.times()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") + own.user + own.system
-
-
 def _child(*flag: str) -> tuple[subprocess.Popen[str], int]:
     child = subprocess.Popen([sys.executable, __file__, *flag], stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
@@ -91,16 +74,13 @@ def _child(*flag: str) -> tuple[subprocess.Popen[str], int]:
 
 def main() -> None:
     parser = bench_parser(__doc__)
-    parser.add_argument("--serve-tcp", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-grpc", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_tcp:
-        return serve_tcp(args.serve_tcp)
     if args.serve_grpc:
         return serve_grpc_sink()
     data = payload(args.mib)
     view = memoryview(data)
-    tcp, tcp_port = _child("--serve-tcp", str(len(data)))
+    tcp = RawTcp(len(data), to_child=True)
     sink, sink_port = _child("--serve-grpc")
     with tempfile.TemporaryDirectory(prefix="ckptd-bench-") as tmp:
         ckptd = CkptdProcess(Path(tmp), "--memory-budget-mb", str(2 * args.mib + 64))
@@ -112,12 +92,6 @@ def main() -> None:
                 make_channel(f"127.0.0.1:{sink_port}") as ch,
             ):
                 stream_to_sink = ch.stream_unary(_SINK_METHOD)
-
-                def raw_tcp() -> None:
-                    with socket.create_connection(("127.0.0.1", tcp_port)) as conn:
-                        for offset in range(0, len(data), CHUNK_BYTES):
-                            conn.sendall(view[offset : offset + CHUNK_BYTES])
-                        conn.recv(1)
 
                 def ckptd_ingest(client: CkptdClient) -> float:
                     save_id = client.open_save("bench", next(steps), world_size=1).save_id
@@ -136,7 +110,7 @@ def main() -> None:
 
                 raw, fast_ingest, grpc_ingest, transport = best_of(
                     args.runs,
-                    lambda: timed(raw_tcp),
+                    tcp.transfer,
                     lambda: ckptd_ingest(fast),
                     lambda: ckptd_ingest(slow),
                     lambda: timed(grpc_only),
@@ -145,12 +119,13 @@ def main() -> None:
                     raise SystemExit("ckptd did not offer its fast path to this client")
                 cpu = []
                 for client in (fast, slow):
-                    before = _cpu_seconds(ckptd.process.pid)
+                    before = cpu_seconds(ckptd.process.pid) + cpu_seconds()
                     ckptd_ingest(client)
-                    cpu.append((_cpu_seconds(ckptd.process.pid) - before) / (len(data) / 1e9))
+                    spent = cpu_seconds(ckptd.process.pid) + cpu_seconds() - before
+                    cpu.append(spent / (len(data) / 1e9))
         finally:
             ckptd.stop()
-            tcp.kill()
+            tcp.close()
             sink.kill()
     print(line("raw TCP loopback (process to process)", len(data), raw))
     print(line("ckptd fast path (FinishUpload answered)", len(data), fast_ingest))

@@ -32,7 +32,8 @@ CATALOG_FILE = "catalog.db"
 # 2 added `runs` (retention per run) and `deletions`; a version-1 catalog gains them on open.
 # 3 dropped files.sha256 (a file's checksum is derived from its block CRCs: ckptd.manifest).
 # 4 added the node holding each file, and each save's epoch, coordinator and vote (clusters).
-SCHEMA_VERSION = 4
+# 5 added `replicas` (the copies this node holds of other nodes' parts) and runs.replicas.
+SCHEMA_VERSION = 5
 
 OPEN, COMMITTED, ABORTED = "open", "committed", "aborted"
 TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
@@ -77,11 +78,24 @@ CREATE TABLE IF NOT EXISTS tiers (
     PRIMARY KEY (run, step, tier),
     FOREIGN KEY (run, step) REFERENCES checkpoints (run, step) ON DELETE CASCADE
 );
+CREATE TABLE IF NOT EXISTS replicas (
+    run TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    owner TEXT NOT NULL,
+    tier INTEGER NOT NULL,
+    state INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    updated_at REAL NOT NULL,
+    error TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (run, step, owner, tier),
+    FOREIGN KEY (run, step) REFERENCES checkpoints (run, step) ON DELETE CASCADE
+);
 CREATE TABLE IF NOT EXISTS runs (
     run TEXT PRIMARY KEY,
     memory_last INTEGER NOT NULL,
     ssd_last INTEGER NOT NULL,
-    s3_every INTEGER NOT NULL
+    s3_every INTEGER NOT NULL,
+    replicas INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS deletions (
     run TEXT NOT NULL,
@@ -100,6 +114,8 @@ _MIGRATE_4 = (
     ("checkpoints", "prepared", "INTEGER NOT NULL DEFAULT 0"),
     ("files", "node", "TEXT NOT NULL DEFAULT ''"),
 )
+# Columns added by schema 5.
+_MIGRATE_5 = (("runs", "replicas", "INTEGER NOT NULL DEFAULT 0"),)
 _FILE_COLUMNS = "path, rank, kind, size, block_crcs, node"
 
 
@@ -166,12 +182,14 @@ class Catalog:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = FULL")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, 1, 2, 3, SCHEMA_VERSION):
-                raise UserError(f"{path} has catalog schema {version}; this ckptd knows 1 to 4")
+            if version not in range(SCHEMA_VERSION + 1):
+                raise UserError(
+                    f"{path} has catalog schema {version}; this ckptd knows 1 to {SCHEMA_VERSION}"
+                )
             if version in (1, 2):
                 self._db.execute("ALTER TABLE files DROP COLUMN sha256")
-            if version in (1, 2, 3):
-                for table, column, kind in _MIGRATE_4:
+            if version:
+                for table, column, kind in (*_MIGRATE_4, *_MIGRATE_5):
                     columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
                     if column not in columns:
                         self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
@@ -414,13 +432,15 @@ class Catalog:
     def set_policy(self, run: str, policy: RetentionPolicy) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT OR REPLACE INTO runs (run, memory_last, ssd_last, s3_every) "
-                "VALUES (?, ?, ?, ?)",
-                (run, policy.memory_last, policy.ssd_last, policy.s3_every),
+                "INSERT OR REPLACE INTO runs (run, memory_last, ssd_last, s3_every, replicas) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (run, policy.memory_last, policy.ssd_last, policy.s3_every, policy.replicas),
             )
 
     def policy(self, run: str) -> RetentionPolicy | None:
-        rows = self._query("SELECT memory_last, ssd_last, s3_every FROM runs WHERE run = ?", (run,))
+        rows = self._query(
+            "SELECT memory_last, ssd_last, s3_every, replicas FROM runs WHERE run = ?", (run,)
+        )
         return RetentionPolicy(*rows[0]) if rows else None
 
     def runs(self) -> list[str]:
@@ -475,6 +495,77 @@ class Catalog:
                     states[step][tier] = state
         return states
 
+    # -- replicas (copies of other nodes' parts) ------------------------------------------------
+
+    def set_replica(
+        self,
+        key: CheckpointKey,
+        owner: str,
+        tier: int,
+        state: int,
+        nbytes: int = 0,
+        error: str = "",
+    ) -> None:
+        """Record the state of this node's copy of `owner`'s part on `tier`; a no-op when the
+        checkpoint was deleted meanwhile."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO replicas "
+                "(run, step, owner, tier, state, bytes, updated_at, error) "
+                "SELECT run, step, ?, ?, ?, ?, ?, ? FROM checkpoints WHERE run = ? AND step = ?",
+                (owner, tier, state, nbytes, time.time(), error, key.run, key.step),
+            )
+
+    def replica_state(self, key: CheckpointKey, owner: str, tier: int) -> int:
+        rows = self._query(
+            "SELECT state FROM replicas WHERE run = ? AND step = ? AND owner = ? AND tier = ?",
+            (key.run, key.step, owner, tier),
+        )
+        return rows[0][0] if rows else checkpoint_pb2.TIER_STATE_ABSENT
+
+    def replicas(self, run: str = "") -> dict[CheckpointKey, dict[str, dict[int, int]]]:
+        """key -> owner -> {tier: state} of every replica this node has a row for (of `run`)."""
+        found: dict[CheckpointKey, dict[str, dict[int, int]]] = {}
+        rows = self._query(
+            "SELECT run, step, owner, tier, state FROM replicas"
+            + (" WHERE run = ?" if run else ""),
+            (run,) if run else (),
+        )
+        for run_, step, owner, tier, state in rows:
+            found.setdefault(CheckpointKey(run_, step), {}).setdefault(owner, {})[tier] = state
+        return found
+
+    def replica_statuses(self, key: CheckpointKey) -> dict[str, list[checkpoint_pb2.TierStatus]]:
+        """owner -> this node's copies of that owner's part of `key`, as TierStatus."""
+        statuses: dict[str, list[checkpoint_pb2.TierStatus]] = {}
+        for owner, tier, state, nbytes, updated_at, error in self._query(
+            "SELECT owner, tier, state, bytes, updated_at, error FROM replicas "
+            "WHERE run = ? AND step = ? ORDER BY owner, tier",
+            (key.run, key.step),
+        ):
+            statuses.setdefault(owner, []).append(
+                checkpoint_pb2.TierStatus(
+                    tier=tier, state=state, bytes=nbytes, updated_at=_timestamp(updated_at),
+                    error=error,
+                )
+            )  # fmt: skip
+        return statuses
+
+    def replica_bytes(self, tier: int) -> int:
+        """Bytes of the committed replicas this node holds on `tier`."""
+        rows = self._query(
+            "SELECT COALESCE(SUM(bytes), 0) FROM replicas WHERE tier = ? AND state = ?",
+            (tier, TIER_COMMITTED),
+        )
+        return rows[0][0]
+
+    def drop_replicas(self, key: CheckpointKey, owner: str) -> None:
+        with self._tx() as db:
+            db.execute(
+                "DELETE FROM replicas WHERE run = ? AND step = ? AND owner = ?",
+                (key.run, key.step, owner),
+            )
+
     # -- listing ---------------------------------------------------------------------------------
 
     def info(self, key: CheckpointKey) -> checkpoint_pb2.CheckpointInfo | None:
@@ -498,7 +589,7 @@ class Catalog:
         with self._lock:
             rows = self._db.execute(
                 "SELECT c.run, c.step, c.world_size, c.state, c.labels, c.created_at, "
-                "c.committed_at, r.memory_last, r.ssd_last, r.s3_every "
+                "c.committed_at, r.memory_last, r.ssd_last, r.s3_every, r.replicas "
                 f"FROM checkpoints c LEFT JOIN runs r ON r.run = c.run WHERE {where} "
                 "ORDER BY c.run, c.step",
                 args,

@@ -3,7 +3,8 @@
 It hides the wire protocol: files go out as CRC-32C'd pieces and a trailer with the size and the
 file's checksum (`ckptd.manifest.file_crc32c`), over ckptd's data socket when it offers one to
 this client (the fast path), else through WriteFile (`ckptd.upload`); byte ranges come back
-verified chunk by chunk. Failures arrive as
+verified chunk by chunk, over the same data socket when it is offered (`ckptd.readpath`), else
+through ReadFile. Failures arrive as
 `scaletrain.errors` exceptions with one-line messages, so callers handle NotFound or DataLoss,
 not gRPC status codes.
 """
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import os
 import socket
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 
 import google_crc32c
 import grpc
 
-from ckptd.datapath import UNKNOWN_SIZE, timeval
+from ckptd.datapath import UNKNOWN_SIZE
+from ckptd.readpath import RangeConnection, data_connection, open_range, source_label
 from ckptd.upload import Bytes, FileWriter, RpcFile, SocketFile
 from ckptd.wire import encode_write_request
 from scaletrain.errors import DataLoss, ScaletrainError
@@ -25,7 +28,7 @@ from scaletrain.rpc import DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
 from scaletrain.security import ClientSecurity
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
-# "0" turns the fast path off: every file goes through WriteFile.
+# "0" turns the fast path off: every file goes through WriteFile, every read through ReadFile.
 FAST_PATH_ENV = "SCALETRAIN_CKPTD_FAST_PATH"
 # A stream's deadline grows with the bytes it carries, assuming at least this throughput.
 _MIN_BYTES_PER_S = 8 << 20
@@ -43,14 +46,17 @@ class CkptdClient:
     ) -> None:
         """`security` (TLS and token) defaults to the environment's (ClientSecurity.from_env).
 
-        `fast_path` (default: on unless $SCALETRAIN_CKPTD_FAST_PATH is "0") sends the bytes of
-        files over ckptd's data socket; it turns itself off for good when ckptd does not offer
-        it to this client, and the files then go through WriteFile.
+        `fast_path` (default: on unless $SCALETRAIN_CKPTD_FAST_PATH is "0") moves the bytes of
+        files (saved and read) over ckptd's data socket; it turns itself off for good when ckptd
+        does not offer it to this client, and they then go through WriteFile and ReadFile.
         """
         self.address = address
         if fast_path is None:
             fast_path = os.environ.get(FAST_PATH_ENV) != "0"
         self.fast_path = fast_path
+        # Bytes read so far per copy that served them ("memory@node0", "S3"): what a restore
+        # reports it used.
+        self.served: Counter[str] = Counter()
         self._channel = make_channel(address, security)
         self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
         # WriteFile with a serializer that puts chunk bytes on the wire in one copy (ckptd.wire).
@@ -81,17 +87,19 @@ class CkptdClient:
         world_size: int,
         labels: Mapping[str, str] | None = None,
         retention: checkpoint_pb2.RetentionPolicy | None = None,
+        replicas: int = 0,
     ) -> checkpoint_pb2.OpenSaveResponse:
         """Start a save of (run, step) written by `world_size` ranks: its save id, epoch and
         coordinator, which every rank passes to `join_save` on its own node's ckptd.
 
-        `retention`, if given, becomes the run's policy from now on.
+        `retention` and `replicas` (R), if given, become the run's from now on.
         """
         request = checkpoint_pb2.OpenSaveRequest(
             ref=checkpoint_pb2.CheckpointRef(run=run, step=step),
             world_size=world_size,
             labels=dict(labels or {}),
             retention=retention,
+            replicas=replicas,
         )
         try:
             return self._stub.OpenSave(request, timeout=DEFAULT_TIMEOUT_S)
@@ -182,19 +190,18 @@ class CkptdClient:
     def _data_connection(self, opened: checkpoint_pb2.OpenUploadResponse) -> socket.socket | None:
         """A connection to the data socket; None (and the fast path off) if it cannot be had
         (the ticket, never presented, expires on its own)."""
-        host = opened.data_host or self.address.rsplit(":", 1)[0].strip("[]")
         try:
-            conn = socket.create_connection((host, opened.data_port), timeout=DEFAULT_TIMEOUT_S)
+            return data_connection(
+                opened.data_host or self._host, opened.data_port, DEFAULT_TIMEOUT_S
+            )
         except OSError:
             self.fast_path = False
             return None
-        # A frame's head is a small write after a big one: without NODELAY, Nagle holds it
-        # until ckptd's delayed ACK, 40 ms a frame. Blocking sends (bounded by SO_SNDTIMEO) hand
-        # a whole frame to the kernel in one call, without taking the GIL back in between.
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.settimeout(None)
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(_stream_timeout(0)))
-        return conn
+
+    @property
+    def _host(self) -> str:
+        """The host this client reached ckptd at (where its data socket listens by default)."""
+        return self.address.rsplit(":", 1)[0].strip("[]")
 
     def commit(self, save_id: str) -> checkpoint_pb2.CheckpointInfo:
         request = checkpoint_pb2.CommitSaveRequest(save_id=save_id)
@@ -213,10 +220,15 @@ class CkptdClient:
 
     # -- query -----------------------------------------------------------------------------------
 
-    def get(self, run: str, step: int | None = None) -> checkpoint_pb2.CheckpointInfo:
-        """A committed checkpoint; with `step` None the newest committed one of `run`."""
+    def get(
+        self, run: str, step: int | None = None, node_loss_safe: bool = False
+    ) -> checkpoint_pb2.CheckpointInfo:
+        """A committed checkpoint; with `step` None the newest committed one of `run` that can
+        be restored in full now (with `node_loss_safe`: whose every part is on 2 nodes)."""
         request = checkpoint_pb2.GetCheckpointRequest(
-            ref=checkpoint_pb2.CheckpointRef(run=run, step=step or 0), latest=step is None
+            ref=checkpoint_pb2.CheckpointRef(run=run, step=step or 0),
+            latest=step is None,
+            node_loss_safe=node_loss_safe,
         )
         try:
             return self._stub.GetCheckpoint(request, timeout=DEFAULT_TIMEOUT_S)
@@ -232,29 +244,80 @@ class CkptdClient:
         """Yield the bytes of [offset, offset+length) of a file (length 0: to the end), verified.
 
         `tier` (common_pb2.Tier) reads only that tier's copy. Raises DataLoss if a chunk fails
-        its CRC-32C or arrives out of place.
+        its CRC-32C or arrives out of place. Bad names and ranges raise before the first piece.
         """
-        request = checkpoint_pb2.ReadFileRequest(
-            ref=checkpoint_pb2.CheckpointRef(run=run, step=step),
-            path=path,
-            offset=offset,
-            length=length,
-            tier=tier,
-        )
         what = f"read {run}/{step}/{path}"
-        expected = offset
+        ref = checkpoint_pb2.CheckpointRef(run=run, step=step)
+        fast = self._open_range(ref, path, offset, length, tier, what)
+        if fast is not None:
+            return self._fast_pieces(fast)
+        request = checkpoint_pb2.ReadFileRequest(
+            ref=ref, path=path, offset=offset, length=length, tier=tier
+        )
+        return self._read_file(request, what)
+
+    def _fast_pieces(self, fast: RangeConnection) -> Iterator[bytes]:
+        with fast:
+            try:
+                yield from fast.pieces()
+            finally:
+                self.served.update(fast.served)
+
+    def _read_file(self, request: checkpoint_pb2.ReadFileRequest, what: str) -> Iterator[bytes]:
+        expected = request.offset
         try:
-            timeout = _stream_timeout(length) if length else None
+            timeout = _stream_timeout(request.length) if request.length else None
             for reply in self._stub.ReadFile(request, timeout=timeout):
-                if reply.offset != expected or google_crc32c.value(reply.data) != reply.crc32c:
+                data = reply.data
+                if reply.offset != expected or google_crc32c.value(data) != reply.crc32c:
                     raise DataLoss(f"{what}: chunk at offset {reply.offset} arrived damaged")
-                expected += len(reply.data)
-                yield reply.data
+                expected += len(data)
+                self.served[source_label(reply.tier, reply.node)] += len(data)
+                yield data
         except grpc.RpcError as exc:
             raise self._error(exc, what) from None
 
-    def read(self, run: str, step: int, path: str, offset: int = 0, length: int = 0) -> bytes:
-        return b"".join(self.read_stream(run, step, path, offset, length))
+    def read(
+        self, run: str, step: int, path: str, offset: int = 0, length: int = 0
+    ) -> bytes | bytearray:
+        """The bytes of [offset, offset+length) of a file (length 0: to the end), verified; over
+        the data socket they land in the buffer returned, with no copy on the way."""
+        what = f"read {run}/{step}/{path}"
+        ref = checkpoint_pb2.CheckpointRef(run=run, step=step)
+        fast = self._open_range(ref, path, offset, length, 0, what)
+        if fast is None:
+            return b"".join(self.read_stream(run, step, path, offset, length))
+        with fast:
+            buffer = bytearray(fast.length)
+            try:
+                fast.read_into(buffer)
+            finally:
+                self.served.update(fast.served)
+            return buffer
+
+    def _open_range(
+        self,
+        ref: checkpoint_pb2.CheckpointRef,
+        path: str,
+        offset: int,
+        length: int,
+        tier: int,
+        what: str,
+    ) -> RangeConnection | None:
+        """The range on its way over the data socket; None (and the fast path off) when ckptd
+        does not offer it to this client or it cannot be reached."""
+        if not self.fast_path:
+            return None
+        request = checkpoint_pb2.OpenReadRequest(
+            ref=ref, path=path, offset=offset, length=length, tier=tier
+        )
+        try:
+            fast = open_range(self._stub, request, self._host, _stream_timeout(0), what)
+        except grpc.RpcError as exc:
+            raise self._error(exc, what) from None
+        if fast is None:
+            self.fast_path = False
+        return fast
 
     def delete(self, run: str, step: int) -> tuple[list[int], list[int]]:
         """Remove a checkpoint from every tier.

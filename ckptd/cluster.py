@@ -35,6 +35,7 @@ import grpc
 from ckptd.catalog import SaveRecord
 from ckptd.config import ClusterConfig, names_itself
 from ckptd.manifest import FileRecord, Manifest
+from ckptd.readpath import RangeConnection, open_range
 from ckptd.tiers import CheckpointKey
 from scaletrain.errors import FailedPrecondition, Unavailable, UserError
 from scaletrain.rpc import DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
@@ -78,6 +79,7 @@ class Peer:
 
     address: str
     node: str = ""
+    zone: str = ""
     reachable: bool = False
     error: str = ""
     channel: grpc.Channel | None = field(default=None, repr=False)
@@ -135,6 +137,7 @@ class Peers:
         self._on_reachable = on_reachable
         self.node = node
         self.instance = uuid.uuid4().hex
+        self.zone = config.zone
         self.address = config.advertise or ""
         self._security = security
         self._lock = threading.Lock()
@@ -170,7 +173,7 @@ class Peers:
         """Say hello to every peer; with `strict` (at start) a conflict is an error."""
         for peer in self.all():
             request = checkpoint_pb2.HelloRequest(
-                node=self.node, address=self.address, instance=self.instance
+                node=self.node, address=self.address, instance=self.instance, zone=self.zone
             )
             try:
                 peer.connect(self.config.connect_timeout_s)
@@ -187,7 +190,7 @@ class Peers:
                     raise UserError(problem)
                 log.error("%s", problem)
                 continue
-            peer.node = reply.node
+            peer.node, peer.zone = reply.node, reply.zone
             self._mark(peer, True, "")
 
     def conflict(self, node: str, instance: str, address: str) -> str:
@@ -213,12 +216,13 @@ class Peers:
         if self._on_reachable is not None:
             self._on_reachable(peer)
 
-    def heard(self, node: str, address: str) -> None:
-        """A peer said hello: remember its name (DNS membership learns addresses this way too)."""
+    def heard(self, node: str, address: str, zone: str) -> None:
+        """A peer said hello: remember its name and zone (DNS membership learns addresses this
+        way too)."""
         with self._lock:
             for peer in self._peers.values():
                 if peer.address == address:
-                    peer.node, peer.reachable = node, True
+                    peer.node, peer.zone, peer.reachable = node, zone, True
 
     def call(
         self, peers: list[Peer], fn: Callable[[Peer], object]
@@ -430,22 +434,58 @@ def catalogs(peers: Peers, run: str = "") -> dict[str, checkpoint_pb2.CatalogRes
 def read_from_peer(
     peer: Peer, key: CheckpointKey, path: str, offset: int, length: int, peer_connect_timeout: float
 ) -> tuple[int, bytes]:
-    """Bytes [offset, offset+length) of a file as `peer` serves them from its own tiers."""
-    request = checkpoint_pb2.ReadFileRequest(
+    """Bytes [offset, offset+length) of a file as `peer` serves them from its own tiers, and the
+    tier that served them: over the peer's data socket when it offers it, else through ReadFile.
+
+    A read is one piece of a restore: it waits for a connection to the peer (`Peer.connect`) only
+    when the first try finds none, rather than paying for that check on every piece.
+    """
+    what = f"read {key}/{path} from node {peer.node}"
+    try:
+        try:
+            return _read_peer_range(peer, key, path, offset, length, what)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+        peer.connect(peer_connect_timeout)  # a peer just restarted: wait out the backoff
+        return _read_peer_range(peer, key, path, offset, length, what)
+    except grpc.RpcError as exc:
+        raise error_from_rpc(exc, what) from None
+    except PeerUnreachable as exc:
+        raise Unavailable(f"{what}: {exc}") from None
+
+
+def open_peer_range(
+    peer: Peer, key: CheckpointKey, path: str, offset: int, length: int, what: str
+) -> RangeConnection | None:
+    """A range of a file that `peer` serves from its own tiers, on its way over the peer's data
+    socket; None when the peer does not offer it (ReadFile must serve it). Raises grpc.RpcError
+    for a refusal (NOT_FOUND: the peer holds no copy)."""
+    request = checkpoint_pb2.OpenReadRequest(
         ref=checkpoint_pb2.CheckpointRef(run=key.run, step=key.step),
         path=path,
         offset=offset,
         length=length,
         local_only=True,
     )
+    host = peer.address.rsplit(":", 1)[0].strip("[]")
+    return open_range(peer.checkpoints(), request, host, _PEER_TIMEOUT_S, what)
+
+
+def _read_peer_range(
+    peer: Peer, key: CheckpointKey, path: str, offset: int, length: int, what: str
+) -> tuple[int, bytes]:
+    ref = checkpoint_pb2.CheckpointRef(run=key.run, step=key.step)
+    fast = open_peer_range(peer, key, path, offset, length, what)
+    if fast is not None:
+        with fast:  # one frame for a range within one of the peer's pieces: no copy
+            data = b"".join(fast.pieces())
+        return fast.tier, data
+    fallback = checkpoint_pb2.ReadFileRequest(
+        ref=ref, path=path, offset=offset, length=length, local_only=True
+    )
     pieces, tier = [], 0
-    try:
-        peer.connect(peer_connect_timeout)
-        for reply in peer.checkpoints().ReadFile(request, timeout=_PEER_TIMEOUT_S + length / 8e6):
-            pieces.append(reply.data)
-            tier = reply.tier
-    except grpc.RpcError as exc:
-        raise error_from_rpc(exc, f"read {key}/{path} from node {peer.node}") from None
-    except PeerUnreachable as exc:
-        raise Unavailable(f"read {key}/{path} from node {peer.node}: {exc}") from None
+    for reply in peer.checkpoints().ReadFile(fallback, timeout=_PEER_TIMEOUT_S + length / 8e6):
+        pieces.append(reply.data)
+        tier = reply.tier
     return tier, b"".join(pieces)

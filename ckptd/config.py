@@ -96,6 +96,13 @@ class ClusterConfig:
     # How long to wait for a connection to a peer before counting it unreachable.
     # (gRPC retries a refused connection within a second: scaletrain.rpc's reconnect backoff.)
     connect_timeout_s: float = 1.5
+    # This node's failure domain (a zone or rack; "" none): replicas go to other domains first.
+    zone: str = ""
+    # R of a run that does not ask: copies of each node's part on distinct nodes, at most the
+    # number of nodes (ckptd.replicas). 1: no replicas.
+    replicas: int = 2
+    # The most bytes a second this node copies from its peers to make replicas (0: no limit).
+    replica_bytes_s: float = 256 * MiB
 
     def __post_init__(self) -> None:
         if self.node is not None and not _NODE_RE.fullmatch(self.node):
@@ -115,6 +122,10 @@ class ClusterConfig:
             check_address(self.peers_dns, "--peers-dns")
         if min(self.sync_interval_s, self.prepare_timeout_s, self.connect_timeout_s) <= 0:
             raise ValueError("sync_interval_s, prepare_timeout_s and connect_timeout_s must be > 0")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1 (1: no replicas), got {self.replicas}")
+        if self.replica_bytes_s < 0:
+            raise ValueError(f"replica rate must be >= 0 (0: no limit), got {self.replica_bytes_s}")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""ckptd's data socket: the same-host fast path of WriteFile (OpenUpload, then FinishUpload).
+"""ckptd's data socket: the same-host fast path of WriteFile (OpenUpload, then FinishUpload),
+and of ReadFile (OpenRead, `ckptd.readpath`).
 
 Why it exists: grpcio's Python transport moves bytes at a fraction of what a plain loopback socket
 does (bench/ckptd_ingest.py), and a save is almost all bytes. So the control stays on gRPC
@@ -14,6 +15,10 @@ issued (32 random bytes) less than `ttl_s` ago and that no connection used befor
 exactly the bytes announced, never more. A file whose size is not known in advance (a DCP writer's
 stream, `UNKNOWN_SIZE`) ends with an empty frame, and the save's byte limit bounds it. Any failure
 drops the connection and stores nothing; FinishUpload reports the reason in one line.
+
+A read's ticket (OpenRead's, kept by the `ReadPlane`) opens the same socket the other way: the
+connection then receives the range's frames (`ckptd.readpath`). Tickets of both kinds are 32
+random bytes from one generator, so a connection's ticket names one of them or none, never both.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import threading
 import time
 
 from ckptd.manifest import FileRecord
+from ckptd.names import key_of
+from ckptd.readpath import TICKET_BYTES, Pieces, ReadPlane, spans_of, timeval
+from ckptd.reads import READ_PIECE_BYTES
 from ckptd.store import CheckpointStore
 from ckptd.tiers import BLOCK_BYTES
 from ckptd.wire import BlockChunk
@@ -42,7 +50,6 @@ from scaletrain.v1 import checkpoint_pb2
 
 log = logging.getLogger(__name__)
 
-TICKET_BYTES = 32
 # OpenUpload's size for a file whose bytes end with an empty frame.
 UNKNOWN_SIZE = -1
 # A frame's head: the length of its data (little-endian uint32), then the CRC-32C of each
@@ -53,11 +60,6 @@ FRAME_LENGTH = struct.Struct("<I")
 def frame_crcs(length: int) -> struct.Struct:
     """The block CRCs of a frame of `length` bytes, as they follow its length on the wire."""
     return struct.Struct(f"<{-(-length // BLOCK_BYTES)}I")
-
-
-def timeval(seconds: float) -> bytes:
-    """A `struct timeval` for SO_RCVTIMEO / SO_SNDTIMEO."""
-    return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
 
 
 class _Short(Exception):
@@ -131,6 +133,7 @@ class DataPlane:
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._tickets: dict[bytes, _Ticket] = {}
+        self._reads = ReadPlane(ttl_s, max_tickets)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="ckptd-data", daemon=True)
         self._thread.start()
@@ -139,6 +142,7 @@ class DataPlane:
         self._closed.set()
         self._thread.join()
         self._listener.close()
+        self._reads.close()
 
     # -- the gRPC side ---------------------------------------------------------------------------
 
@@ -158,6 +162,28 @@ class DataPlane:
             ticket = secrets.token_bytes(TICKET_BYTES)
             self._tickets[ticket] = _Ticket(header, size, self.ttl_s)
         return ticket
+
+    def open_read(self, request: checkpoint_pb2.OpenReadRequest) -> tuple[bytes, int, int]:
+        """A ticket for a range of a committed file once the request passes ReadFile's checks
+        (they raise here, in one line), and the range's offset and length."""
+
+        def read(offset: int, length: int) -> Pieces:
+            return self._store.iter_range(
+                request.ref,
+                request.path,
+                offset,
+                length,
+                piece_bytes=READ_PIECE_BYTES,
+                tier=request.tier,
+                local_only=request.local_only,
+            )
+
+        read(request.offset, request.length)  # checks the request, reads nothing
+        record = self._store.catalog.file(key_of(request.ref), request.path)
+        assert record is not None  # iter_range found it
+        offset, length = request.offset, request.length or record.size - request.offset
+        spans = spans_of(offset, length, READ_PIECE_BYTES)
+        return self._reads.issue(read, spans, request.path), offset, length
 
     def run_of(self, ticket: bytes) -> list[str]:
         """The run a ticket's upload writes to (to authorize FinishUpload); none if unknown."""
@@ -211,6 +237,7 @@ class DataPlane:
             except TimeoutError:
                 with self._lock:
                     self._drop_expired()
+                self._reads.drop_expired()
                 continue
             except OSError:
                 if self._closed.is_set():
@@ -239,6 +266,11 @@ class DataPlane:
             except _Short:
                 return
             ticket = bytes(raw)
+            read = self._reads.claim(ticket)
+            if read is not None:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self._idle_s))
+                self._reads.send(conn, read, peer)
+                return
             found = self._claim(ticket)
             if found is None:
                 log.warning("refused a data connection from %s: unknown, used or expired ticket",

@@ -231,17 +231,22 @@ class CkptdStorageWriter(FileSystemWriter):
         step: int,
         labels: dict[str, str] | None = None,
         thread_count: int = 1,
+        replicas: int = 0,
     ) -> None:
+        """`replicas`: R for the run from now on (0: keep the run's, or ckptd's default)."""
         # ckptd makes the files durable itself: no fsync (DCP would call os.sync()) on our side.
         super().__init__(_checkpoint_id(run, step), sync_files=False, thread_count=thread_count)
         self.client = CkptdClient(address)
         self.fs = _CkptdFileSystem(self.client, run, step)
         self.run, self.step = run, step
         self.labels = labels or {}
+        self.replicas = replicas
         self.committed: checkpoint_pb2.CheckpointInfo | None = None
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        opened = self.client.open_save(self.run, self.step, len(plans), self.labels)
+        opened = self.client.open_save(
+            self.run, self.step, len(plans), self.labels, replicas=self.replicas
+        )
         self.fs.save_id = opened.save_id
         wire = opened.SerializeToString()
         return [

@@ -5,8 +5,9 @@ participant's: joining a save a peer's coordinator opened, voting on it (Prepare
 decision (Decide, or learning it later: Outcome), and the catalog every node keeps of every
 node's checkpoints (Catalog, and the sync that resolves in-doubt saves and fetches the commits a
 node missed while it was down, frozen or replaced). It also answers the cluster-wide questions
-of the store's API: every node's part of a checkpoint, and whether a step can be restored in
-full right now ("latest" only names such a step).
+of the store's API: every node's part of a checkpoint and its copies (replicas), whether a step
+can be restored in full right now ("latest" only names such a step), and whether it is
+node-loss safe (every part on at least 2 nodes).
 
 A mixin of `CheckpointStore`: it acts on the store's saves and catalog, under the store's lock.
 """
@@ -59,6 +60,7 @@ class ClusterMember:
     _saves: dict[str, _OpenSave]
     _forgotten: set[CheckpointKey]
     _replication: S3Replication | None
+    _latest_safe: dict[str, int]
 
     def join_save(
         self,
@@ -195,6 +197,44 @@ class ClusterMember:
         with self._lock:
             return [s.record for s in self._saves.values() if s.record.prepared]
 
+    def _copies(
+        self, key: CheckpointKey, views: dict[str, checkpoint_pb2.CatalogResponse | str]
+    ) -> dict[str, dict[str, list[checkpoint_pb2.TierStatus]]]:
+        """part owner -> node -> that node's copies of the part, as this node and every peer
+        that answered say (a node's own part, and the replicas it holds)."""
+        ref = checkpoint_pb2.CheckpointRef(run=key.run, step=key.step)
+        owners = {f.node or self.node for f in self.catalog.files(key)}
+        copies: dict[str, dict[str, list[checkpoint_pb2.TierStatus]]] = {o: {} for o in owners}
+        info = self.catalog.info(key)
+        own = [s for s in info.tiers if s.tier != S3] if owners and info is not None else []
+        if self.node in owners:
+            copies[self.node][self.node] = own
+        for owner, statuses in self.catalog.replica_statuses(key).items():
+            copies.setdefault(owner, {})[self.node] = statuses
+        for node, view in views.items():
+            if not isinstance(view, checkpoint_pb2.CatalogResponse):
+                continue
+            entry = entry_in(view, ref)
+            if entry is None:
+                continue
+            if node in owners:
+                copies[node][node] = [s for s in entry.tiers if s.tier != S3]
+            for held in entry.replicas:
+                copies.setdefault(held.owner, {})[node] = list(held.tiers)
+        return copies
+
+    @staticmethod
+    def _holders(copies: dict[str, list[checkpoint_pb2.TierStatus]]) -> set[str]:
+        """The nodes of `copies` (node -> its copies of one part) with a committed one."""
+        return {n for n, tiers in copies.items() if any(t.state == TIER_COMMITTED for t in tiers)}
+
+    def node_loss_safe(
+        self, key: CheckpointKey, views: dict[str, checkpoint_pb2.CatalogResponse | str]
+    ) -> bool:
+        """Whether every part of `key` has a committed copy on at least 2 nodes."""
+        copies = self._copies(key, views)
+        return bool(copies) and all(len(self._holders(c)) >= 2 for c in copies.values())
+
     def _parts(
         self,
         info: checkpoint_pb2.CheckpointInfo,
@@ -203,6 +243,7 @@ class ClusterMember:
         holders: dict[str, list[checkpoint_pb2.FileInfo]] = {}
         for f in info.files:
             holders.setdefault(f.node or self.node, []).append(f)
+        copies = self._copies(CheckpointKey(info.ref.run, info.ref.step), views)
         parts = []
         addresses = {p.node: p.address for p in self.peers.all() if p.node}
         addresses[self.node] = self.peers.address
@@ -213,6 +254,12 @@ class ClusterMember:
                 address=addresses.get(node, ""),
                 files=len(files),
                 bytes=sum(f.size for f in files),
+                copies=len(self._holders(copies.get(node, {}))),
+                replicas=[
+                    checkpoint_pb2.PartCopy(node=holder, tiers=tiers)
+                    for holder, tiers in sorted(copies.get(node, {}).items())
+                    if holder != node
+                ],
             )
             view = self.node if node == self.node else views.get(node, "not a peer of this node")
             if isinstance(view, str) and node != self.node:
@@ -228,32 +275,42 @@ class ClusterMember:
     def _whole(
         self, key: CheckpointKey, views: dict[str, checkpoint_pb2.CatalogResponse | str]
     ) -> bool:
-        """Whether every file of `key` has a committed copy somewhere reachable now."""
+        """Whether every part of `key` has a committed copy somewhere reachable now: on its
+        own node, as a replica on another, or on S3 (the whole checkpoint)."""
         if self.catalog.tier_state(key, S3) == TIER_COMMITTED:
             return True
-        ref = checkpoint_pb2.CheckpointRef(run=key.run, step=key.step)
-        for node in {f.node or self.node for f in self.catalog.files(key)}:
-            if node == self.node:
-                states = [self.catalog.tier_state(key, t) for t in (MEMORY, SSD)]
-            else:
-                view = views.get(node)
-                if not isinstance(view, checkpoint_pb2.CatalogResponse):
-                    return False
-                states = [t.state for t in tiers_in(view, ref)]
-            if TIER_COMMITTED not in states:
-                return False
-        return True
+        copies = self._copies(key, views)
+        return bool(copies) and all(self._holders(c) for c in copies.values())
 
     def catalog_entries(self, run: str = "") -> list[checkpoint_pb2.CatalogEntry]:
-        """Every committed checkpoint this node knows (of `run`), with its own copies."""
+        """Every committed checkpoint this node knows (of `run`), with its own copies and the
+        replicas it holds."""
         entries = []
         for info in self.catalog.checkpoints(check_run(run) if run else ""):
-            manifest = self.catalog.manifest(CheckpointKey(info.ref.run, info.ref.step))
+            key = CheckpointKey(info.ref.run, info.ref.step)
+            manifest = self.catalog.manifest(key)
             if manifest is not None:
+                held = [
+                    checkpoint_pb2.ReplicaHeld(owner=owner, tiers=tiers)
+                    for owner, tiers in self.catalog.replica_statuses(key).items()
+                ]
                 entries.append(
-                    checkpoint_pb2.CatalogEntry(manifest=manifest.to_wire(), tiers=info.tiers)
+                    checkpoint_pb2.CatalogEntry(
+                        manifest=manifest.to_wire(), tiers=info.tiers, replicas=held
+                    )
                 )
         return entries
+
+    def latest(
+        self, run: str, views: dict[str, checkpoint_pb2.CatalogResponse | str], safe: bool
+    ) -> CheckpointKey | None:
+        """The newest committed step of `run` that can be restored in full now (with `safe`:
+        that is node-loss safe), or None."""
+        for step in sorted(self.catalog.run_states(run), reverse=True):
+            key = CheckpointKey(run, step)
+            if self.node_loss_safe(key, views) if safe else self._whole(key, views):
+                return key
+        return None
 
     def sync_with_peers(self) -> None:
         """Resolve the saves this node voted on, and learn the commits it missed (down, frozen,
@@ -271,7 +328,8 @@ class ClusterMember:
                             self._drop_aborted(record, "aborted by its coordinator")
             except ScaletrainError as exc:
                 log.warning("cannot resolve save %s of %s: %s", record.save_id, record.key, exc)
-        for view in cluster.catalogs(self.peers).values():
+        views = cluster.catalogs(self.peers)
+        for view in views.values():
             if not isinstance(view, checkpoint_pb2.CatalogResponse):
                 continue
             for entry in view.entries:
@@ -285,13 +343,26 @@ class ClusterMember:
                 on_s3 = any(t.tier == S3 and t.state == TIER_COMMITTED for t in entry.tiers)
                 if on_s3 and self._replication is not None:
                     self._replication.queue_check(manifest.key)
+        for run in self.catalog.runs():
+            safe = self.latest(run, views, safe=True)
+            if safe is not None:
+                self._latest_safe[run] = safe.step
+        self.queue_duties()
+
+
+def entry_in(
+    view: checkpoint_pb2.CatalogResponse, ref: checkpoint_pb2.CheckpointRef
+) -> checkpoint_pb2.CatalogEntry | None:
+    """A peer's catalog entry of checkpoint `ref` (None if it does not list it)."""
+    for entry in view.entries:
+        if entry.manifest.ref.run == ref.run and entry.manifest.ref.step == ref.step:
+            return entry
+    return None
 
 
 def tiers_in(
     view: checkpoint_pb2.CatalogResponse, ref: checkpoint_pb2.CheckpointRef
 ) -> list[checkpoint_pb2.TierStatus]:
     """A peer's copies of checkpoint `ref`, from its catalog (none if it does not list it)."""
-    for entry in view.entries:
-        if entry.manifest.ref.run == ref.run and entry.manifest.ref.step == ref.step:
-            return list(entry.tiers)
-    return []
+    entry = entry_in(view, ref)
+    return list(entry.tiers) if entry is not None else []

@@ -1,5 +1,6 @@
 """Prometheus metrics of one ckptd: bytes and seconds per tier, queue depth, failures, the
-reachability of its peers and the time each phase of a cluster-wide commit takes.
+reachability of its peers, the time each phase of a cluster-wide commit takes, and the replicas
+it holds and still owes.
 
 Each store has its own registry (several stores can live in one test process), served over HTTP
 by `serve_metrics` when ckptd runs with --metrics-port. Names follow Prometheus conventions:
@@ -61,6 +62,16 @@ class Metrics:
             "Seconds of each phase of a commit: local (own part durable), prepare (every "
             "peer's vote), decide (own marker, the decision), notify (peers told)",
             ["phase"], buckets=_SECONDS_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.replication_lag = Gauge(
+            "ckptd_replication_lag_seconds",
+            "Age of the oldest committed part this node should hold a copy of and does not "
+            "yet (0: every copy it owes is made)",
+            registry=self.registry,
+        )  # fmt: skip
+        self.replica_bytes = Gauge(
+            "ckptd_replica_bytes", "Bytes of other nodes' parts this node holds, per tier",
+            ["tier"], registry=self.registry,
         )  # fmt: skip
 
     def watch(

@@ -1,10 +1,12 @@
 """The read path of the store: byte ranges of committed files, each piece verified.
 
 Every read verifies the per-block CRC-32Cs of the bytes it returns (`ckptd.tiers`), and falls
-through to the next tier when a copy is damaged or missing: memory, then SSD, then S3. A damaged
-copy is marked FAILED in the catalog (and dropped from memory) so that nothing reads it again, and
-only when no tier holds a verified copy does a read fail, with DataLoss. Reads are served in
-pieces, so one file can come partly from one tier and partly from another.
+through to the next copy when one is damaged or missing: this node's memory, then its SSD (of its
+own part, or of the replica it holds of another node's part: `ckptd.replicas`), then the peers
+(the node that served the last piece first, then the part's own node), then S3. A damaged copy
+here is marked FAILED in the catalog (and dropped from memory) so that nothing reads it again,
+and only when no copy verifies does a read fail, with DataLoss. Reads are served in pieces, so
+one file can come partly from one copy and partly from another.
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
+
+import grpc
 
 from ckptd.catalog import COMMITTED, Catalog
-from ckptd.cluster import Peer, Peers, read_from_peer
+from ckptd.cluster import Peer, Peers, open_peer_range, read_from_peer
 from ckptd.manifest import FileRecord
 from ckptd.metrics import Metrics
 from ckptd.names import check_path, key_of
+from ckptd.replicas import ReplicaTiers
 from ckptd.tiers import TIER_NAMES, BlockCrcs, CheckpointKey, Tier, block_span, first_bad_block
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.s3 import S3Tier
@@ -39,6 +45,17 @@ log = logging.getLogger("ckptd.store")
 
 # Reads are served in pieces of this size, each from the fastest tier whose copy verifies.
 READ_PIECE_BYTES = 4 << 20
+
+
+class Piece(NamedTuple):
+    """Bytes of a file as a read serves them, and whose copy served them: the tier, and the node
+    whose memory or SSD it was (its own part or a replica it holds; "" for S3)."""
+
+    tier: int
+    offset: int
+    data: bytes
+    node: str
+
 
 TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
 FAILED = checkpoint_pb2.TIER_STATE_FAILED
@@ -69,7 +86,10 @@ class Reader:
         metrics: Metrics,
         lock: threading.RLock,
         peers: Peers,
+        replicas: ReplicaTiers,
+        on_damage: Callable[[CheckpointKey, int, str, str], None],
     ) -> None:
+        """`on_damage(key, tier, part owner, reason)` hears of every damaged copy found here."""
         self._catalog = catalog
         self._memory = memory
         self._local: list[Tier] = [memory, ssd]
@@ -77,6 +97,10 @@ class Reader:
         self._metrics = metrics
         self._lock = lock
         self._peers = peers
+        self._replicas = replicas
+        self._on_damage = on_damage
+        # (checkpoint, part owner) -> the peer that served its last piece: tried first next.
+        self._source: dict[tuple[CheckpointKey, str], str] = {}
 
     def iter_range(
         self,
@@ -87,13 +111,13 @@ class Reader:
         piece_bytes: int,
         tier: int,
         local_only: bool = False,
-    ) -> Iterator[tuple[int, int, bytes]]:
-        """Yield (tier, offset, bytes) pieces of [offset, offset+length) of a committed file.
+    ) -> Iterator[Piece]:
+        """Yield the pieces of [offset, offset+length) of a committed file.
 
         `length` 0 reads to the end. Each piece comes from the fastest copy of it that verifies:
-        this node's memory and SSD if the file is in its part, else the peer that holds it (then
-        any other peer), then S3; only from `tier` if given, only from this node's own tiers
-        with `local_only`. Bad names and ranges raise here, before the first piece.
+        this node's memory and SSD (its own part, or its replica of the file's part), else a
+        peer's, then S3; only from `tier` if given, only from this node's tiers with
+        `local_only`. Bad names and ranges raise here, before the first piece.
         """
         key = key_of(ref)
         check_path(path)
@@ -113,18 +137,32 @@ class Reader:
         if tier:
             if tier not in TIER_NAMES:
                 raise InvalidArgument(f"unknown tier {tier}")
-            if self._catalog.tier_state(key, tier) != TIER_COMMITTED or (
-                tier != S3 and not self._here(record)
-            ):
+            committed = (
+                self._catalog.tier_state(key, S3) == TIER_COMMITTED
+                if tier == S3
+                else any(t.tier == tier for t in self._copies_here(key, record))
+            )
+            if not committed:
                 raise NotFound(f"{key} has no committed copy on {TIER_NAMES[tier]}")
         only = (tier,) if tier else (MEMORY, SSD) if local_only else None
-        if local_only and not self._here(record):
+        if local_only and not self._copies_here(key, record):
             raise NotFound(f"node {self._peers.node} holds no copy of {key}/{path}")
         return self._pieces(key, record, offset, end, piece_bytes, only)
 
-    def _here(self, record: FileRecord) -> bool:
-        """Whether this node's memory and SSD hold `record` (its part of the checkpoint)."""
-        return record.node in ("", self._peers.node)
+    def _owner(self, record: FileRecord) -> str:
+        return record.node or self._peers.node
+
+    def _copies_here(self, key: CheckpointKey, record: FileRecord) -> list[Tier]:
+        """This node's tiers with a committed copy of `record`'s part: its own memory and SSD
+        for its own part, the replica tiers it holds of another node's."""
+        owner = self._owner(record)
+        if owner == self._peers.node:
+            local = self._local
+            return [t for t in local if self._catalog.tier_state(key, t.tier) == TIER_COMMITTED]
+        tiers: list[Tier] = [self._replicas.memory(owner), self._replicas.ssd(owner)]
+        return [
+            t for t in tiers if self._catalog.replica_state(key, owner, t.tier) == TIER_COMMITTED
+        ]
 
     def _pieces(
         self,
@@ -134,36 +172,94 @@ class Reader:
         end: int,
         piece_bytes: int,
         only: tuple[int, ...] | None,
-    ) -> Iterator[tuple[int, int, bytes]]:
+    ) -> Iterator[Piece]:
         pos = start
         while pos < end:
             stop = min(end, (pos // piece_bytes + 1) * piece_bytes)
-            tier, data = self.read_verified(key, record, pos, stop, only)
-            yield tier, pos, data
+            tier, node, data = self.read_verified(key, record, pos, stop, only)
+            yield Piece(tier, pos, data, node)
             pos = stop
 
     def read_range(
         self, ref: checkpoint_pb2.CheckpointRef, path: str, offset: int, length: int
     ) -> bytes:
         pieces = self.iter_range(ref, path, offset, length, READ_PIECE_BYTES, tier=0)
-        return b"".join(data for _tier, _offset, data in pieces)
+        return b"".join(piece.data for piece in pieces)
 
     def _read_order(
         self, key: CheckpointKey, record: FileRecord, only: tuple[int, ...] | None
     ) -> list[Tier | Peer]:
-        local = self._local if self._here(record) else []
-        if self._s3 is not None:
-            local = [*local, self._s3]
         order: list[Tier | Peer] = [
-            t
-            for t in local
-            if (only is None or t.tier in only)
-            and self._catalog.tier_state(key, t.tier) == TIER_COMMITTED
+            t for t in self._copies_here(key, record) if only is None or t.tier in only
         ]
-        if only is None and not self._here(record):
-            peers = sorted(self._peers.all(), key=lambda p: p.node != record.node)
-            order[:0] = peers  # before S3
+        if only is None:
+            order += self._peer_order(key, record)
+        if (
+            self._s3 is not None
+            and (only is None or S3 in only)
+            and self._catalog.tier_state(key, S3) == TIER_COMMITTED
+        ):
+            order.append(self._s3)
         return order
+
+    def _peer_order(self, key: CheckpointKey, record: FileRecord) -> list[Peer]:
+        """The peers to ask for `record`: the one that served its part last, then the part's
+        own node, then the others."""
+        owner = self._owner(record)
+        last = self._source.get((key, owner))
+        return sorted(self._peers.all(), key=lambda p: (p.node != last, p.node != owner, p.node))
+
+    def stream_from_peers(
+        self,
+        key: CheckpointKey,
+        record: FileRecord,
+        sink: Callable[[int, memoryview | bytes], None],
+        alloc: Callable[[int], memoryview],
+    ) -> None:
+        """Every byte of `record`, in order, from the peers' copies only (how a replica is made:
+        never from S3) into `sink(offset, data)`: over a peer's data socket into buffers of
+        `alloc` where it offers one, else through ReadFile, piece by piece. A peer that fails
+        midway hands over to the next at the same offset; DataLoss naming every peer's problem
+        when none can finish. `sink` checks the bytes (against the block CRCs) and raises."""
+        pos, problems = 0, []
+        for peer in self._peer_order(key, record):
+            if pos >= record.size:
+                break
+            name = f"node {peer.node or peer.address}"
+            try:
+                fast = open_peer_range(
+                    peer, key, record.path, pos, record.size - pos, f"copy {key}/{record.path}"
+                )
+            except grpc.RpcError as exc:
+                problems.append(f"{name}: {exc.code().name}: {exc.details()}")
+                continue
+            if fast is None:  # no data socket offered: ReadFile, a piece at a time
+                while pos < record.size:
+                    hi = min(record.size, (pos // READ_PIECE_BYTES + 1) * READ_PIECE_BYTES)
+                    found = self._from_peer(peer, key, record, pos, hi, problems)
+                    if found is None:
+                        break
+                    sink(pos, found[1])
+                    pos = hi
+                continue
+            with fast:
+                frames = fast.frames_into(alloc, verify=False)
+                while pos < record.size:
+                    try:
+                        offset, data = next(frames)
+                    except ScaletrainError as exc:
+                        problems.append(f"{name}: {' '.join(str(exc).split())[:200]}")
+                        break
+                    sink(offset, data)
+                    pos = offset + len(data)
+                self._metrics.bytes.labels("peer", "read").inc(sum(fast.served.values()))
+            if pos >= record.size:
+                self._source[(key, self._owner(record))] = peer.node
+        if pos < record.size:
+            raise DataLoss(
+                f"no peer could serve bytes {pos}-{record.size} of {key}/{record.path}: "
+                + ("; ".join(problems) or "no peers")
+            )
 
     def read_verified(
         self,
@@ -172,9 +268,10 @@ class Reader:
         start: int,
         end: int,
         only: tuple[int, ...] | None = None,
-    ) -> tuple[int, bytes]:
+    ) -> tuple[int, str, bytes]:
         """Bytes [start, end) of `record` from the fastest tier (of `only`) whose copy verifies,
-        and that tier; a damaged copy is marked FAILED on the way."""
+        with that tier and the node whose copy it was; a damaged copy is marked FAILED on the
+        way."""
         lo, hi = block_span(start, end - start, record.size)
         problems = []
         for tier in self._read_order(key, record, only):
@@ -182,7 +279,9 @@ class Reader:
                 found = self._from_peer(tier, key, record, lo, hi, problems)
                 if found is not None:
                     served, data = found
-                    return served, data if (start, end) == (lo, hi) else data[start - lo : end - lo]
+                    if (start, end) != (lo, hi):
+                        data = data[start - lo : end - lo]
+                    return served, tier.node, data
                 continue
             name = TIER_NAMES[tier.tier]
             began = time.perf_counter()
@@ -200,19 +299,17 @@ class Reader:
                 if damage is None:
                     self._metrics.bytes.labels(name, "read").inc(len(data))
                     self._metrics.seconds.labels(name, "read").observe(time.perf_counter() - began)
+                    node = "" if tier.tier == S3 else self._peers.node
                     if start == lo and end == hi:
-                        return tier.tier, data
-                    return tier.tier, data[start - lo : end - lo]
+                        return tier.tier, node, data
+                    return tier.tier, node, data[start - lo : end - lo]
             problems.append(f"{name}: {damage}")
             self._metrics.failed(tier.tier, "verify")
             log.error(
                 "%s copy of %s is damaged (%s); trying the next tier", name, key, damage,
                 extra={"run": key.run, "step": key.step, "tier": name},
             )  # fmt: skip
-            with self._lock:
-                if tier is self._memory:
-                    self._memory.delete(key)
-                self._catalog.set_tier(key, tier.tier, FAILED, error=damage)
+            self._failed(key, record, tier, damage)
         raise DataLoss(
             f"no verified copy of bytes {start}-{end} of {key}/{record.path}: "
             + ("; ".join(problems) or "no tier holds it")
@@ -243,7 +340,23 @@ class Reader:
             log.error("%s's copy of %s is damaged (%s); trying the next copy", name, key, damage)
             return None
         self._metrics.bytes.labels("peer", "read").inc(len(data))
+        self._source[(key, self._owner(record))] = peer.node
         return served, data
+
+    def _failed(self, key: CheckpointKey, record: FileRecord, tier: Tier, damage: str) -> None:
+        """Mark this node's damaged copy of `record`'s part on `tier` FAILED, so that nothing
+        reads it again (S3's copy is the whole checkpoint's)."""
+        owner = self._owner(record)
+        self._on_damage(key, tier.tier, owner, damage)
+        with self._lock:
+            if tier.tier == S3 or owner == self._peers.node:
+                if tier is self._memory:
+                    self._memory.delete(key)
+                self._catalog.set_tier(key, tier.tier, FAILED, error=damage)
+            else:
+                if tier.tier == MEMORY:
+                    tier.delete(key)
+                self._catalog.set_replica(key, owner, tier.tier, FAILED, error=damage)
 
     def export(
         self,
@@ -270,11 +383,11 @@ class Reader:
             blocks = BlockCrcs()
             pieces = self.iter_range(info.ref, record.path, 0, 0, READ_PIECE_BYTES, tier=0)
             with open(partial, "wb") as out:
-                for _tier, _offset, data in pieces:
-                    out.write(data)
-                    blocks.update(data)
+                for piece in pieces:
+                    out.write(piece.data)
+                    blocks.update(piece.data)
                     if progress is not None:
-                        progress(len(data))
+                        progress(len(piece.data))
             if blocks.packed() != record.block_crcs:
                 partial.unlink()
                 raise DataLoss(f"export of {key}/{record.path}: block CRC-32C mismatch")

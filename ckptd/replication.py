@@ -152,7 +152,7 @@ class S3Replication:
             records = {f.path: f for f in manifest.files}
 
             def source(path: str, offset: int, length: int) -> bytes:
-                _tier, data = self._reader.read_verified(
+                _tier, _node, data = self._reader.read_verified(
                     key, records[path], offset, offset + length, only=(MEMORY, SSD)
                 )
                 return data

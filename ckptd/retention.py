@@ -3,7 +3,9 @@
 Pure functions over steps and tier states, so the rules are tested without any storage. The
 rules, for a run with policy (memory_last=N, ssd_last=M, s3_every=K):
 
-- memory wants the newest N committed checkpoints, SSD the newest M;
+- memory wants the newest N committed checkpoints, SSD the newest M, and SSD also the newest
+  node-loss-safe one when it is older (`keep`), so a lost node can always be recovered from its
+  peers' copies of it;
 - S3 wants every step that is a multiple of K, the newest committed checkpoint, and, until that
   one is on S3, the newest checkpoint S3 already holds (so S3 always has a "latest");
 - a tier's copy that its tier no longer wants is dropped only if the checkpoint is wanted nowhere,
@@ -34,6 +36,9 @@ class RetentionPolicy:
     memory_last: int = 2
     ssd_last: int = 5
     s3_every: int = 1
+    # Copies of each node's part on distinct nodes (R); 0: ckptd's default, capped at the
+    # number of nodes (so a one-node ckptd keeps no replicas without being told to fail).
+    replicas: int = 0
 
     def __post_init__(self) -> None:
         if self.memory_last < 0:
@@ -42,23 +47,33 @@ class RetentionPolicy:
             raise InvalidArgument(f"retention ssd_last must be >= 1, got {self.ssd_last}")
         if self.s3_every < 1:
             raise InvalidArgument(f"retention s3_every must be >= 1, got {self.s3_every}")
+        if self.replicas < 0:
+            raise InvalidArgument(f"replicas must be >= 1 (or 0: the default), got {self.replicas}")
 
     @classmethod
     def from_proto(cls, msg: checkpoint_pb2.RetentionPolicy) -> RetentionPolicy:
-        return cls(msg.memory_last, msg.ssd_last, msg.s3_every)
+        return cls(msg.memory_last, msg.ssd_last, msg.s3_every, msg.replicas)
 
     def to_proto(self) -> checkpoint_pb2.RetentionPolicy:
         return checkpoint_pb2.RetentionPolicy(
-            memory_last=self.memory_last, ssd_last=self.ssd_last, s3_every=self.s3_every
+            memory_last=self.memory_last,
+            ssd_last=self.ssd_last,
+            s3_every=self.s3_every,
+            replicas=self.replicas,
         )
 
 
 def wanted(
-    policy: RetentionPolicy, steps: Sequence[int], on_s3: Sequence[int], has_s3: bool
+    policy: RetentionPolicy,
+    steps: Sequence[int],
+    on_s3: Sequence[int],
+    has_s3: bool,
+    keep: int | None = None,
 ) -> dict[int, set[int]]:
     """step -> the tiers that want it, for a run's committed `steps` (any order).
 
-    `on_s3` are the steps S3 holds committed copies of; `has_s3` whether the S3 tier exists.
+    `on_s3` are the steps S3 holds committed copies of; `has_s3` whether the S3 tier exists;
+    `keep` the run's newest node-loss-safe step, which SSD keeps whatever its age.
     """
     newest_first = sorted(steps, reverse=True)
     result: dict[int, set[int]] = {step: set() for step in newest_first}
@@ -66,6 +81,8 @@ def wanted(
         result[step].add(MEMORY)
     for step in newest_first[: policy.ssd_last]:
         result[step].add(SSD)
+    if keep in result:
+        result[keep].add(SSD)
     if has_s3 and newest_first:
         newest = newest_first[0]
         for step in newest_first:

@@ -81,7 +81,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
             RetentionPolicy.from_proto(request.retention) if request.HasField("retention") else None
         )
         save_id = self._store.open_save(
-            request.ref, request.world_size, dict(request.labels), retention
+            request.ref, request.world_size, dict(request.labels), retention, request.replicas
         )
         coordination = self._store.coordination(save_id)
         return checkpoint_pb2.OpenSaveResponse(
@@ -127,12 +127,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     def OpenUpload(
         self, request: checkpoint_pb2.OpenUploadRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.OpenUploadResponse:
-        data = self._data_plane(context)
-        if self._loopback_only and not peer_is_loopback(context.peer()):
-            context.abort(
-                grpc.StatusCode.UNIMPLEMENTED,
-                "with TLS on, the data socket serves only clients on ckptd's host",
-            )
+        data = self._data_plane_for_caller(context)
         return checkpoint_pb2.OpenUploadResponse(
             ticket=data.issue(request.header, request.size),
             data_host="127.0.0.1" if self._loopback_only else "",
@@ -146,12 +141,38 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     ) -> checkpoint_pb2.WriteFileResponse:
         return _written(self._data_plane(context).finish(request.ticket, request.trailer))
 
+    @maps_errors
+    def OpenRead(
+        self, request: checkpoint_pb2.OpenReadRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.OpenReadResponse:
+        data = self._data_plane_for_caller(context)
+        ticket, offset, length = data.open_read(request)
+        return checkpoint_pb2.OpenReadResponse(
+            ticket=ticket,
+            data_host="127.0.0.1" if self._loopback_only else "",
+            data_port=data.port,
+            ticket_ttl_s=data.ttl_s,
+            offset=offset,
+            length=length,
+        )
+
     def _data_plane(self, context: grpc.ServicerContext) -> DataPlane:
         """The data socket, or UNIMPLEMENTED (the client then falls back to WriteFile)."""
         if self._data is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "ckptd runs without a data socket")
         assert self._data is not None  # abort raised
         return self._data
+
+    def _data_plane_for_caller(self, context: grpc.ServicerContext) -> DataPlane:
+        """The data socket if it serves this caller (with TLS, only one on ckptd's host), or
+        UNIMPLEMENTED (the client then uses WriteFile or ReadFile)."""
+        data = self._data_plane(context)
+        if self._loopback_only and not peer_is_loopback(context.peer()):
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "with TLS on, the data socket serves only clients on ckptd's host",
+            )
+        return data
 
     @maps_errors
     def CommitSave(
@@ -177,7 +198,9 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     def GetCheckpoint(
         self, request: checkpoint_pb2.GetCheckpointRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.CheckpointInfo:
-        return self._store.get(request.ref, latest=request.latest)
+        return self._store.get(
+            request.ref, latest=request.latest, node_loss_safe=request.node_loss_safe
+        )
 
     @maps_errors
     def ReadFile(
@@ -192,9 +215,13 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
             tier=request.tier,
             local_only=request.local_only,
         )
-        for tier, offset, data in pieces:
+        for piece in pieces:
             yield checkpoint_pb2.ReadFileResponse(
-                offset=offset, data=data, crc32c=google_crc32c.value(data), tier=tier
+                offset=piece.offset,
+                data=piece.data,
+                crc32c=google_crc32c.value(piece.data),
+                tier=piece.tier,
+                node=piece.node,
             )
 
     @maps_errors
@@ -220,9 +247,9 @@ class ClusterServicer(checkpoint_pb2_grpc.ClusterServiceServicer):
         if problem and request.instance != peers.instance:
             log.error("a ckptd at %s says hello: %s", request.address, problem)
         else:
-            peers.heard(request.node, request.address)
+            peers.heard(request.node, request.address, request.zone)
         return checkpoint_pb2.HelloResponse(
-            node=peers.node, address=peers.address, instance=peers.instance
+            node=peers.node, address=peers.address, instance=peers.instance, zone=peers.zone
         )
 
     @maps_errors
@@ -259,6 +286,13 @@ class ClusterServicer(checkpoint_pb2_grpc.ClusterServiceServicer):
         return checkpoint_pb2.CatalogResponse(
             node=self._store.node, entries=self._store.catalog_entries(request.run)
         )
+
+    @maps_errors
+    def OfferReplica(
+        self, request: checkpoint_pb2.OfferReplicaRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.OfferReplicaResponse:
+        queued = self._store.offer_replica(request.ref, request.owner, request.sender)
+        return checkpoint_pb2.OfferReplicaResponse(queued=queued)
 
 
 class PeerSync:
@@ -308,6 +342,7 @@ def access_rules(store: CheckpointStore, data: DataPlane | None = None) -> dict[
         "ListCheckpoints": Rule(Role.READER, lambda m: [m.run or ALL_RUNS]),
         "GetCheckpoint": Rule(Role.READER, lambda m: [m.ref.run]),
         "ReadFile": Rule(Role.READER, lambda m: [m.ref.run]),
+        "OpenRead": Rule(Role.READER, lambda m: [m.ref.run]),
         "DeleteCheckpoint": Rule(Role.ADMIN, lambda m: [m.ref.run]),
         "JoinSave": Rule(Role.TRAINER, lambda m: [m.ref.run]),
     }
@@ -318,6 +353,7 @@ def access_rules(store: CheckpointStore, data: DataPlane | None = None) -> dict[
         "Decide": Rule(Role.TRAINER, lambda m: [m.ref.run]),
         "Outcome": Rule(Role.READER, lambda m: [m.ref.run]),
         "Catalog": Rule(Role.READER, lambda m: [m.run or ALL_RUNS]),
+        "OfferReplica": Rule(Role.TRAINER, lambda m: [m.ref.run]),
     }
     return {f"/{SERVICE_NAME}/{method}": rule for method, rule in rules.items()} | {
         f"/{CLUSTER_SERVICE_NAME}/{method}": rule for method, rule in cluster.items()
@@ -347,15 +383,25 @@ class TelemetryReporter:
     def __call__(self, commit: TierCommit) -> None:
         now = Timestamp()
         now.GetCurrentTime()
+        copy = f" (a copy of {commit.replica_of}'s part)" if commit.replica_of else ""
+        where = f"{TIER_NAMES[commit.tier]} of {commit.node}{copy}"
         event = telemetry_pb2.Event(
             run_id=commit.run,
             step=commit.step,
             rank=-1,
-            kind=telemetry_pb2.EVENT_KIND_CHECKPOINT_COMMITTED,
-            message=f"checkpoint committed on {TIER_NAMES[commit.tier]} of {commit.node}",
+            kind=telemetry_pb2.EVENT_KIND_CHECKPOINT_FAILED
+            if commit.failed
+            else telemetry_pb2.EVENT_KIND_CHECKPOINT_COMMITTED,
+            message=f"damaged copy on {where}: {commit.failed}; reads use the next copy"
+            if commit.failed
+            else f"checkpoint committed on {where}",
             time=now,
             checkpoint=telemetry_pb2.CheckpointEvent(
-                tier=commit.tier, bytes=commit.bytes, seconds=commit.seconds, node=commit.node
+                tier=commit.tier,
+                bytes=commit.bytes,
+                seconds=commit.seconds,
+                node=commit.node,
+                replica_of=commit.replica_of,
             ),
         )
         try:

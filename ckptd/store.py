@@ -38,12 +38,14 @@ from ckptd.cluster import Coordinator, Peers, check_votes, new_epoch
 from ckptd.config import CkptdConfig
 from ckptd.crash import crash_point
 from ckptd.datadir import lock_data_dir, node_of
+from ckptd.holding import ReplicaHolding
 from ckptd.ingest import FileUpload
 from ckptd.manifest import FileRecord, Manifest
 from ckptd.member import ClusterMember
 from ckptd.metrics import Metrics
 from ckptd.names import MAX_WORLD_SIZE, check_path, check_run, key_of
-from ckptd.reads import READ_PIECE_BYTES, Reader
+from ckptd.reads import READ_PIECE_BYTES, Piece, Reader
+from ckptd.replicas import ReplicaTiers, Replicator
 from ckptd.replication import S3Replication
 from ckptd.retention import RetentionPolicy, droppable, wanted
 from ckptd.tiers import TIER_NAMES, CheckpointKey
@@ -89,6 +91,10 @@ class TierCommit:
     seconds: float
     # The node whose copy it is (memory and SSD: that node's part; S3: the whole checkpoint).
     node: str = ""
+    # A replica: the node whose part `node` holds a copy of ("": its own part).
+    replica_of: str = ""
+    # Not a commit: the copy failed its checksums, for this reason (it is FAILED on the tier).
+    failed: str = ""
 
 
 @dataclass
@@ -140,7 +146,7 @@ class _Stream:
 # -- the store -------------------------------------------------------------------------------------
 
 
-class CheckpointStore(ClusterMember):
+class CheckpointStore(ClusterMember, ReplicaHolding):
     """Checkpoints of one node: catalog + memory, SSD and (optionally) S3 tiers.
 
     Thread-safe; one store per data dir at a time (an flock enforces it).
@@ -164,8 +170,12 @@ class CheckpointStore(ClusterMember):
         self.metrics = Metrics()
         self.budget = MemoryBudget(config.memory_budget_bytes, self._relieve_memory)
         self.memory = MemoryTier(self.budget)
+        self.replicas = ReplicaTiers(data_dir, self.budget)
         self.s3: S3Tier | None = None
         self._replication: S3Replication | None = None
+        self._replicator: Replicator | None = None
+        # run -> its newest node-loss-safe step, as the last sync with the peers saw it.
+        self._latest_safe: dict[str, int] = {}
         try:
             self.node = node_of(data_dir, config.cluster.node)
             self.peers = Peers(
@@ -179,11 +189,13 @@ class CheckpointStore(ClusterMember):
             self.catalog = Catalog(data_dir, node=self.node)
             self.ssd = SsdTier(data_dir / "ssd")
             self._recover()
+            self.recover_replicas()
             if config.s3 is not None:
                 self.s3 = S3Tier(config.s3)
             self._reader = Reader(
-                self.catalog, self.memory, self.ssd, self.s3, self.metrics, self._lock, self.peers
-            )
+                self.catalog, self.memory, self.ssd, self.s3, self.metrics, self._lock,
+                self.peers, self.replicas, self._damaged,
+            )  # fmt: skip
             if self.s3 is not None:
                 self._replication = S3Replication(
                     self.s3,
@@ -209,7 +221,14 @@ class CheckpointStore(ClusterMember):
             config.memory_budget_bytes,
             lambda: len(self._saves),
         )
+        for tier in (MEMORY, SSD):
+            self.metrics.replica_bytes.labels(TIER_NAMES[tier]).set_function(
+                lambda tier=tier: self.catalog.replica_bytes(tier)
+            )
         if config.maintain:
+            self._replicator = Replicator(
+                self.copy_job, config.cluster.replica_bytes_s, self._closed
+            )
             threading.Thread(target=self._janitor_loop, name="ckptd-gc", daemon=True).start()
 
     # -- startup ---------------------------------------------------------------------------------
@@ -275,12 +294,16 @@ class CheckpointStore(ClusterMember):
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._replicator is not None:
+            self._replicator.close()
         if self._replication is not None:
             self._replication.close(timeout_s)  # and S3's client
         with self._lock:
             for key in self.memory.list():
                 self.memory.delete(key)
                 self.catalog.set_tier(key, MEMORY, ABSENT)
+            while self.relieve_replicas():
+                pass
             self.catalog.close()
             self._lockfile.close()
 
@@ -305,11 +328,16 @@ class CheckpointStore(ClusterMember):
         world_size: int,
         labels: Mapping[str, str] | None = None,
         retention: RetentionPolicy | None = None,
+        replicas: int = 0,
     ) -> str:
-        """Start a save attempt of (run, step); an uncommitted earlier attempt is replaced."""
+        """Start a save attempt of (run, step); an uncommitted earlier attempt is replaced.
+        `retention` and `replicas` (R), if given, are the run's from now on."""
         key = key_of(ref)
         if not 1 <= world_size <= MAX_WORLD_SIZE:
             raise InvalidArgument(f"world size must be 1..{MAX_WORLD_SIZE}, got {world_size}")
+        if replicas < 0:
+            raise InvalidArgument(f"replicas must be >= 1 (0: keep the run's), got {replicas}")
+        self.check_replicas(replicas or (retention.replicas if retention else 0))
         with self._lock:
             existing = self.catalog.save_of(key)
             if existing is not None:
@@ -321,9 +349,12 @@ class CheckpointStore(ClusterMember):
                 if stale is not None and stale.committing:
                     raise FailedPrecondition(f"checkpoint {key} is being committed right now")
                 self._drop_save(existing.save_id)
-            if retention is not None or self.catalog.policy(key.run) is None:
+            if retention is not None or replicas or self.catalog.policy(key.run) is None:
                 # A run keeps the policy it started with, even if ckptd's default changes.
-                self.catalog.set_policy(key.run, retention or self.config.retention)
+                policy = retention or self.policy(key.run)
+                if replicas:
+                    policy = dataclasses.replace(policy, replicas=replicas)
+                self.catalog.set_policy(key.run, policy)
             save_id = uuid.uuid4().hex
             coordination = Coordination(
                 new_epoch(self.catalog.epoch_of(key)), self.node, self.peers.address
@@ -576,6 +607,7 @@ class CheckpointStore(ClusterMember):
         crash_point("cluster-decided")
         with phase.labels("notify").time():
             self._coordinator.decide(record, manifest)
+        self.offer_replicas(manifest)
         log.info(
             "committed %s (%d bytes on %d node(s), %.3fs)", key, manifest.total_bytes,
             len({f.node for f in manifest.files}), time.perf_counter() - started,
@@ -658,6 +690,8 @@ class CheckpointStore(ClusterMember):
         disk, and the writer threads free that as they write.
         """
         with self._lock:
+            if self.relieve_replicas():
+                return
             for key in self.memory.list():
                 if any(self.catalog.tier_state(key, t) == TIER_COMMITTED for t in (SSD, S3)):
                     self.memory.delete(key)
@@ -703,10 +737,14 @@ class CheckpointStore(ClusterMember):
             return
         states = self.catalog.run_states(run)
         on_s3 = [s for s, tiers in states.items() if tiers.get(S3) == TIER_COMMITTED]
-        wants = wanted(self.policy(run), list(states), on_s3, has_s3=self.s3 is not None)
+        wants = wanted(
+            self.policy(run), list(states), on_s3, has_s3=self.s3 is not None,
+            keep=self._latest_safe.get(run),
+        )  # fmt: skip
         if self.s3 is None:
             for step in on_s3:  # a store without S3 (offline) cannot manage S3's copies
                 wants[step].add(S3)
+        self.retain_replicas(run, wants, set(on_s3))
         for step, tiers in states.items():
             key = CheckpointKey(run, step)
             held = {t: tiers.get(t) == TIER_COMMITTED for t in (MEMORY, SSD, S3)}
@@ -715,6 +753,7 @@ class CheckpointStore(ClusterMember):
                 self._drop_copy(key, tier)
             if not wants[step]:
                 s3_objects = self.s3 is not None and tiers.get(S3, ABSENT) != ABSENT
+                self.replicas.delete(key)
                 self.catalog.delete(key, s3_too=s3_objects)
                 if s3_objects:
                     self._s3_jobs().queue_removal(key)
@@ -744,8 +783,9 @@ class CheckpointStore(ClusterMember):
         piece_bytes: int = READ_PIECE_BYTES,
         tier: int = 0,
         local_only: bool = False,
-    ) -> Iterator[tuple[int, int, bytes]]:
-        """Yield (tier, offset, bytes) pieces of a committed file (`Reader.iter_range`)."""
+    ) -> Iterator[Piece]:
+        """Yield the pieces of a committed file, each with the copy that served it
+        (`Reader.iter_range`)."""
         return self._reader.iter_range(ref, path, offset, length, piece_bytes, tier, local_only)
 
     def read_range(
@@ -808,6 +848,7 @@ class CheckpointStore(ClusterMember):
                 removed.append(MEMORY)
             if self.ssd.delete(key):
                 removed.append(SSD)
+            self.replicas.delete(key)
             s3_objects = s3_too and self.s3 is not None and s3_state != ABSENT
             self.catalog.delete(key, s3_too=s3_objects)
             self._forgotten.add(key)
@@ -817,14 +858,23 @@ class CheckpointStore(ClusterMember):
         log.info("deleted %s", key, extra={"run": key.run, "step": key.step})
         return removed, pending
 
-    def _notify(self, key: CheckpointKey, tier: int, nbytes: int) -> None:
-        """Tell the observer (telemetry) about a tier commit; its failures never fail a save."""
+    def _damaged(self, key: CheckpointKey, tier: int, owner: str, reason: str) -> None:
+        """A copy here failed its checksums on a read (Reader): telemetry hears of it."""
+        replica_of = "" if owner in ("", self.node) or tier == S3 else owner
+        self._notify(key, tier, 0, replica_of, failed=reason)
+
+    def _notify(
+        self, key: CheckpointKey, tier: int, nbytes: int, replica_of: str = "", failed: str = ""
+    ) -> None:
+        """Tell the observer (telemetry) about a tier commit, or a copy found damaged
+        (`failed`); its failures never fail a save."""
         if self._on_tier_commit is None:
             return
         record = self.catalog.save_of(key)
         seconds = time.time() - record.created_at if record is not None else 0.0
+        commit = TierCommit(key.run, key.step, tier, nbytes, seconds, self.node, replica_of, failed)
         try:
-            self._on_tier_commit(TierCommit(key.run, key.step, tier, nbytes, seconds, self.node))
+            self._on_tier_commit(commit)
         except Exception:  # an observer must never break a commit
             log.exception("tier commit observer failed for %s", key)
 
@@ -843,31 +893,44 @@ class CheckpointStore(ClusterMember):
         if nodes:
             views = cluster.catalogs(self.peers, run)
             for info in infos:
-                info.parts.extend(self._parts(info, views))
+                if info.committed:
+                    info.parts.extend(self._parts(info, views))
+                    key = CheckpointKey(info.ref.run, info.ref.step)
+                    info.node_loss_safe = self.node_loss_safe(key, views)
         return infos
 
     def get(
-        self, ref: checkpoint_pb2.CheckpointRef, latest: bool = False
+        self, ref: checkpoint_pb2.CheckpointRef, latest: bool = False, node_loss_safe: bool = False
     ) -> checkpoint_pb2.CheckpointInfo:
         """A committed checkpoint, or with `latest` the newest committed one of `ref.run` that
-        can be restored in full right now (each node's part on that node, or S3 whole)."""
+        can be restored in full right now (each part on a live node, or S3 whole); with
+        `node_loss_safe` too, the newest whose every part is on at least 2 nodes. A latest one
+        comes with every node's part and its copies (CheckpointInfo.parts)."""
+        views: dict[str, checkpoint_pb2.CatalogResponse | str] = {}
         if latest:
             run = check_run(ref.run)
-            steps = sorted(self.catalog.run_states(run), reverse=True)
+            steps = self.catalog.run_states(run)
             if not steps:
                 raise NotFound(f"run {ref.run!r} has no committed checkpoint")
             views = cluster.catalogs(self.peers, run) if self.peers.enabled else {}
-            key = next(
-                (k for k in (CheckpointKey(run, s) for s in steps) if self._whole(k, views)), None
-            )
+            key = self.latest(run, views, safe=node_loss_safe)
             if key is None:
+                what = "is node-loss safe now" if node_loss_safe else "can be restored in full now"
+                why = (
+                    "each part on at least 2 nodes"
+                    if node_loss_safe
+                    else "a node holding a part is down, its copies too, and S3 lacks it"
+                )
                 raise NotFound(
                     f"run {ref.run!r} has {len(steps)} committed checkpoint(s), none of which "
-                    "can be restored in full now (a node holding a part is down and S3 lacks it)"
+                    f"{what} ({why})"
                 )
         else:
             key = key_of(ref)
         info = self.catalog.info(key)
         if info is None or not info.committed:
             raise NotFound(f"no committed checkpoint {key}")
+        if latest:
+            info.parts.extend(self._parts(info, views))
+            info.node_loss_safe = self.node_loss_safe(key, views)
         return info

@@ -37,6 +37,7 @@ again after restarts, and the run's goodput from telemetry.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -54,7 +55,7 @@ from typing import IO, TypeVar
 from sqlalchemy import distinct, func, select
 
 from ckptd.client import CkptdClient
-from scaletrain.embedded import _summary, check_layout, new_run_id
+from scaletrain.embedded import _summary, check_layout, flag_value, new_run_id
 from scaletrain.errors import ScaletrainError, UserError
 from scaletrain.stack import Job, Stack, Workdir, check_nodes, ckptd_service, node_name
 from scaletrain.v1 import checkpoint_pb2, common_pb2
@@ -169,6 +170,8 @@ class Injected:
     target: str
     detail: str
     injected_at_s: float
+    # kill-node: when (time.time()) the replacement machine's fresh ckptd started.
+    fresh_ckptd_at: float | None = None
 
 
 @dataclass
@@ -193,6 +196,9 @@ class ChaosReport:
     faults: list[dict[str, object]]
     # The run's checkpoints at the end: step, bytes, the tiers that hold it.
     checkpoints: list[dict[str, object]]
+    # Each restart's restore: the step it resumed from and the bytes it read from each copy
+    # ("memory@node0", "SSD@node1" (a node's own part or a replica it holds), "S3").
+    recoveries: list[dict[str, object]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -242,6 +248,7 @@ class Drill:
     def __init__(self, stack: Stack, options: ChaosOptions, run_id: str, tap: _Tap) -> None:
         self.stack, self.options, self.run_id, self.tap = stack, options, run_id, tap
         self.injected: list[Injected] = []
+        self._fresh_at: float | None = None  # kill-node's fresh ckptd, for its Injected
         self.committed: set[int] = set()
         self.job: Job | None = None
         self._done = threading.Event()
@@ -306,7 +313,8 @@ class Drill:
                 return
             except (OSError, ScaletrainError, UserError) as exc:
                 target, detail = "-", f"could not inject: {exc}"
-            record = Injected(fault.kind, step, target, detail, at)
+            record = Injected(fault.kind, step, target, detail, at, self._fresh_at)
+            self._fresh_at = None
             self.injected.append(record)
             self._report(record)
 
@@ -421,16 +429,20 @@ class Drill:
         attempts, node = self.tap.attempts, self._node_for(fault)
         name, address = node_name(node), self.stack.ckptd_addresses[node]
         ckptd = self.stack.service(ckptd_service(node))
-        # The job must have a checkpoint to resume from before its ranks are frozen.
+        # The job must have a checkpoint to resume from before its ranks are frozen; with
+        # replicas, its newest one on 2 nodes (copied in the background after its commit).
         self._wait_committed(bool, time.monotonic() + _WAIT_S)
+        if flag_value(self.options.trainer_args, "--replicas") != "1":
+            self._wait_committed(_newest_node_loss_safe, time.monotonic() + _WAIT_S)
         # Frozen, the node's ranks can complete no save, so no checkpoint commits with a part
-        # that only this machine holds; its ckptd goes on uploading to S3 until S3 has them all.
+        # that only this machine holds; its ckptd goes on uploading to S3, and copying its part
+        # to its peers, until every committed checkpoint is on S3 or on 2 nodes.
         frozen = [self.job.agent(node).pid, *self.job.rank_pids(node).values()]
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         deadline = time.monotonic() + _WAIT_S
         while True:
-            on_s3 = self._wait_committed(_all_on_s3, deadline)
+            on_s3 = self._wait_committed(_all_safe, deadline)
             ckptd.signal(signal.SIGSTOP)  # a commit in flight needs its vote: none now
             if self._done.is_set():
                 ckptd.signal(signal.SIGCONT)
@@ -438,7 +450,7 @@ class Drill:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGCONT)
                 raise _JobEnded
-            if not on_s3 or self._wait_committed(_all_on_s3):
+            if not on_s3 or self._wait_committed(_all_safe):
                 break
             ckptd.signal(signal.SIGCONT)
         self.job.kill_agent(node)
@@ -447,11 +459,16 @@ class Drill:
         shutil.rmtree(data_dir)
         data_dir.mkdir()
         self.stack.restart_service(ckptd.name)
+        self._fresh_at = time.time()
         learned = self._wait_knows_newest(address)
         # torchrun counts restarts per agent: the new agent's ranks would start over at 0.
         if not self.job.start_agent(node, ("--resume",)):
             raise _JobEnded
-        held = "S3 held every committed checkpoint" if on_s3 else "S3 LACKED a committed checkpoint"
+        held = (
+            "every committed checkpoint was on S3 or on 2 nodes"
+            if on_s3
+            else "a committed checkpoint was NEITHER on S3 NOR on 2 nodes"
+        )
         detail = (
             f"agent, ranks and ckptd SIGKILLed ({held}), data dir deleted; a fresh ckptd "
             f"at {address} {learned}, agent started again"
@@ -465,7 +482,7 @@ class Drill:
         waiting for it until `deadline` (time.monotonic(); 0: asks once)."""
         while True:
             with contextlib.suppress(ScaletrainError), CkptdClient(self.stack.ckptd_address) as c:
-                if enough(_committed(c.list(self.run_id))):
+                if enough(_committed(c.list(self.run_id, nodes=True))):
                     return True
             if self._done.is_set() or time.monotonic() > deadline:
                 return False
@@ -525,9 +542,18 @@ def _committed(checkpoints: list[_Copies], tier: int | None = None) -> list[_Cop
     ]
 
 
-def _all_on_s3(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
-    """Whether S3 holds every one of the `committed` checkpoints, and there is one."""
-    return bool(committed) and _committed(committed, common_pb2.TIER_S3) == committed
+def _newest_node_loss_safe(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
+    """Whether the newest of the `committed` checkpoints (there is one) has every part on 2
+    nodes."""
+    newest = max(committed, key=lambda c: c.ref.step, default=None)
+    return newest is not None and newest.node_loss_safe
+
+
+def _all_safe(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
+    """Whether each of the `committed` checkpoints (there is one) survives the loss of any one
+    node: S3 holds it whole, or it is node-loss safe (each part on 2 nodes)."""
+    on_s3 = _committed(committed, common_pb2.TIER_S3)
+    return bool(committed) and all(c in on_s3 or c.node_loss_safe for c in committed)
 
 
 def _intact(
@@ -541,7 +567,7 @@ def _intact(
         for c in _committed(checkpoints)
         if not c.parts
         or _committed([c], common_pb2.TIER_S3)
-        or all(p.reachable and _committed([p]) for p in c.parts)
+        or all((p.reachable and _committed([p])) or p.copies for p in c.parts if p.files)
     ]
 
 
@@ -677,7 +703,38 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         wall_s=round(time.monotonic() - started, 2),
         faults=[asdict(i) for i in drill.injected],
         checkpoints=summary.checkpoints,
+        recoveries=_recoveries(workdir, run_id),
     )
+
+
+def _recoveries(workdir: Workdir, run_id: str) -> list[dict[str, object]]:
+    """Every restart, in order: the step it resumed from, the bytes its restore read from each
+    copy, and when (time.time()) its attempt's first step was recorded (None: it made none)."""
+    engine = connect(workdir.db_url)
+    recoveries: list[dict[str, object]] = []
+    try:
+        with engine.connect() as db:
+            rows = db.execute(
+                select(Event.step, Event.attributes)
+                .where(Event.run_id == run_id, Event.kind == "restart")
+                .order_by(Event.time)
+            ).all()
+            for step, attributes in rows:
+                attempt = int((attributes or {}).get("attempt", 0))
+                first = db.execute(
+                    select(func.min(RankStep.time)).where(
+                        RankStep.run_id == run_id, RankStep.attempt == attempt
+                    )
+                ).scalar()
+                recoveries.append({
+                    "step": step,
+                    "attempt": attempt,
+                    "restored_from": json.loads((attributes or {}).get("restored_from", "{}")),
+                    "first_step_at": first.timestamp() if first is not None else None,
+                })  # fmt: skip
+    finally:
+        engine.dispose()
+    return recoveries
 
 
 def _replays(workdir: Workdir, run_id: str) -> tuple[int, int, int]:

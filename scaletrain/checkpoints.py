@@ -64,29 +64,62 @@ class Progress:
 
 
 def _row(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
+    """A checkpoint as `ckpt ls` shows it; `node_loss_safe` and `copies` (node -> the nodes
+    holding a copy of its part) only when asked of a running ckptd, which asks its peers."""
     return {
         "run": info.ref.run,
         "step": info.ref.step,
         "world_size": info.world_size,
         "bytes": info.total_bytes,
         "tiers": [TIER_NAMES[t] for t in _tiers_of(info)],
+        "node_loss_safe": info.node_loss_safe if info.parts else None,
+        "copies": {
+            p.node: sorted(
+                ([p.node] if _committed(p.tiers) else [])
+                + [c.node for c in p.replicas if _committed(c.tiers)]
+            )
+            for p in info.parts
+            if p.files
+        },
     }
+
+
+def _committed(tiers: list[checkpoint_pb2.TierStatus]) -> bool:
+    return any(
+        t.tier != common_pb2.TIER_S3 and t.state == checkpoint_pb2.TIER_STATE_COMMITTED
+        for t in tiers
+    )
 
 
 def list_checkpoints(workdir: Path, ckptd: str | None, run: str | None) -> list[dict[str, object]]:
     """Committed checkpoints with the tiers holding them, oldest first."""
     if ckptd:
         with CkptdClient(ckptd) as client:
-            infos = client.list(run or "")
+            infos = client.list(run or "", nodes=True)
     else:
         data_dir = Workdir(workdir).ckptd
         infos = list_offline(data_dir, run or "") if (data_dir / "catalog.db").exists() else []
     return [_row(i) for i in sorted(infos, key=lambda i: (i.ref.run, i.ref.step))]
 
 
-def show(workdir: Path, ckptd: str | None, run: str, step: int | None) -> dict[str, object]:
-    """Everything known of one checkpoint (`step` None: the run's latest): files, tiers, policy."""
-    info = _info(workdir, ckptd, run, step)
+def show(
+    workdir: Path, ckptd: str | None, run: str, step: int | None, node_loss_safe: bool = False
+) -> dict[str, object]:
+    """Everything known of one checkpoint (`step` None: the run's latest, or with
+    `node_loss_safe` its newest node-loss-safe one): files, tiers, policy."""
+    if node_loss_safe:
+        if step is not None or not ckptd:
+            raise UserError(
+                "--node-loss-safe names the run's newest node-loss-safe checkpoint: give no "
+                "step, and --ckptd HOST:PORT (only a running ckptd can ask its peers)"
+            )
+        with CkptdClient(ckptd) as client:
+            return _shown(client.get(run, None, node_loss_safe=True))
+    return _shown(_info(workdir, ckptd, run, step))
+
+
+def _shown(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
+    """A checkpoint as `ckpt show` prints it."""
     return {
         **_row(info),
         "labels": dict(info.labels),
@@ -94,6 +127,7 @@ def show(workdir: Path, ckptd: str | None, run: str, step: int | None) -> dict[s
             "memory_last": info.retention.memory_last,
             "ssd_last": info.retention.ssd_last,
             "s3_every": info.retention.s3_every,
+            "replicas": info.retention.replicas,
         }
         if info.HasField("retention")
         else None,
@@ -176,7 +210,7 @@ def verify(
             ref = checkpoint_pb2.CheckpointRef(run=run, step=step)
 
             def read(path: str, tier: int) -> Iterator[bytes]:
-                return (data for _t, _o, data in store.iter_range(ref, path, tier=tier))
+                return (piece.data for piece in store.iter_range(ref, path, tier=tier))
 
         for tier in tiers:
             name = TIER_NAMES[tier]

@@ -59,6 +59,7 @@ TRAINER_FLAGS: dict[str, type] = {
     "--expert-groups": int,
     "--topk-groups": int,
     "--ckpt-policy": str,
+    "--replicas": int,
     "--log-every": int,
     "--fp8": str,
     "--fp8-all-gather": bool,
@@ -174,6 +175,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="how often in-doubt saves are resolved and missed commits fetched from peers",
     )
+    ckptd.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="R of a run that does not ask: copies of each node's part on distinct nodes "
+        "(at most the nodes there are; 1: no replicas)",
+    )
+    ckptd.add_argument(
+        "--zone",
+        default=os.environ.get("SCALETRAIN_ZONE", ""),
+        help="this node's failure domain (zone or rack): replicas go to other domains first "
+        "(default: $SCALETRAIN_ZONE)",
+    )
+    ckptd.add_argument(
+        "--replica-mb-s",
+        type=float,
+        default=256.0,
+        help="most MB/s this node copies from its peers to make replicas (0: no limit)",
+    )
     _security_args(ckptd)
 
     tel = sub.add_parser("telemetry", help="serve the telemetry service")
@@ -206,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     show = _ckpt_parser(ckpt_sub, "show", "one checkpoint: files, tiers, retention")
     show.add_argument("run")
     show.add_argument("step", type=int, nargs="?", help="default: the run's latest")
+    show.add_argument(
+        "--node-loss-safe",
+        action="store_true",
+        help="the run's newest checkpoint whose every part is on 2 nodes (asks --ckptd)",
+    )
     show.add_argument("--json", action="store_true")
     verify = _ckpt_parser(ckpt_sub, "verify", "read every copy and check its checksums")
     verify.add_argument("run")
@@ -382,13 +407,19 @@ def _print_summary(s) -> None:
     print(f"health       {_findings(s.health_events)}")
     print(f"checkpoints  {len(s.checkpoints)} committed")
     for c in s.checkpoints:
-        print(f"  step {c['step']:>6}  {c['bytes'] / 1e6:8.2f} MB  tiers: {_tiers(c['tiers'])}")
+        safe = "  node-loss safe" if c.get("node_loss_safe") else ""
+        print(
+            f"  step {c['step']:>6}  {c['bytes'] / 1e6:8.2f} MB  tiers: {_tiers(c['tiers'])}{safe}"
+        )
         for part in c["parts"] if len(c["parts"]) > 1 else []:
             where = (
                 f"{part['files']:>3} files  tiers: {_tiers(part['tiers'])}"
                 if part["reachable"]
                 else f"unreachable: {part['error']}"
             )
+            copies = [n for n, tiers in part.get("replicas", {}).items() if tiers]
+            if copies and part["files"]:
+                where += f"  copies on: {', '.join(copies)}"
             print(f"    {part['node']:<11}{part['bytes'] / 1e6:8.2f} MB  {where}")
     print(f"open the UI  {s.ui_command}")
 
@@ -439,6 +470,13 @@ def _print_report(r) -> None:
     print(f"wall time            {r.wall_s:.1f} s")
     for f in r.faults:
         print(f"  step {f['step']:>5}  {f['kind']:<15} {f['target']:<10} {f['detail']}")
+    for recovery in r.recoveries:
+        from ckptd.readpath import describe_sources
+
+        print(
+            f"  restore from step {recovery['step']:>5}: "
+            f"{describe_sources(recovery['restored_from'])}"
+        )
 
 
 def _badput(seconds: dict[str, float]) -> str:
@@ -488,6 +526,9 @@ def _ckptd(args: argparse.Namespace) -> int:
                 peers_dns=args.peers_dns,
                 advertise=args.advertise,
                 sync_interval_s=args.sync_interval_s,
+                zone=args.zone,
+                replicas=args.replicas,
+                replica_bytes_s=args.replica_mb_s * (1 << 20),
             ),
         )
     except ValueError as exc:
@@ -551,15 +592,16 @@ def _ckpt(args: argparse.Namespace) -> int:
         elif not rows:
             print("no checkpoints")
         else:
-            print(f"{'run':<28} {'step':>8} {'MB':>9}  tiers")
+            print(f"{'run':<28} {'step':>8} {'MB':>9}  {'safe':<4}  tiers")
             for r in rows:
+                safe = {True: "yes", False: "no", None: "-"}[r["node_loss_safe"]]
                 print(
-                    f"{r['run']:<28} {r['step']:>8} {r['bytes'] / 1e6:>9.2f}  "
+                    f"{r['run']:<28} {r['step']:>8} {r['bytes'] / 1e6:>9.2f}  {safe:<4}  "
                     f"{', '.join(r['tiers']) or '-'}"
                 )
         return 0
     if command == "show":
-        shown = checkpoints.show(args.workdir, args.ckptd, args.run, args.step)
+        shown = checkpoints.show(args.workdir, args.ckptd, args.run, args.step, args.node_loss_safe)
         if args.json:
             print(json.dumps(shown, indent=2))
         else:
@@ -598,7 +640,7 @@ def _print_show(shown: dict) -> None:
         r = shown["retention"]
         print(
             f"retention    memory last {r['memory_last']}, SSD last {r['ssd_last']}, "
-            f"S3 every {r['s3_every']} + latest"
+            f"S3 every {r['s3_every']} + latest, replicas {r['replicas'] or 'default'}"
         )
     if shown["labels"]:
         print("labels       " + ", ".join(f"{k}={v}" for k, v in shown["labels"].items()))

@@ -82,7 +82,9 @@ def new_run_id() -> str:
     return datetime.now(UTC).strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
-def committed_tiers(info: checkpoint_pb2.CheckpointInfo | checkpoint_pb2.NodePart) -> list[str]:
+def committed_tiers(
+    info: checkpoint_pb2.CheckpointInfo | checkpoint_pb2.NodePart | checkpoint_pb2.PartCopy,
+) -> list[str]:
     """The tiers on which the answering node (or a node's part) holds a committed copy."""
     return [
         TIER_NAMES[t.tier] for t in info.tiers if t.state == checkpoint_pb2.TIER_STATE_COMMITTED
@@ -106,6 +108,7 @@ def checkpoint_row(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
         "step": info.ref.step,
         "bytes": info.total_bytes,
         "tiers": whole_tiers(info),
+        "node_loss_safe": info.node_loss_safe,
         "parts": [
             {
                 "node": p.node,
@@ -115,6 +118,8 @@ def checkpoint_row(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
                 "tiers": committed_tiers(p),
                 "reachable": p.reachable,
                 "error": p.error,
+                # Copies of the part on other nodes: node -> its committed tiers.
+                "replicas": {c.node: committed_tiers(c) for c in p.replicas},
             }
             for p in info.parts
         ],
@@ -159,7 +164,10 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
                 f"see {', '.join(map(str, logs))}"
             )
         reader = stack.client_security(Role.READER, run_id)
-        checkpoints = _wait_for_tiers(stack.ckptd_address, run_id, options.upload_wait_s, reader)
+        copies = options.nodes > 1 and flag_value(options.trainer_args, "--replicas") != "1"
+        checkpoints = _wait_for_tiers(
+            stack.ckptd_address, run_id, options.upload_wait_s, reader, copies
+        )
     return _summary(workdir, run_id, checkpoints, time.monotonic() - started)
 
 
@@ -186,17 +194,32 @@ def check_layout(trainer_args: list[str], ranks: int) -> None:
         raise UserError(str(exc)) from exc
 
 
+def flag_value(args: list[str], name: str) -> str | None:
+    """The value of `name` in a command line (its last one), or None."""
+    values = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == name]
+    return values[-1] if values else None
+
+
 def _wait_for_tiers(
-    address: str, run_id: str, timeout_s: float, security: ClientSecurity | None = None
+    address: str,
+    run_id: str,
+    timeout_s: float,
+    security: ClientSecurity | None = None,
+    copies: bool = False,
 ) -> list[checkpoint_pb2.CheckpointInfo]:
-    """The run's checkpoints with every node's part, once the newest is committed on every tier
-    of every node (or the time is up)."""
+    """The run's checkpoints with every node's part, once the newest is committed on the
+    durable tiers of every node (SSD, and S3 whole), and with `copies` node-loss safe too (or
+    the time is up). Not memory: a resumed run that saved nothing finds its newest checkpoint
+    on SSD only (the memory tier died with the ckptd that held it), and nothing brings it back."""
     deadline = time.monotonic() + timeout_s
+    durable = {TIER_NAMES[common_pb2.TIER_SSD], TIER_NAMES[common_pb2.TIER_S3]}
     with CkptdClient(address, security) as client:
         while True:
             checkpoints = client.list(run_id, nodes=True)
             newest = max(checkpoints, key=lambda c: c.ref.step, default=None)
-            if newest is None or len(whole_tiers(newest)) == len(TIER_NAMES):
+            if newest is None or (
+                durable <= set(whole_tiers(newest)) and (newest.node_loss_safe or not copies)
+            ):
                 return checkpoints
             if time.monotonic() > deadline:
                 return checkpoints

@@ -453,12 +453,13 @@ def event(
     bytes: int = 0,
     seconds: float = 0.0,
     node: str = "",
+    replica_of: str = "",
 ) -> telemetry_pb2.Event:
     """An event stamped with the current time; `kind` as "checkpoint_committed" or an EventKind.
 
     Giving `tier` ("memory", "ssd", "s3" or a Tier), `bytes`, `seconds` or `node` (the node whose
-    copy it is) makes it a checkpoint event; without a tier it describes the save as the trainer
-    saw it.
+    copy it is; with `replica_of`, a copy of that node's part) makes it a checkpoint event;
+    without a tier it describes the save as the trainer saw it.
     """
     if isinstance(kind, str):
         kind = telemetry_pb2.EventKind.Value(f"EVENT_KIND_{kind.upper()}")
@@ -475,7 +476,11 @@ def event(
             tier = common_pb2.Tier.Value(f"TIER_{tier.upper()}")
         result.checkpoint.CopyFrom(
             telemetry_pb2.CheckpointEvent(
-                tier=tier or common_pb2.TIER_UNSPECIFIED, bytes=bytes, seconds=seconds, node=node
+                tier=tier or common_pb2.TIER_UNSPECIFIED,
+                bytes=bytes,
+                seconds=seconds,
+                node=node,
+                replica_of=replica_of,
             )
         )
     result.time.FromDatetime(_now())

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scaletrain.security import ServerSecurity, redact_url
+from telemetry.retention import RetentionPolicy
 
 
 @dataclass(frozen=True)
@@ -15,8 +16,9 @@ class TelemetryConfig:
     `postgresql+psycopg://user@host/db` when several services or a UI elsewhere share it.
     Port 0 in `listen` picks a free port; `RunningTelemetry.address` tells which one.
     `metrics_listen` (HOST:PORT) serves Prometheus metrics of the runs over HTTP; None: no endpoint.
-    `db_url` may hold a password: it is never logged, and the command line reads it from the
-    environment or a file, never from its arguments.
+    `retention` says how many recent steps keep their per-rank rows (rollups are kept for the
+    whole run). `db_url` may hold a password: it is never logged, and the command line reads it
+    from the environment or a file, never from its arguments.
     """
 
     db_url: str
@@ -24,9 +26,11 @@ class TelemetryConfig:
     metrics_listen: str | None = None
     # TLS and tokens of the gRPC server; None: from the environment (ServerSecurity.from_env).
     security: ServerSecurity | None = None
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
 
     def __repr__(self) -> str:
         return (
             f"TelemetryConfig(db_url={redact_url(self.db_url)!r}, listen={self.listen!r}, "
-            f"metrics_listen={self.metrics_listen!r}, security={self.security!r})"
+            f"metrics_listen={self.metrics_listen!r}, security={self.security!r}, "
+            f"retention={self.retention!r})"
         )

@@ -1,4 +1,5 @@
-"""Straggler detection from per-rank compute times, as NVIDIA's resiliency extension scores ranks.
+"""Straggler detection from per-rank compute times, as NVIDIA's resiliency extension scores ranks,
+rolled up per node.
 
 In synchronous training every rank waits for the slowest at each collective, so step times are all
 alike and tell nothing; what differs is each rank's own work (`compute` of PhaseTimes). Each step,
@@ -8,28 +9,40 @@ each rank gets two scores:
   - individual: its own best compute time over its current one, which tells a rank that slowed down
     (a throttled or failing device) from one that was always slower (different hardware).
 A rank is slow at a step when its relative score is below `slow_below` (a world of one, with no
-peers, uses the individual score); it is flagged as a straggler once it has been slow for
-`patience` consecutive steps, and flagged again only after it recovered. Noise on a clean run (one
-slow step, a shared machine) does not last `patience` steps.
+peers, uses the individual score). A node is slow at a step when at least `node_share` of its
+ranks (two or more) are: then it is one finding, the slow node, not eight stragglers, and its
+ranks are not flagged one by one. A rank or node is flagged once it has been slow for `patience`
+consecutive steps, and flagged again only after it recovered. Noise on a clean run (one slow step,
+a shared machine) does not last `patience` steps.
+
+Scoring costs O(ranks) per step with a small constant: the median of the others is one of three
+order statistics of the step (found by one `np.partition`), and every rank's state is an array,
+updated by a handful of vector operations (`bench/telemetry_detect.py` measures it).
 """
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
+
+import numpy as np
+
+from telemetry.rollup import NodeMap
 
 
 @dataclass(frozen=True)
 class StragglerPolicy:
-    """When a rank counts as slow, and for how long before it is flagged."""
+    """When a rank counts as slow, when its node does, and for how long before it is flagged."""
 
     slow_below: float = 0.7
     individual_below: float = 0.5
     patience: int = 3
+    node_share: float = 0.75
 
     def __post_init__(self) -> None:
-        if not 0 < self.slow_below < 1 or not 0 < self.individual_below < 1:
+        if not all(0 < value < 1 for value in (self.slow_below, self.individual_below)):
             raise ValueError("slow_below and individual_below must be between 0 and 1")
+        if not 0 < self.node_share <= 1:
+            raise ValueError(f"node_share must be in (0, 1], got {self.node_share}")
         if self.patience < 1:
             raise ValueError(f"patience must be at least 1, got {self.patience}")
 
@@ -47,75 +60,134 @@ class Scores:
 
 @dataclass(frozen=True)
 class StragglerFlag:
-    """A rank that has been slow since `since_step` and still was at `step`."""
+    """A rank that has been slow since `since_step` and still was at `step`, on host `node`."""
 
     step: int
     rank: int
     since_step: int
     scores: Scores
+    node: str
+
+
+@dataclass(frozen=True)
+class NodeFlag:
+    """A node most of whose ranks have been slow since `since_step` and still were at `step`;
+    `relative` is the mean relative score of its slow ranks."""
+
+    step: int
+    node: str
+    ranks: list[int]
+    since_step: int
+    relative: float
 
 
 class StragglerDetector:
-    """Scores the ranks of one run step by step and flags those that stay slow; not thread-safe."""
+    """Scores the ranks of one run step by step and flags the ranks and nodes that stay slow; not
+    thread-safe. `nodes` says which node each rank is on (default: each rank its own)."""
 
-    def __init__(self, policy: StragglerPolicy | None = None) -> None:
+    def __init__(self, nodes: NodeMap, policy: StragglerPolicy | None = None) -> None:
         self.policy = policy or StragglerPolicy()
-        self.latest: dict[int, Scores] = {}
-        self._best: dict[int, float] = {}
-        self._slow_since: dict[int, int] = {}
-        self._slow_steps: dict[int, int] = {}
-        self._flagged: set[int] = set()
+        self.nodes = nodes
+        world, count = len(nodes.of_rank), len(nodes.names)
+        self._best = np.full(world, np.inf)
+        self._slow_steps = np.zeros(world, dtype=np.int64)
+        self._slow_since = np.zeros(world, dtype=np.int64)
+        self._flagged = np.zeros(world, dtype=bool)
+        self._node_slow_steps = np.zeros(count, dtype=np.int64)
+        self._node_since = np.zeros(count, dtype=np.int64)
+        self._node_flagged = np.zeros(count, dtype=bool)
+        self._scores = np.full((world, 4), np.nan)
 
-    def observe(self, step: int, compute_s: dict[int, float]) -> list[StragglerFlag]:
-        """Score one complete step (compute seconds of every rank); return the newly flagged ranks.
+    def latest(self) -> dict[int, Scores]:
+        """Every scored rank's scores at its latest scored step."""
+        scored = np.flatnonzero(~np.isnan(self._scores[:, 0]))
+        return {int(rank): Scores(*map(float, self._scores[rank])) for rank in scored}
 
-        Steps must come in order; a rank whose time is not positive (not measured) is not scored.
-        """
-        measured = {rank: seconds for rank, seconds in compute_s.items() if seconds > 0}
-        ordered = sorted(measured.values())
-        flags = []
-        for rank, seconds in sorted(measured.items()):
-            scores = self._score(rank, seconds, ordered)
-            self.latest[rank] = scores
-            slow = (
-                scores.relative < self.policy.slow_below
-                if len(measured) > 1
-                else scores.individual < self.policy.individual_below
-            )
-            if not slow:
-                self._slow_steps[rank] = 0
-                self._flagged.discard(rank)
-                continue
-            if self._slow_steps.get(rank, 0) == 0:
-                self._slow_since[rank] = step
-            self._slow_steps[rank] = self._slow_steps.get(rank, 0) + 1
-            if self._slow_steps[rank] >= self.policy.patience and rank not in self._flagged:
-                self._flagged.add(rank)
-                flags.append(StragglerFlag(step, rank, self._slow_since[rank], scores))
+    def observe(self, step: int, work: np.ndarray) -> list[StragglerFlag | NodeFlag]:
+        """Score one step from every rank's compute seconds (`work[rank]`; NaN or not positive:
+        not measured, not scored); return the newly flagged ranks and nodes. Steps come in order."""
+        policy, of_rank = self.policy, self.nodes.of_rank
+        measured = np.flatnonzero(work > 0)
+        seconds = work[measured]
+        self._best[measured] = np.minimum(self._best[measured], seconds)
+        individual = self._best[measured] / seconds
+        if len(measured) > 1:
+            peers = medians_without(seconds)
+            relative = peers / seconds
+            slow = relative < policy.slow_below
+        else:
+            peers, relative = seconds, np.ones(len(measured))
+            slow = individual < policy.individual_below
+        self._scores[measured] = np.stack([relative, individual, seconds, peers], axis=1)
+        # Nodes first: the ranks of a slow node are that node's finding, not their own.
+        count = len(self.nodes.names)
+        on_node = np.bincount(of_rank[measured], minlength=count)
+        slow_on_node = np.bincount(of_rank[measured[slow]], minlength=count)
+        node_slow = (on_node >= 2) & (slow_on_node >= policy.node_share * on_node)
+        node_flags = self._advance(
+            step, node_slow, np.arange(count), self._node_slow_steps, self._node_since,
+            self._node_flagged,
+        )  # fmt: skip
+        rank_slow = slow & ~node_slow[of_rank[measured]]
+        rank_flags = self._advance(
+            step, rank_slow, measured, self._slow_steps, self._slow_since, self._flagged
+        )
+        flags: list[StragglerFlag | NodeFlag] = []
+        if len(node_flags):
+            mean_relative = np.bincount(
+                of_rank[measured[slow]], weights=relative[slow], minlength=count
+            ) / np.maximum(slow_on_node, 1)
+            for node in node_flags:
+                ranks = measured[of_rank[measured] == node]
+                flags.append(
+                    NodeFlag(
+                        step, self.nodes.names[node], [int(r) for r in ranks],
+                        int(self._node_since[node]), float(mean_relative[node]),
+                    )
+                )  # fmt: skip
+        for rank in rank_flags:
+            flags.append(
+                StragglerFlag(
+                    step, int(rank), int(self._slow_since[rank]),
+                    Scores(*map(float, self._scores[rank])), self.nodes.names[of_rank[rank]],
+                )
+            )  # fmt: skip
         return flags
 
-    def _score(self, rank: int, seconds: float, ordered: list[float]) -> Scores:
-        best = min(self._best.get(rank, seconds), seconds)
-        self._best[rank] = best
-        peers_s = median_without(ordered, seconds) if len(ordered) > 1 else seconds
-        return Scores(
-            relative=peers_s / seconds,
-            individual=best / seconds,
-            compute_s=seconds,
-            peers_s=peers_s,
-        )
+    def _advance(
+        self,
+        step: int,
+        slow: np.ndarray,
+        which: np.ndarray,
+        slow_steps: np.ndarray,
+        since: np.ndarray,
+        flagged: np.ndarray,
+    ) -> np.ndarray:
+        """Count consecutive slow steps of `which` (ranks or nodes); return those to flag now."""
+        recovered = which[~slow]
+        slow_steps[recovered] = 0
+        flagged[recovered] = False
+        slowed = which[slow]
+        since[slowed[slow_steps[slowed] == 0]] = step
+        slow_steps[slowed] += 1
+        due = slowed[(slow_steps[slowed] >= self.policy.patience) & ~flagged[slowed]]
+        flagged[due] = True
+        return due
 
 
-def median_without(ordered: list[float], value: float) -> float:
-    """The median of sorted `ordered` with one occurrence of `value` left out, in O(log n).
+def medians_without(values: np.ndarray) -> np.ndarray:
+    """For each value, the median of the others (at least two values), in O(n).
 
-    Scoring every rank against the median of the others must not cost O(world²) on a large job.
+    With the values sorted as s, leaving out v keeps s[j] at position j when s[j] < v and s[j+1]
+    otherwise, and the median of the rest needs positions h-1 and h only (h = (n-1)//2): so three
+    order statistics, from one partition, answer for every value.
     """
-    removed = bisect.bisect_left(ordered, value)
-    count = len(ordered) - 1
+    rest = len(values) - 1
+    middle = rest // 2
+    needed = [middle, middle + 1] if rest % 2 else [middle - 1, middle, middle + 1]
+    ordered = np.partition(values, needed)
 
-    def kept(index: int) -> float:
-        return ordered[index if index < removed else index + 1]
+    def kept(position: int) -> np.ndarray:
+        return np.where(ordered[position] < values, ordered[position], ordered[position + 1])
 
-    middle = count // 2
-    return kept(middle) if count % 2 else (kept(middle - 1) + kept(middle)) / 2
+    return kept(middle) if rest % 2 else (kept(middle - 1) + kept(middle)) / 2

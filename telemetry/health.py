@@ -44,8 +44,10 @@ class RunHealth:
     goodput: Goodput
     # Events per kind, for every kind in HEALTH_EVENT_KINDS (0 when none).
     event_counts: dict[str, int]
-    # Ranks ever flagged as stragglers, and the detectors' findings in step order.
+    # Ranks ever flagged as stragglers, nodes ever flagged as slow nodes (their hosts), and the
+    # detectors' findings in step order.
     straggler_ranks: list[int]
+    slow_nodes: list[str]
     findings: list[Finding]
     # Records the ranks' telemetry clients dropped (their queues overflowed) and so never arrived.
     dropped_records: int
@@ -97,7 +99,10 @@ def run_health(bind: Bind, run_id: str, *, max_findings: int = 200) -> RunHealth
         mfu=efficiency,
         goodput=time_use,
         event_counts={kind: counts.get(kind, 0) for kind in HEALTH_EVENT_KINDS},
-        straggler_ranks=sorted({f.rank for f in findings if f.kind == "straggler"}),
+        straggler_ranks=sorted({f.rank for f in findings if f.kind == "straggler" and f.rank >= 0}),
+        slow_nodes=sorted(
+            {f.attributes["node"] for f in findings if f.kind == "straggler" and f.rank < 0}
+        ),
         findings=findings,
         dropped_records=int(dropped),
     )

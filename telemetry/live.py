@@ -2,10 +2,13 @@
 
 The servicer passes the rows of every stored batch here (tuples in STEP_COLUMNS order, whatever
 form the records came in). Rows are grouped by step; once every rank of a run
-has reported a step, the step is complete: the straggler detector scores its ranks (and the service
-stores the flags as events), and the run's current figures (loss, tokens/s, MFU, per-rank times and
-scores) are updated for the Prometheus endpoint. Nothing here is durable: the database is the
-record; after a restart, detection starts afresh with the next complete step.
+has reported a step, the step is complete: it is rolled up (`telemetry.rollup`, which the service
+stores), the straggler detector scores its ranks and nodes (and the service stores the flags as
+events), and the run's current figures (loss, tokens/s, MFU, per-rank times and scores) are updated
+for the Prometheus endpoint. A step that stops waiting without completing (a newer step completed,
+the run registered again) is handed back as incomplete, for the service to roll up from the rows
+the database holds. Nothing here is durable: the database is the record; after a restart,
+detection starts afresh with the next complete step.
 """
 
 from __future__ import annotations
@@ -16,13 +19,12 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from scaletrain.errors import NotFound
 from scaletrain.v1 import telemetry_pb2
 from telemetry import mfu
-from telemetry.detect import Scores, StragglerDetector, StragglerFlag, StragglerPolicy
+from telemetry.detect import NodeFlag, Scores, StragglerDetector, StragglerFlag, StragglerPolicy
 from telemetry.ingest import (
     ATTEMPT,
     DROPPED,
@@ -38,6 +40,7 @@ from telemetry.ingest import (
     TOKENS,
 )  # fmt: skip
 from telemetry.models import Run
+from telemetry.rollup import NodeMap, StepSummary, as_datetime, summarise
 
 # A stored rank-step record as a row tuple (telemetry.ingest.STEP_COLUMNS).
 Row = tuple[Any, ...]
@@ -99,9 +102,24 @@ class RunView:
         return cls(**{name: getattr(description, name) for name in _DESCRIPTION}, attempt=attempt)
 
 
+# (run_id, attempt, step) of a step to roll up from the database.
+StepKey = tuple[str, int, int]
+
+
+@dataclass
+class Observed:
+    """What stored rows completed: detector events, rollups of complete steps, and the steps that
+    stopped waiting for their last ranks (to roll up from the database)."""
+
+    flags: list[telemetry_pb2.Event] = field(default_factory=list)
+    summaries: list[StepSummary] = field(default_factory=list)
+    incomplete: list[StepKey] = field(default_factory=list)
+
+
 @dataclass
 class _RunState:
     view: RunView
+    nodes: NodeMap
     detector: StragglerDetector
     pending: dict[tuple[int, int], dict[int, Row]] = field(default_factory=dict)
     # (attempt, step) of the latest complete step: records of it or earlier are resent copies.
@@ -114,29 +132,36 @@ class LiveRuns:
     """The live state of the runs one service receives; thread-safe.
 
     `describe` returns a run's registered row (for runs registered before this service started);
-    it raises NotFound for unknown runs.
+    it raises NotFound for unknown runs. `nodes_of` says which node each rank of a run is on.
     """
 
     def __init__(
         self,
         describe: Callable[[str], Run],
+        nodes_of: Callable[[str], NodeMap],
         policy: StragglerPolicy | None = None,
         max_runs: int = 16,
     ) -> None:
         self._describe = describe
+        self._nodes_of = nodes_of
         self._policy = policy or StragglerPolicy()
         self._max_runs = max_runs
         self._lock = threading.Lock()
         self._runs: dict[str, _RunState] = {}
 
-    def registered(self, request: telemetry_pb2.RegisterRunRequest, attempt: int) -> None:
-        """A run (re)registered: start its view afresh with the new description."""
+    def registered(self, request: telemetry_pb2.RegisterRunRequest, attempt: int) -> list[StepKey]:
+        """A run (re)registered: start its view afresh with the new description; return the steps
+        the old view still waited for, to roll up from the database."""
         with self._lock:
+            old = self._runs.get(request.run_id)
             self._add(RunView.of(request, attempt))
+        if old is None:
+            return []
+        return [(request.run_id, attempt, step) for attempt, step in old.pending]
 
-    def observe_steps(self, rows: Sequence[Row]) -> list[telemetry_pb2.Event]:
-        """Take stored rows; return the straggler events of the steps they completed."""
-        flagged: list[telemetry_pb2.Event] = []
+    def observe_steps(self, rows: Sequence[Row]) -> Observed:
+        """Take stored rows; return what the steps they completed gave (see Observed)."""
+        observed = Observed()
         with self._lock:
             run_id, state = None, None
             for row in rows:
@@ -154,11 +179,13 @@ class LiveRuns:
                 if ranks is None:
                     ranks = state.pending[key] = {}
                     if len(state.pending) > _MAX_PENDING_STEPS:
-                        del state.pending[next(iter(state.pending))]
+                        oldest = next(iter(state.pending))
+                        del state.pending[oldest]
+                        observed.incomplete.append((run_id, *oldest))
                 ranks[row[RANK]] = row
                 if len(ranks) == state.view.world_size:
-                    flagged.extend(self._complete(state, key))
-        return flagged
+                    self._complete(state, key, observed)
+        return observed
 
     def observe_events(self, events: Sequence[telemetry_pb2.Event]) -> None:
         """Count stored events by kind, per run."""
@@ -194,7 +221,10 @@ class LiveRuns:
         return self._add(RunView.of(run, run.attempt))
 
     def _add(self, view: RunView) -> _RunState:
-        state = _RunState(view=view, detector=StragglerDetector(self._policy))
+        nodes = self._nodes_of(view.run_id)
+        if len(nodes.of_rank) != view.world_size:
+            nodes = NodeMap.of_hosts(view.world_size, {})
+        state = _RunState(view=view, nodes=nodes, detector=StragglerDetector(nodes, self._policy))
         self._runs.pop(view.run_id, None)
         self._runs[view.run_id] = state
         while len(self._runs) > self._max_runs:
@@ -202,23 +232,26 @@ class LiveRuns:
             self._runs.pop(next(iter(self._runs)))
         return state
 
-    def _complete(self, state: _RunState, key: tuple[int, int]) -> list[telemetry_pb2.Event]:
-        """Score the complete step `key`, update the run's figures, forget older pending steps."""
+    def _complete(self, state: _RunState, key: tuple[int, int], observed: Observed) -> None:
+        """Roll up and score the complete step `key`, update the run's figures, and give up on
+        the older pending steps (incomplete)."""
         rows = state.pending.pop(key)
+        run_id = state.view.run_id
         # Steps arrive in order from each rank, so the pending ones are (nearly) in insertion order:
         # the incomplete steps older than this one are at the front.
         for older in list(itertools.takewhile(lambda pending: pending < key, state.pending)):
             del state.pending[older]
+            observed.incomplete.append((run_id, *older))
         attempt, step = key
         if attempt != state.done[0]:
             # A restarted job may run on other machines: its ranks' best times start afresh.
-            state.detector = StragglerDetector(self._policy)
+            state.detector = StragglerDetector(state.nodes, self._policy)
         state.done = key
-        flags = state.detector.observe(
-            step, {rank: _compute_seconds(row) for rank, row in rows.items()}
-        )
+        summary = summarise(run_id, attempt, step, list(rows.values()), state.nodes)
+        observed.summaries.append(summary)
+        flags = state.detector.observe(step, summary.work)
         self._update_view(state, step, attempt, rows)
-        return [_straggler_event(rows[flag.rank], flag) for flag in flags]
+        observed.flags += [_straggler_event(rows, flag) for flag in flags]
 
     @staticmethod
     def _update_view(state: _RunState, step: int, attempt: int, rows: dict[int, Row]) -> None:
@@ -247,6 +280,7 @@ class LiveRuns:
 
 def _rank_views(state: _RunState) -> dict[int, RankView]:
     """Each rank's figures at the run's latest complete step."""
+    scores = state.detector.latest()
     return {
         rank: RankView(
             step=row[STEP],
@@ -256,19 +290,10 @@ def _rank_views(state: _RunState) -> dict[int, RankView]:
             memory_bytes=row[MEMORY],
             peak_memory_bytes=row[PEAK_MEMORY],
             dropped_records=row[DROPPED],
-            scores=state.detector.latest.get(rank),
+            scores=scores.get(rank),
         )
         for rank, row in state.latest.items()
     }
-
-
-def _compute_seconds(row: Row) -> float:
-    """The rank's own work in the step: `compute` when the reporter measured it, else the step
-    time without the phases that are not the rank's own work (waits, data, checkpoint, replay)."""
-    if row[PHASE["compute"]] > 0:
-        return row[PHASE["compute"]]
-    others = ("comm_wait", "data", "checkpoint", "replay")
-    return row[PHASE["step"]] - sum(row[PHASE[phase]] for phase in others)
 
 
 def _float(value: float | None) -> float:
@@ -276,34 +301,59 @@ def _float(value: float | None) -> float:
     return math.nan if value is None else value
 
 
-def _straggler_event(row: Row, flag: StragglerFlag) -> telemetry_pb2.Event:
-    """The event of a flag, stamped with the time of the rank's record that completed the flag, so
-    a flag raised again from resent records is recognised as the same event."""
-    scores = flag.scores
-    event = telemetry_pb2.Event(
-        run_id=row[RUN_ID],
-        step=flag.step,
-        rank=flag.rank,
-        kind=telemetry_pb2.EVENT_KIND_STRAGGLER,
-        message=(
-            f"rank {flag.rank} computes {1 / scores.relative:.1f}x slower than the median of the "
-            f"other ranks since step {flag.since_step}"
-        ),
-        attributes={
-            "since_step": str(flag.since_step),
-            "relative_score": f"{scores.relative:.3f}",
-            "individual_score": f"{scores.individual:.3f}",
-            "compute_s": f"{scores.compute_s:.6f}",
-            "peers_s": f"{scores.peers_s:.6f}",
-            "attempt": str(row[ATTEMPT]),
-        },
-    )
-    event.time.FromDatetime(_as_datetime(row[TIME]))
+def _straggler_event(rows: dict[int, Row], flag: StragglerFlag | NodeFlag) -> telemetry_pb2.Event:
+    """The event of a flag, naming the host, stamped with the time of the record that completed
+    the flag (the flagged rank's, a slow node's first rank's), so a flag raised again from resent
+    records is recognised as the same event. A slow node's event concerns no single rank (-1)."""
+    if isinstance(flag, NodeFlag):
+        row = rows[flag.ranks[0]]
+        event = telemetry_pb2.Event(
+            run_id=row[RUN_ID],
+            step=flag.step,
+            rank=-1,
+            kind=telemetry_pb2.EVENT_KIND_STRAGGLER,
+            message=(
+                f"node {flag.node} ({len(flag.ranks)} ranks: {_ranges(flag.ranks)}) computes "
+                f"{1 / flag.relative:.1f}x slower than the median of the other ranks since step "
+                f"{flag.since_step}: a slow node"
+            ),
+            attributes={
+                "node": flag.node,
+                "ranks": _ranges(flag.ranks),
+                "since_step": str(flag.since_step),
+                "relative_score": f"{flag.relative:.3f}",
+                "attempt": str(row[ATTEMPT]),
+            },
+        )
+    else:
+        row, scores = rows[flag.rank], flag.scores
+        event = telemetry_pb2.Event(
+            run_id=row[RUN_ID],
+            step=flag.step,
+            rank=flag.rank,
+            kind=telemetry_pb2.EVENT_KIND_STRAGGLER,
+            message=(
+                f"rank {flag.rank} on {flag.node} computes {1 / scores.relative:.1f}x slower than "
+                f"the median of the other ranks since step {flag.since_step}"
+            ),
+            attributes={
+                "node": flag.node,
+                "since_step": str(flag.since_step),
+                "relative_score": f"{scores.relative:.3f}",
+                "individual_score": f"{scores.individual:.3f}",
+                "compute_s": f"{scores.compute_s:.6f}",
+                "peers_s": f"{scores.peers_s:.6f}",
+                "attempt": str(row[ATTEMPT]),
+            },
+        )
+    event.time.FromDatetime(as_datetime(row[TIME]))
     return event
 
 
-def _as_datetime(stored: datetime | str) -> datetime:
-    """A row's time, stored as text (SQLite) or as an aware datetime (PostgreSQL)."""
-    if isinstance(stored, datetime):
-        return stored
-    return datetime.fromisoformat(stored).replace(tzinfo=UTC)
+def _ranges(ranks: list[int]) -> str:
+    """Ranks as ranges: "8-15", "3, 5-6"."""
+    parts = []
+    for _, group in itertools.groupby(enumerate(ranks), lambda item: item[1] - item[0]):
+        run = [rank for _, rank in group]
+        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ", ".join(parts)

@@ -188,7 +188,8 @@ class Checkpoint(Base):
     training was blocked. On a storage tier, `seconds` is what the commit there took.
 
     A checkpoint is spread over nodes: each node's ckptd holds its part (the files its ranks wrote)
-    on its memory and SSD tiers, so those tiers have one row per node, `node` naming it. S3
+    on its memory and SSD tiers, so those tiers have one row per node, `node` naming it; a copy of
+    another node's part (a peer replica) has a row of its own, `part` naming that node. S3
     (WHOLE_TIER) holds the whole checkpoint and the trainer row describes the whole save: their
     `node` is "", as is every row recorded before nodes were.
     """
@@ -201,6 +202,8 @@ class Checkpoint(Base):
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     tier: Mapped[str] = mapped_column(String(16), primary_key=True)
     node: Mapped[str] = mapped_column(String(128), primary_key=True, default="", server_default="")
+    # A replica: the node whose part `node` holds a copy of ("": `node`'s own part).
+    part: Mapped[str] = mapped_column(String(128), primary_key=True, default="", server_default="")
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     staged_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     committed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
@@ -241,3 +244,75 @@ class Event(Base):
     seconds: Mapped[float | None] = mapped_column(Double, nullable=True)
     # The node the event came from (ckptd's commits: the node whose copy it is); "" when none.
     node: Mapped[str] = mapped_column(String(128), default="", server_default="")
+
+
+# What a step rollup summarises across ranks: each phase time, loss, gradient norm and memory, as
+# (name in step_rollups, column of rank_steps). Phase names drop the "_s" of their column.
+ROLLUP_METRICS = (
+    ("step", "step_s"), ("compute", "compute_s"), ("data", "data_s"), ("forward", "forward_s"),
+    ("backward", "backward_s"), ("optimizer", "optimizer_s"), ("comm_wait", "comm_wait_s"),
+    ("checkpoint", "checkpoint_s"), ("replay", "replay_s"), ("loss", "loss"),
+    ("grad_norm", "grad_norm"), ("memory", "memory_bytes"), ("peak_memory", "peak_memory_bytes"),
+)  # fmt: skip
+# The statistics kept of each metric: a step_rollups column is named "<metric>_<statistic>".
+ROLLUP_STATISTICS = ("min", "median", "p99", "max")
+
+
+class StepRollup(Base):
+    """One step of one attempt summarised across its ranks, kept for the whole run.
+
+    Per-rank rows are kept only for a recent window (`telemetry.retention`); what the run's charts,
+    goodput and MFU need over the whole run is here, one row per step whatever the world size.
+    Written by the service as each step completes (`telemetry.rollup`). For each of ROLLUP_METRICS
+    there are four columns, `<metric>_<statistic>` for ROLLUP_STATISTICS (NULL: no rank had a
+    value, e.g. every loss NaN). `slowest` lists the step's slowest ranks by compute time, slowest
+    first: [[rank, node, compute seconds], ...].
+    """
+
+    __tablename__ = "step_rollups"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    # Ranks that reported the step (the world size unless records were lost).
+    ranks: Mapped[int] = mapped_column(Integer)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    loss_mean: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # When the step began on its earliest rank (record time minus step time), and its latest record.
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    slowest: Mapped[list[Any]] = mapped_column(JSON, default=list)
+
+
+for _metric, _ in ROLLUP_METRICS:
+    for _statistic in ROLLUP_STATISTICS:
+        setattr(
+            StepRollup,
+            f"{_metric}_{_statistic}",
+            mapped_column(f"{_metric}_{_statistic}", Double, nullable=True),
+        )
+
+
+class NodeStep(Base):
+    """One node at one step: its worst (slowest computing) rank, relative to the step's median rank.
+
+    What the run page's nodes x steps view draws: 8 ranks a node make this table an eighth of
+    rank_steps; it is kept for the same recent window. A rank whose host was never registered is a
+    node of its own, named "rank<N>".
+    """
+
+    __tablename__ = "node_steps"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    node: Mapped[str] = mapped_column(String(256), primary_key=True)
+    ranks: Mapped[int] = mapped_column(Integer)
+    worst_rank: Mapped[int] = mapped_column(Integer)
+    worst_compute_s: Mapped[float] = mapped_column(Double)
+    # worst_compute_s over the median compute time of all ranks at the step (1: typical).
+    relative: Mapped[float | None] = mapped_column(Double, nullable=True)

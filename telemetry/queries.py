@@ -36,7 +36,7 @@ EVENT_COLUMNS = [
 ]
 
 CHECKPOINT_COLUMNS = [
-    "step", "tier", "node", "started_at", "staged_at", "committed_at", "failed_at", "bytes",
+    "step", "tier", "node", "part", "started_at", "staged_at", "committed_at", "failed_at", "bytes",
     "seconds",
 ]  # fmt: skip
 
@@ -55,13 +55,14 @@ def checkpoints(bind: Bind, run_id: str) -> pd.DataFrame:
 
     Tier "trainer" is the save as the trainer saw it (seconds: how long training was blocked);
     the storage tiers say when the checkpoint was committed there and how long that took. Memory
-    and SSD have a row per node, for the part of the checkpoint that node holds; S3 holds the whole
-    checkpoint, and it and the trainer have node "".
+    and SSD have a row per node, for the part of the checkpoint that node holds (`part` "", or,
+    for a peer replica, the node whose part it copies); S3 holds the whole checkpoint, and it and
+    the trainer have node "".
     """
     statement = (
         select(*(getattr(Checkpoint, column) for column in CHECKPOINT_COLUMNS))
         .where(Checkpoint.run_id == run_id)
-        .order_by(Checkpoint.step, Checkpoint.tier, Checkpoint.node)
+        .order_by(Checkpoint.step, Checkpoint.tier, Checkpoint.node, Checkpoint.part)
     )
     with connection_of(bind) as connection:
         rows = connection.execute(statement).all()

@@ -26,6 +26,8 @@ from telemetry.db import connect, migrate
 from telemetry.ingest import GroupCommit
 from telemetry.live import LiveRuns
 from telemetry.metrics import MetricsServer, serve_metrics
+from telemetry.retention import Retention
+from telemetry.rollup import StepSummary
 from telemetry.store import TelemetryStore
 
 _log = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
         self, request: telemetry_pb2.RegisterRunRequest, context: grpc.ServicerContext
     ) -> telemetry_pb2.RegisterRunResponse:
         reply = self._store.register_run(request)
-        self._live.registered(request, reply.attempt)
+        self._store_rollups([], self._live.registered(request, reply.attempt))
         return reply
 
     @maps_errors
@@ -73,11 +75,24 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
         return telemetry_pb2.ReportEventsResponse(accepted=accepted)
 
     def _store_batches(self, batches: list[telemetry_pb2.StepBatch]) -> list[tuple[int, int]]:
-        """Store batches that arrived together, then let the detectors see their rows."""
+        """Store batches that arrived together, then let the detectors see their rows and store
+        the rollups of the steps they completed."""
         results = self._store.add_step_batches(batches)
         for _, _, rows in results:
-            self._store_flags(self._live.observe_steps(rows))
+            observed = self._live.observe_steps(rows)
+            self._store_rollups(observed.summaries, observed.incomplete)
+            self._store_flags(observed.flags)
         return [(accepted, duplicates) for accepted, duplicates, _ in results]
+
+    def _store_rollups(
+        self, summaries: list[StepSummary], incomplete: list[tuple[str, int, int]]
+    ) -> None:
+        """Store rollups; best effort like the flags: a step left without one is rolled up from
+        its rows when the service next starts."""
+        try:
+            self._store.add_rollups(summaries, incomplete)
+        except ScaletrainError as exc:
+            _log.warning("telemetry: could not store %d step rollups: %s", len(summaries), exc)
 
     def _store_flags(self, flags: list[telemetry_pb2.Event]) -> None:
         """Store what the detectors flagged; best effort: the records that raised the flags are
@@ -125,6 +140,7 @@ class RunningTelemetry:
     address: str
     port: int
     live: LiveRuns
+    retention: Retention
     # The Prometheus endpoint, when the config asked for one.
     metrics: MetricsServer | None = None
 
@@ -132,12 +148,15 @@ class RunningTelemetry:
         """Stop accepting calls, let running ones finish for `grace` seconds, then close."""
         if self.metrics is not None:
             self.metrics.stop()
+        self.retention.stop()
         self.server.stop(grace).wait()
         self.engine.dispose()
 
 
 def start(config: TelemetryConfig) -> RunningTelemetry:
-    """Migrate the database to the current schema and start serving on `config.listen`.
+    """Migrate the database to the current schema, roll up the steps that have rank rows and no
+    rollup (a database from before rollups, steps pending when the service last stopped), start
+    retention and serve on `config.listen`.
 
     Raises UserError (one line) when the database URL is bad or the address cannot be bound.
     """
@@ -147,7 +166,8 @@ def start(config: TelemetryConfig) -> RunningTelemetry:
     try:
         migrate(engine)
         store = TelemetryStore(engine)
-        live = LiveRuns(store.run_info)
+        store.roll_up()
+        live = LiveRuns(store.run_info, store.nodes_of)
         server = make_server(policy=ACCESS_RULES, security=config.security)
         telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(
             TelemetryServicer(store, live), server
@@ -162,6 +182,8 @@ def start(config: TelemetryConfig) -> RunningTelemetry:
         engine.dispose()
         raise
     server.start()
+    retention = Retention(store, config.retention)
+    retention.start()
     host = config.listen.rpartition(":")[0]
     return RunningTelemetry(
         server=server,
@@ -169,6 +191,7 @@ def start(config: TelemetryConfig) -> RunningTelemetry:
         address=f"{host}:{port}",
         port=port,
         live=live,
+        retention=retention,
         metrics=metrics,
     )
 

@@ -32,6 +32,8 @@ from telemetry.ingest import (
     time_format,
 )
 from telemetry.models import TRAINER_TIER, WHOLE_TIER, Checkpoint, Event, Rank, RankStep, Run
+from telemetry.rollup import NodeMap, StepSummary, node_map, roll_up_from_database, roll_up_missing
+from telemetry.rollup import write as write_rollups
 
 # "EVENT_KIND_CHECKPOINT_COMMITTED" is stored as "checkpoint_committed"; "TIER_SSD" as "ssd".
 EVENT_KIND_NAMES: dict[int, str] = {
@@ -142,8 +144,11 @@ class TelemetryStore:
                     .values(**description, attempt=Run.attempt + 1)
                     .returning(Run.attempt)
                 ).scalar_one()
-            if ranks:
-                insert_ranks = _insert(session, Rank).values(ranks)
+            # In chunks: 16,384 ranks in one statement would pass PostgreSQL's 65,535 parameters.
+            for start in range(0, len(ranks), _ROWS_PER_INSERT):
+                insert_ranks = _insert(session, Rank).values(
+                    ranks[start : start + _ROWS_PER_INSERT]
+                )
                 session.execute(
                     insert_ranks.on_conflict_do_update(
                         index_elements=["run_id", "rank"],
@@ -224,10 +229,12 @@ class TelemetryStore:
                         f"event {index}: rank {row['rank']} is outside run {row['run_id']!r} "
                         f"of world size {world_sizes[row['run_id']]}"
                     )
+            # `part` keys the checkpoint row of a replica's event, not the event itself.
+            event_rows = [{k: v for k, v in row.items() if k != "part"} for row in rows]
             for start in range(0, len(rows), _ROWS_PER_INSERT):
                 statement = (
                     _insert(session, Event)
-                    .values(rows[start : start + _ROWS_PER_INSERT])
+                    .values(event_rows[start : start + _ROWS_PER_INSERT])
                     .on_conflict_do_nothing()
                     .returning(Event.run_id, Event.kind, Event.time)
                 )
@@ -246,6 +253,38 @@ class TelemetryStore:
                 ):
                     self._record_checkpoint(session, row)
         return len(inserted)
+
+    def add_rollups(
+        self, summaries: Sequence[StepSummary], incomplete: Sequence[tuple[str, int, int]] = ()
+    ) -> None:
+        """Store the rollups of complete steps, and roll up the `incomplete` (run_id, attempt,
+        step)s from the rows the database holds, in one transaction."""
+        if not summaries and not incomplete:
+            return
+        with self._transaction() as session:
+            connection = session.connection()
+            write_rollups(connection, summaries)
+            by_run: dict[str, list[tuple[int, int]]] = {}
+            for run_id, attempt, step in incomplete:
+                by_run.setdefault(run_id, []).append((attempt, step))
+            for run_id, steps in by_run.items():
+                nodes = node_map(connection, run_id)
+                write_rollups(connection, roll_up_from_database(connection, run_id, steps, nodes))
+
+    def roll_up(self, run_id: str | None = None) -> int:
+        """Roll up every step of `run_id` (every run) that has rank rows and no rollup yet; return
+        how many. The service does it when it starts, for steps it never saw complete."""
+        with self._transaction() as session:
+            return roll_up_missing(session.connection(), run_id)
+
+    def nodes_of(self, run_id: str) -> NodeMap:
+        """Which node each rank of `run_id` is on, from the hosts its registration listed."""
+        with self._transaction() as session:
+            return node_map(session.connection(), run_id)
+
+    def transaction(self) -> AbstractContextManager[Session]:
+        """A short transaction of this store, taking turns with its writes (for retention)."""
+        return self._transaction()
 
     def run_info(self, run_id: str) -> Run:
         """The run's registered description (world size, model size, peak); NotFound if none."""
@@ -315,6 +354,7 @@ class TelemetryStore:
             "step": event["step"],
             "tier": tier,
             "node": "" if whole else event["node"],
+            "part": "" if whole else event["part"],
             column: event["time"],
             "bytes": event["bytes"] or 0,
             "seconds": event["seconds"] or 0.0,
@@ -333,7 +373,7 @@ class TelemetryStore:
         statement = _insert(session, Checkpoint).values(values)
         session.execute(
             statement.on_conflict_do_update(
-                index_elements=["run_id", "step", "tier", "node"],
+                index_elements=["run_id", "step", "tier", "node", "part"],
                 set_=changes,
                 where=earlier if tier == WHOLE_TIER else None,
             )
@@ -472,7 +512,7 @@ def _event_row(index: int, event: telemetry_pb2.Event) -> dict[str, Any]:
     tier: str | None = None
     size: int | None = None
     seconds: float | None = None
-    node = ""
+    node = part = ""
     if event.HasField("checkpoint"):
         checkpoint = event.checkpoint
         if checkpoint.tier != common_pb2.TIER_UNSPECIFIED:
@@ -483,9 +523,13 @@ def _event_row(index: int, event: telemetry_pb2.Event) -> dict[str, Any]:
             raise bad(f"checkpoint.bytes must not be negative, got {checkpoint.bytes}")
         if not (math.isfinite(checkpoint.seconds) and checkpoint.seconds >= 0):
             raise bad(f"checkpoint.seconds must be finite and >= 0, got {checkpoint.seconds}")
-        if len(checkpoint.node) > _MAX_NODE_CHARS or not checkpoint.node.isprintable():
-            raise bad(f"checkpoint.node must be printable and at most {_MAX_NODE_CHARS} characters")
+        for field, value in (("node", checkpoint.node), ("replica_of", checkpoint.replica_of)):
+            if len(value) > _MAX_NODE_CHARS or not value.isprintable():
+                raise bad(
+                    f"checkpoint.{field} must be printable and at most {_MAX_NODE_CHARS} characters"
+                )
         size, seconds, node = checkpoint.bytes, checkpoint.seconds, checkpoint.node
+        part = checkpoint.replica_of
     try:
         time = _time(event, "time")
     except InvalidArgument as exc:
@@ -502,4 +546,5 @@ def _event_row(index: int, event: telemetry_pb2.Event) -> dict[str, Any]:
         "bytes": size,
         "seconds": seconds,
         "node": node,
+        "part": part,
     }

@@ -1,11 +1,14 @@
-"""Read-only views of runs for the run-health UI, built to stay fast on 100k steps x 64 ranks.
+"""Read-only views of runs for the run-health UI, built to stay fast on 16,384 ranks x 1M steps.
 
 Kept apart from `telemetry.queries` (which aggregates every record of a run) because the UI must
 answer in well under a second on a long run, where one pass over a run's millions of rank records
-takes seconds on SQLite. So every view here reads bounded slices through the (run_id, step, ...)
-primary key: the latest `window` steps, or a fixed number of steps spread evenly over the run
-("sampled steps"), never the whole run. Sampling can miss a one-step loss spike between two samples;
-the spike detector's events are drawn as markers, so a detected spike always shows.
+takes seconds. So every view here reads bounded slices through a primary key: of the step rollups
+(one row per step, kept for the whole run: loss, throughput, the slowest ranks), of the node steps
+(one row per node and step, for the latest steps: the nodes x steps view) or of the rank rows of
+one node's or rank's ranks; the latest `window` steps, or a fixed number of steps spread evenly
+("sampled steps"), never the whole run, and never every rank. Sampling can miss a one-step loss
+spike between two samples; the spike detector's events are drawn as markers, so a detected spike
+always shows.
 
 Where a step was recorded by several attempts, each rank's latest attempt counts, as in
 `telemetry.queries`.
@@ -21,10 +24,20 @@ from typing import Any
 
 import pandas as pd
 from sqlalchemy import ColumnElement, Select, and_, case, exists, func, select, true
+from sqlalchemy.orm import aliased
 
-from telemetry.detect import median_without
-from telemetry.efficiency import mfu
-from telemetry.models import TRAINER_TIER, WHOLE_TIER, Checkpoint, Event, RankStep, Run
+from telemetry.efficiency import LATEST_ROLLUP, mfu
+from telemetry.models import (
+    TRAINER_TIER,
+    WHOLE_TIER,
+    Checkpoint,
+    Event,
+    NodeStep,
+    Rank,
+    RankStep,
+    Run,
+    StepRollup,
+)
 from telemetry.queries import LATEST_ATTEMPT, Bind, connection_of
 
 # Storage tiers, fastest first, as ckptd names them.
@@ -39,8 +52,12 @@ OVERVIEW_COLUMNS = [
     "run_id", "name", "status", "world_size", "attempt", "step", "loss", "tokens_per_s", "mfu",
     "last_checkpoint", "last_checkpoint_at", "open_alerts", "started_at",
 ]  # fmt: skip
-LOSS_POINT_COLUMNS = ["step", "loss", "loss_min", "loss_max"]
+LOSS_POINT_COLUMNS = ["step", "loss", "loss_min", "loss_max", "tokens_per_s"]
 RANK_STEP_COLUMNS = ["step", "rank", "step_s", "compute_s", *PHASE_COLUMNS]
+NODE_STEP_COLUMNS = ["step", "node", "relative", "worst_rank", "worst_compute_s", "ranks"]
+SLOWEST_RANK_COLUMNS = ["rank", "node", "compute_s", "relative", "steps"]
+SLOWEST_NODE_COLUMNS = ["node", "worst_rank", "relative", "steps"]
+FOUND_COLUMNS = ["rank", "node"]
 RANK_PHASE_COLUMNS = ["rank", "step_s", "compute_s", *PHASE_COLUMNS, "relative_score"]
 MARKER_COLUMNS = ["step", "kind", "label"]
 TIMELINE_COLUMNS = [
@@ -169,19 +186,25 @@ def headline(bind: Bind, run_id: str, *, window: int = 20) -> Headline:
     )
 
 
-def sampled_steps(bind: Bind, run_id: str, max_steps: int) -> list[int]:
-    """At most `max_steps` steps spread evenly from the run's first to its last recorded step
-    (both included); every step when there are no more than that. Empty without records."""
+def sampled_steps(bind: Bind, run_id: str, max_steps: int, table: Any = StepRollup) -> list[int]:
+    """At most `max_steps` steps spread evenly from the run's first to its last step in `table`
+    (rolled up, by default; NodeStep: the steps whose node rows are kept), both included; every
+    step when there are no more than that. Empty without any."""
     with connection_of(bind) as connection:
         # Two subqueries: SQLite answers a lone MIN or MAX from the index, both at once by a scan.
-        of_run = select(RankStep.step).where(RankStep.run_id == run_id)
+        of_run = select(table.step).where(table.run_id == run_id)
         first, last = connection.execute(
             select(
-                of_run.with_only_columns(func.min(RankStep.step)).scalar_subquery(),
-                of_run.with_only_columns(func.max(RankStep.step)).scalar_subquery(),
+                of_run.with_only_columns(func.min(table.step)).scalar_subquery(),
+                of_run.with_only_columns(func.max(table.step)).scalar_subquery(),
             )
         ).one()
-    if first is None:
+    return spread(first, last, max_steps)
+
+
+def spread(first: int | None, last: int | None, max_steps: int) -> list[int]:
+    """At most `max_steps` steps spread evenly from `first` to `last`, both included."""
+    if first is None or last is None:
         return []
     count = last - first + 1
     if count <= max_steps:
@@ -191,60 +214,263 @@ def sampled_steps(bind: Bind, run_id: str, max_steps: int) -> list[int]:
 
 
 def loss_points(bind: Bind, run_id: str, *, max_points: int = 1000) -> pd.DataFrame:
-    """Mean, min and max loss over ranks at up to `max_points` sampled steps: LOSS_POINT_COLUMNS."""
+    """Mean, min and max loss over ranks and tokens/s (all ranks' tokens over the slowest rank's
+    step time) at up to `max_points` sampled steps, from the rollups: LOSS_POINT_COLUMNS."""
     steps = sampled_steps(bind, run_id, max_points)
+    rows = []
+    with connection_of(bind) as connection:
+        latest = _latest_rollup(connection, run_id)
+        for start in range(0, len(steps), 500):
+            rows += connection.execute(
+                select(
+                    StepRollup.step,
+                    StepRollup.loss_mean,
+                    StepRollup.loss_min,
+                    StepRollup.loss_max,
+                    StepRollup.tokens / case((StepRollup.step_max > 0, StepRollup.step_max)),
+                ).where(
+                    StepRollup.run_id == run_id, StepRollup.step.in_(steps[start : start + 500]),
+                    *latest,
+                )
+            ).all()  # fmt: skip
+    frame = pd.DataFrame(rows, columns=LOSS_POINT_COLUMNS)
+    return frame.astype({column: float for column in LOSS_POINT_COLUMNS[1:]}).sort_values(
+        "step", ignore_index=True
+    )
+
+
+def node_steps(
+    bind: Bind, run_id: str, *, max_steps: int = 100, max_nodes: int = 48
+) -> tuple[pd.DataFrame, int]:
+    """The nodes x steps view: NODE_STEP_COLUMNS at up to `max_steps` steps spread over the steps
+    whose node rows are kept, for the `max_nodes` nodes whose worst rank was slowest relative to
+    its step's median rank there; and how many nodes there are in all.
+
+    The database picks the nodes (one aggregate over the sampled steps' node rows), so a run of
+    2,048 nodes sends only the rows drawn.
+    """
+    steps = sampled_steps(bind, run_id, max_steps, NodeStep)
+    if not steps:
+        return pd.DataFrame(columns=NODE_STEP_COLUMNS), 0
+    at_steps = (NodeStep.run_id == run_id, NodeStep.step.in_(steps))
+    with connection_of(bind) as connection:
+        latest = _latest_node_attempt(connection, run_id)
+        total = connection.execute(
+            select(func.count(func.distinct(NodeStep.node))).where(*at_steps)
+        ).scalar()
+        worst = (
+            select(NodeStep.node)
+            .where(*at_steps, *latest)
+            .group_by(NodeStep.node)
+            .order_by(func.max(NodeStep.relative).desc(), NodeStep.node)
+            .limit(max_nodes)
+        )
+        chosen = list(connection.execute(worst).scalars())
+        rows = connection.execute(
+            select(*(getattr(NodeStep, column) for column in NODE_STEP_COLUMNS)).where(
+                *at_steps, *latest, NodeStep.node.in_(chosen)
+            )
+        ).all()
+    frame = pd.DataFrame(rows, columns=NODE_STEP_COLUMNS).astype({"relative": float})
+    return frame.sort_values(["step", "node"], ignore_index=True), int(total or 0)
+
+
+def ranks_of_node(bind: Bind, run_id: str, node: str) -> list[int]:
+    """The ranks on `node` (a host the run registered, or "rank<N>" for a rank without one)."""
+    with connection_of(bind) as connection:
+        ranks = list(
+            connection.execute(
+                select(Rank.rank)
+                .where(Rank.run_id == run_id, Rank.host == node)
+                .order_by(Rank.rank)
+            ).scalars()
+        )
+        if ranks or not re.fullmatch(r"rank\d+", node):
+            return ranks
+        world = connection.execute(select(Run.world_size).where(Run.run_id == run_id)).scalar()
+    rank = int(node.removeprefix("rank"))
+    return [rank] if world is not None and rank < world else []
+
+
+def rank_steps(bind: Bind, run_id: str, ranks: list[int], *, max_steps: int = 100) -> pd.DataFrame:
+    """Step time, compute time and phases of `ranks` (a node's, a rank) at up to `max_steps`
+    steps spread over the latest ones whose node rows are kept: RANK_STEP_COLUMNS, and beside each
+    time column `median_<column>`, its median over all ranks of the step (from the rollups), for
+    a ranks x steps heatmap of one node coloured relative to the whole job."""
+    steps = sampled_steps(bind, run_id, max_steps, NodeStep)
     rows = _at_steps(
         bind,
-        select(
-            RankStep.step, func.avg(RankStep.loss), func.min(RankStep.loss), func.max(RankStep.loss)
-        ).group_by(RankStep.step),
+        select(*(getattr(RankStep, column) for column in RANK_STEP_COLUMNS)).where(
+            RankStep.rank.in_(ranks)
+        ),
         run_id,
         steps,
     )
-    frame = pd.DataFrame(rows, columns=LOSS_POINT_COLUMNS)
-    return frame.astype({column: float for column in LOSS_POINT_COLUMNS[1:]}).sort_values("step")
-
-
-def rank_steps(bind: Bind, run_id: str, *, max_steps: int = 150) -> pd.DataFrame:
-    """Step time, compute time and phases of every rank at up to `max_steps` sampled steps:
-    RANK_STEP_COLUMNS, for a ranks x steps heatmap."""
-    steps = sampled_steps(bind, run_id, max_steps)
-    rows = _at_steps(
-        bind, select(*(getattr(RankStep, column) for column in RANK_STEP_COLUMNS)), run_id, steps
-    )
     frame = pd.DataFrame(rows, columns=RANK_STEP_COLUMNS)
+    medians = []
+    with connection_of(bind) as connection:
+        latest = _latest_rollup(connection, run_id)
+        for start in range(0, len(steps), 500):
+            medians += connection.execute(
+                select(
+                    StepRollup.step,
+                    *(getattr(StepRollup, f"{c.removesuffix('_s')}_median") for c in _MEASURED),
+                ).where(
+                    StepRollup.run_id == run_id,
+                    StepRollup.step.in_(steps[start : start + 500]),
+                    *latest,
+                )
+            ).all()
+    of_steps = pd.DataFrame(medians, columns=["step", *(f"median_{c}" for c in _MEASURED)])
+    frame = frame.merge(of_steps, on="step", how="left")
     return frame.sort_values(["step", "rank"], ignore_index=True)
 
 
-def rank_phases(bind: Bind, run_id: str, *, window: int = 20) -> pd.DataFrame:
-    """Each rank's mean step time, compute time and phases over the latest `window` steps, with
-    its straggler score: RANK_PHASE_COLUMNS, by rank.
+# The rank columns a node's heatmap can show, each beside its step's median over all ranks.
+_MEASURED = RANK_STEP_COLUMNS[2:]
 
-    relative_score is the straggler detector's relative score on those means: the median compute
-    time of the other ranks over the rank's own (1 typical, 0.5 twice as slow as its peers).
+
+def rank_phases(bind: Bind, run_id: str, ranks: list[int], *, window: int = 20) -> pd.DataFrame:
+    """Each of `ranks`' mean step time, compute time and phases over the latest `window` steps,
+    with its straggler score: RANK_PHASE_COLUMNS, by rank.
+
+    relative_score is the straggler detector's relative score on those means: the mean over the
+    steps of the median compute time of all ranks (from the rollups) over the rank's own mean
+    (1 typical, 0.5 twice as slow as its peers).
     """
     columns = ["step_s", "compute_s", *PHASE_COLUMNS]
     with connection_of(bind) as connection:
         last_step = _last_step(connection, run_id)
-        if last_step is None:
+        if last_step is None or not ranks:
             return pd.DataFrame(columns=RANK_PHASE_COLUMNS)
         rows = connection.execute(
             select(RankStep.rank, *(func.avg(getattr(RankStep, c)) for c in columns))
             .where(
                 RankStep.run_id == run_id,
                 RankStep.step > last_step - window,
+                RankStep.rank.in_(ranks),
                 _latest_attempt(connection, run_id),
             )
             .group_by(RankStep.rank)
             .order_by(RankStep.rank)
         ).all()
+        peers = connection.execute(
+            select(func.avg(StepRollup.compute_median)).where(
+                StepRollup.run_id == run_id,
+                StepRollup.step > last_step - window,
+                *_latest_rollup(connection, run_id),
+            )
+        ).scalar()
     frame = pd.DataFrame(rows, columns=["rank", *columns]).astype(dict.fromkeys(columns, float))
-    ordered = sorted(frame["compute_s"])
     frame["relative_score"] = [
-        median_without(ordered, own) / own if own > 0 and len(ordered) > 1 else math.nan
-        for own in frame["compute_s"]
+        peers / own if peers and own > 0 else math.nan for own in frame["compute_s"]
     ]
     return frame
+
+
+def slowest_now(bind: Bind, run_id: str, *, k: int = 8) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The slowest ranks (SLOWEST_RANK_COLUMNS, from the latest rollup) and nodes
+    (SLOWEST_NODE_COLUMNS, from its node rows) at the run's latest rolled-up step, slowest first;
+    `relative` is own compute time over the step's median rank's, `steps` is 1."""
+    with connection_of(bind) as connection:
+        latest = connection.execute(
+            select(
+                StepRollup.step, StepRollup.attempt, StepRollup.slowest, StepRollup.compute_median
+            )
+            .where(StepRollup.run_id == run_id)
+            .order_by(StepRollup.step.desc(), StepRollup.attempt.desc())
+            .limit(1)
+        ).first()
+        if latest is None:
+            return _empty(SLOWEST_RANK_COLUMNS), _empty(SLOWEST_NODE_COLUMNS)
+        nodes = connection.execute(
+            select(NodeStep.node, NodeStep.worst_rank, NodeStep.relative)
+            .where(
+                NodeStep.run_id == run_id,
+                NodeStep.step == latest.step,
+                NodeStep.attempt == latest.attempt,
+            )
+            .order_by(NodeStep.relative.desc(), NodeStep.node)
+            .limit(k)
+        ).all()
+    median = latest.compute_median
+    ranks = [
+        (rank, node, seconds, seconds / median if median else math.nan, 1)
+        for rank, node, seconds in (latest.slowest or [])[:k]
+    ]
+    return (
+        pd.DataFrame(ranks, columns=SLOWEST_RANK_COLUMNS),
+        pd.DataFrame([(*row, 1) for row in nodes], columns=SLOWEST_NODE_COLUMNS),
+    )
+
+
+def slowest_over_run(
+    bind: Bind, run_id: str, *, k: int = 8, max_steps: int = 1000
+) -> tuple[pd.DataFrame, pd.DataFrame, int]:
+    """The ranks and nodes most often among each step's slowest ranks over the whole run, at up to
+    `max_steps` sampled steps of its rollups: SLOWEST_RANK_COLUMNS and SLOWEST_NODE_COLUMNS, the
+    k most frequent first (`steps`: at how many sampled steps; compute_s and relative: their
+    worst), and how many steps were read."""
+    steps = sampled_steps(bind, run_id, max_steps)
+    rank_seen: dict[int, list[Any]] = {}
+    node_seen: dict[str, list[Any]] = {}
+    with connection_of(bind) as connection:
+        latest = _latest_rollup(connection, run_id)
+        for start in range(0, len(steps), 500):
+            for slowest, median in connection.execute(
+                select(StepRollup.slowest, StepRollup.compute_median).where(
+                    StepRollup.run_id == run_id,
+                    StepRollup.step.in_(steps[start : start + 500]),
+                    *latest,
+                )
+            ):
+                counted: set[str] = set()
+                for rank, node, seconds in slowest or []:
+                    relative = seconds / median if median else math.nan
+                    seen = rank_seen.setdefault(rank, [node, 0.0, 0.0, 0])
+                    seen[1], seen[2] = max(seen[1], seconds), max(seen[2], relative)
+                    seen[3] += 1
+                    by_node = node_seen.setdefault(node, [rank, relative, 0])
+                    if relative > by_node[1]:
+                        by_node[0], by_node[1] = rank, relative
+                    if node not in counted:
+                        counted.add(node)
+                        by_node[2] += 1
+    ranks = sorted(rank_seen.items(), key=lambda item: (-item[1][3], -item[1][1], item[0]))[:k]
+    nodes = sorted(node_seen.items(), key=lambda item: (-item[1][2], -item[1][1], item[0]))[:k]
+    return (
+        pd.DataFrame([(rank, *seen) for rank, seen in ranks], columns=SLOWEST_RANK_COLUMNS),
+        pd.DataFrame([(node, *seen) for node, seen in nodes], columns=SLOWEST_NODE_COLUMNS),
+        len(steps),
+    )
+
+
+def find_ranks(bind: Bind, run_id: str, text: str, *, limit: int = 50) -> pd.DataFrame:
+    """Ranks whose number is `text` or whose host contains it: FOUND_COLUMNS, by rank, at most
+    `limit`; a rank without a registered host is on node "rank<N>"."""
+    text = text.strip()
+    with connection_of(bind) as connection:
+        world = connection.execute(select(Run.world_size).where(Run.run_id == run_id)).scalar()
+        if text.isdecimal():
+            rank = int(text)
+            if world is None or rank >= world:
+                return _empty(FOUND_COLUMNS)
+            host = connection.execute(
+                select(Rank.host).where(Rank.run_id == run_id, Rank.rank == rank)
+            ).scalar()
+            return pd.DataFrame([(rank, host or f"rank{rank}")], columns=FOUND_COLUMNS)
+        pattern = "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        rows = connection.execute(
+            select(Rank.rank, Rank.host)
+            .where(Rank.run_id == run_id, Rank.host.ilike(pattern, escape="\\"))
+            .order_by(Rank.rank)
+            .limit(limit)
+        ).all()
+    return pd.DataFrame(rows, columns=FOUND_COLUMNS)
+
+
+def _empty(columns: list[str]) -> pd.DataFrame:
+    return pd.DataFrame(columns=columns)
 
 
 def markers(bind: Bind, run_id: str, *, limit: int = 2000) -> pd.DataFrame:
@@ -288,7 +514,10 @@ def checkpoint_parts(bind: Bind, run_id: str) -> pd.DataFrame:
     with connection_of(bind) as connection:
         rows = connection.execute(
             select(*(getattr(Checkpoint, column) for column in PART_COLUMNS)).where(
-                Checkpoint.run_id == run_id, Checkpoint.tier.in_(TIERS), *COMMITTED
+                Checkpoint.run_id == run_id,
+                Checkpoint.tier.in_(TIERS),
+                Checkpoint.part == "",
+                *COMMITTED,
             )
         ).all()
     parts = pd.DataFrame(rows, columns=PART_COLUMNS)
@@ -300,6 +529,45 @@ def checkpoint_parts(bind: Bind, run_id: str) -> pd.DataFrame:
         ["step", "tier", "node"],
         key=lambda column: column.map(order[column.name]) if column.name in order else column,
         ignore_index=True,
+    )
+
+
+COPY_COLUMNS = ["step", "copies", "node_loss_safe"]
+
+
+def checkpoint_copies(bind: Bind, run_id: str) -> pd.DataFrame:
+    """For each checkpoint of `run_id` spread over nodes: COPY_COLUMNS, by step.
+
+    `copies` names, for each node's part, the nodes that committed a copy of it on their memory
+    or SSD (its own node, and each peer holding a replica): "node0: node0, node1 · node1: node1,
+    node0". `node_loss_safe`: every part has copies on 2 nodes or more, so losing any one node
+    loses none of it (S3's whole copy aside).
+    """
+    with connection_of(bind) as connection:
+        rows = connection.execute(
+            select(Checkpoint.step, Checkpoint.node, Checkpoint.part).where(
+                Checkpoint.run_id == run_id,
+                Checkpoint.tier.in_(("memory", "ssd")),
+                Checkpoint.node != "",
+                *COMMITTED,
+            )
+        ).all()
+    holders: dict[int, dict[str, set[str]]] = {}
+    for step, node, part in rows:
+        holders.setdefault(int(step), {}).setdefault(part or node, set()).add(node)
+    return pd.DataFrame(
+        [
+            {
+                "step": step,
+                "copies": " · ".join(
+                    f"{owner}: {', '.join(_by_name(parts[owner]))}"
+                    for owner in _by_name(set(parts))
+                ),
+                "node_loss_safe": all(len(nodes) >= 2 for nodes in parts.values()),
+            }
+            for step, parts in sorted(holders.items())
+        ],
+        columns=COPY_COLUMNS,
     )
 
 
@@ -332,7 +600,8 @@ def checkpoint_timeline(bind: Bind, run_id: str) -> pd.DataFrame:
                 func.max(Checkpoint.seconds).label("seconds"),
                 _joined(connection, case((held, Checkpoint.node))).label("nodes"),
             )
-            .where(Checkpoint.run_id == run_id)
+            # Each node's own part: peer replicas are `checkpoint_copies`'.
+            .where(Checkpoint.run_id == run_id, Checkpoint.part == "")
             .group_by(Checkpoint.step, Checkpoint.tier)
             .order_by(Checkpoint.step)
         ).all()
@@ -481,25 +750,42 @@ def _last_step(connection: Any, run_id: str) -> int | None:
 
 
 def _recent_steps(connection: Any, run_id: str, last_step: int | None, count: int) -> pd.DataFrame:
-    """The run's latest `count` steps up to `last_step`: step, mean loss over ranks, tokens of all
-    ranks and wall time (the slowest rank's step time)."""
+    """The run's latest `count` steps up to `last_step`, from their rollups: step, mean loss over
+    ranks, tokens of all ranks and wall time (the slowest rank's step time)."""
     rows: list[Any] = []
     if last_step is not None:
         rows = connection.execute(
             select(
-                RankStep.step,
-                func.avg(RankStep.loss),
-                func.sum(RankStep.tokens),
-                func.max(RankStep.step_s),
+                StepRollup.step, StepRollup.loss_mean, StepRollup.tokens, StepRollup.step_max
+            ).where(
+                StepRollup.run_id == run_id,
+                StepRollup.step > last_step - count,
+                *_latest_rollup(connection, run_id),
             )
-            .where(
-                RankStep.run_id == run_id,
-                RankStep.step > last_step - count,
-                _latest_attempt(connection, run_id),
-            )
-            .group_by(RankStep.step)
         ).all()
     return pd.DataFrame(rows, columns=["step", "loss", "tokens", "wall_s"])
+
+
+def _latest_rollup(connection: Any, run_id: str) -> list[ColumnElement[bool]]:
+    """LATEST_ROLLUP, or no condition for a run never restarted."""
+    attempt = connection.execute(select(Run.attempt).where(Run.run_id == run_id)).scalar()
+    return [LATEST_ROLLUP] if attempt else []
+
+
+def _latest_node_attempt(connection: Any, run_id: str) -> list[ColumnElement[bool]]:
+    """Only each step's latest attempt's node rows, or no condition for a run never restarted."""
+    attempt = connection.execute(select(Run.attempt).where(Run.run_id == run_id)).scalar()
+    if not attempt:
+        return []
+    newer = aliased(NodeStep)
+    return [
+        ~exists().where(
+            newer.run_id == NodeStep.run_id,
+            newer.step == NodeStep.step,
+            newer.node == NodeStep.node,
+            newer.attempt > NodeStep.attempt,
+        )
+    ]
 
 
 def _last_loss(steps: pd.DataFrame) -> float:

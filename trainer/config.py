@@ -49,6 +49,8 @@ class TrainConfig:
     ckpt_every: int = 100
     # What a save requested while the previous one still streams does: "wait" or "skip".
     ckpt_policy: str = "wait"
+    # Copies of each node's part of a checkpoint on distinct nodes (R); 0: ckptd's default.
+    replicas: int = 0
     resume: bool = False
     seed: int = 1234
     seq_len: int = 128
@@ -81,6 +83,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.replicas < 0:
+            raise ValueError(
+                f"--replicas must be 1 or more (0: ckptd's default), got {self.replicas}"
+            )
         if self.ckpt_policy not in ("wait", "skip"):
             raise ValueError(f"--ckpt-policy must be wait or skip, got {self.ckpt_policy!r}")
         if self.ckpt_every < 0:
@@ -131,6 +137,13 @@ def parser() -> argparse.ArgumentParser:
         default=TrainConfig.ckpt_policy,
         choices=("wait", "skip"),
         help="a save requested while the previous one streams: wait for it, or skip this one",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=TrainConfig.replicas,
+        help="copies of each node's part of a checkpoint, on distinct nodes (R; 1: none; "
+        "default: ckptd's, 2 where there are 2 nodes or more)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
@@ -237,6 +250,7 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
         steps=args.steps,
         ckpt_every=args.ckpt_every,
         ckpt_policy=args.ckpt_policy,
+        replicas=args.replicas,
         resume=args.resume,
         seed=args.seed,
         seq_len=args.seq_len,

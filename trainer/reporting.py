@@ -52,10 +52,12 @@ class Reporter:
         device: torch.device,
         param_dtype: torch.dtype,
         launched_at: Timestamp,
+        param_bytes: list[int],
     ) -> None:
         """Register the run from rank 0 (with what MFU needs: precision, dense peak) and share its
         attempt with every rank; call it on every rank. `launched_at` is when the job started,
-        which is where the run's wall time (and start-up badput) begins."""
+        which is where the run's wall time (and start-up badput) begins. `param_bytes`: each
+        rank's parameter bytes after the build, by rank, sent with the run-started event."""
         if self.client is None:
             return
         if self.rank == 0:
@@ -84,20 +86,25 @@ class Reporter:
                 telemetry_pb2.EVENT_KIND_RUN_STARTED,
                 0,
                 "run started" if not cfg.resume else "run resumed",
+                attributes={"param_bytes_per_rank": json.dumps(param_bytes)},
             )
         if world > 1:
             shared = [self.attempt]
             dist.broadcast_object_list(shared, src=0)
             self.attempt = shared[0]
 
-    def restarted(self, step: int) -> None:
-        """The job resumed at `step` after an earlier attempt stopped (rank 0 reports it)."""
+    def restarted(self, step: int, restored_from: dict[str, int]) -> None:
+        """The job resumed at `step` after an earlier attempt stopped (rank 0 reports it), with
+        the bytes its restore read from each copy (`Checkpointer.restored_from`)."""
         if self.rank == 0 and self.attempt > 0:
             self._event(
                 telemetry_pb2.EVENT_KIND_RESTART,
                 step,
                 f"attempt {self.attempt} resumed from step {step}",
-                attributes={"attempt": str(self.attempt)},
+                attributes={
+                    "attempt": str(self.attempt),
+                    "restored_from": json.dumps(restored_from),
+                },
             )
 
     def step(

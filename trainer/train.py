@@ -21,20 +21,26 @@ import torch
 import torch.distributed as dist
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from ckptd.readpath import describe_sources
 from scaletrain.errors import NotFound, ScaletrainError, UserError
-from trainer.checkpoint.checkpointer import Checkpointer, SaveDone, SavePolicy, SaveStarted
+from trainer.checkpoint.checkpointer import (
+    Checkpointer,
+    SaveDone,
+    SavePolicy,
+    SaveStarted,
+)
 from trainer.checkpoint.digest import probe_logits_sha256, state_sha256
 from trainer.config import TrainConfig
 from trainer.data.corpus import stdlib_corpus
 from trainer.data.loader import DeterministicLoader, LoaderOffset
-from trainer.fp8 import convert_to_fp8, make_recipe
+from trainer.fp8 import Fp8Training
 from trainer.health.guard import StepGuard, replica_groups
 from trainer.health.inject import FaultInjector
 from trainer.health.preflight import check_ranks
 from trainer.health.watchdog import REPORT_WAIT_S, PeerBoard, Watchdog
 from trainer.model.llama import Transformer
-from trainer.parallel.dims import MESH_DIMS, validate_layout
-from trainer.parallel.parallelize import parallelize
+from trainer.parallel.dims import MESH_DIMS, ParallelMesh, validate_layout
+from trainer.parallel.parallelize import ParallelModel, build_model
 from trainer.reporting import Reporter
 
 
@@ -107,6 +113,27 @@ def lr_lambda(warmup: int, total: int):
     return factor
 
 
+def build(
+    cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, rank: int
+) -> tuple[ParallelModel, Fp8Training | None, int, list[int]]:
+    """The laid-out model with only this rank's shards allocated (`build_model`), its FP8 side,
+    its parameter count, and every rank's parameter bytes after the build (a collective), which
+    rank 0 logs: what each rank holds is what decides whether a model fits."""
+    parallel, fp8 = build_model(cfg, mesh, device)
+    with torch.device("meta"):
+        whole = Transformer(cfg.model)
+    param_bytes = [0] * mesh.dims.world_size
+    dist.all_gather_object(param_bytes, parallel.param_bytes())
+    if rank == 0:
+        full_mb = 4 * whole.num_params(exclude_embedding=False) / 1e6
+        print(
+            f"[trainer] parameters per rank after the build: {min(param_bytes) / 1e6:,.1f}"
+            f"..{max(param_bytes) / 1e6:,.1f} MB (the whole model in fp32: {full_mb:,.1f} MB)",
+            flush=True,
+        )
+    return parallel, fp8, whole.num_params(), param_bytes
+
+
 def train(cfg: TrainConfig) -> None:
     launched_at = Timestamp()
     launched_at.GetCurrentTime()
@@ -119,23 +146,8 @@ def train(cfg: TrainConfig) -> None:
     torch.use_deterministic_algorithms(True)
     mesh = dims.build_mesh(device.type)
 
-    # The model starts identical on every rank (same seed), then the layout shards it.
-    model = Transformer(cfg.model)
-    model.init_weights(cfg.seed)
-    model.to(device)
-    n_params = model.num_params()
-    # FP8 swaps the linears before the layout wraps them (TP shards them, FSDP2 shards them).
-    fp8 = None
-    if cfg.fp8 != "none":
-        recipe = make_recipe(cfg.fp8, cfg.fp8_options)
-        fp8 = convert_to_fp8(
-            model,
-            recipe,
-            cfg.fp8_keep_high_precision,
-            all_gather=cfg.fp8_all_gather,
-            count_every=cfg.fp8_count_every,
-        )
-    parallel = parallelize(model, mesh, cfg, device)
+    parallel, fp8, n_params, param_bytes = build(cfg, mesh, device, rank)
+    model = parallel.model
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
     )
@@ -149,6 +161,7 @@ def train(cfg: TrainConfig) -> None:
     reporter.register_run(
         cfg, world, dims.layout(), n_params, _hardware(device), corpus.sha256,
         device=device, param_dtype=next(model.parameters()).dtype, launched_at=launched_at,
+        param_bytes=param_bytes,
     )  # fmt: skip
     _flush_on_termination(reporter)
     faults = FaultInjector(cfg.faults, rank, cfg.model.vocab_size, device)
@@ -167,6 +180,7 @@ def train(cfg: TrainConfig) -> None:
             loader,
             SavePolicy(cfg.ckpt_policy),
             fp8=fp8,
+            replicas=cfg.replicas,
             timeout=timeout,
         )
         if cfg.ckptd
@@ -177,7 +191,7 @@ def train(cfg: TrainConfig) -> None:
     # After torchrun restarted the job, every rank resumes from the latest committed checkpoint.
     if cfg.resume or restart_count() > 0:
         start_step = resume(cfg, checkpointer, reporter, loader, rank, required=cfg.resume)
-        reporter.restarted(start_step)
+        reporter.restarted(start_step, checkpointer.restored_from if checkpointer else {})
     watchdog = Watchdog(
         cfg.watchdog, rank, heartbeat=reporter.heartbeat,
         on_hang=lambda hang: reporter.hang(hang, REPORT_WAIT_S), peers=_peer_board(rank, world),
@@ -386,7 +400,8 @@ def resume(
     if rank == 0:
         print(
             f"[trainer] resumed run {cfg.run_id} from step {train_state['step']} "
-            f"(global sample {expected.global_sample})",
+            f"(global sample {expected.global_sample}); read "
+            f"{describe_sources(checkpointer.restored_from)}",
             flush=True,
         )
     return int(train_state["step"])

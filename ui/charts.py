@@ -60,10 +60,41 @@ def loss_chart(points: pd.DataFrame, markers: pd.DataFrame) -> alt.LayerChart:
     return (band + line + ticks + rules).interactive(bind_y=False)
 
 
+# Typical dark, 2x the median and above bright: noise of a few per cent stays one colour and a
+# straggler's (or a slow node's) row stands out.
+_RELATIVE_SCALE = alt.Scale(scheme="inferno", domain=[0.8, 2.0], clamp=True)
+
+
+def node_heatmap(grid: pd.DataFrame) -> alt.Chart:
+    """A nodes x steps grid (`views.node_steps`), each cell the node's worst rank relative to the
+    step's median rank, slowest nodes at the top."""
+    order = list(
+        grid.groupby("node")["relative"].max().sort_values(ascending=False, kind="stable").index
+    )
+    return (
+        alt.Chart(grid)
+        .mark_rect()
+        .encode(
+            x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
+            y=alt.Y("node:N", title="node", sort=order),
+            color=alt.Color("relative:Q", title="worst rank x median", scale=_RELATIVE_SCALE),
+            tooltip=["step", "node", "worst_rank", "ranks",
+                     alt.Tooltip("worst_compute_s:Q", title="worst compute_s", format=".4f"),
+                     alt.Tooltip("relative:Q", format=".2f")],
+        )
+        .properties(height=max(160, min(720, 14 * len(order))))
+    )  # fmt: skip
+
+
 def rank_heatmap(steps: pd.DataFrame, metric: str) -> alt.Chart:
-    """A ranks x steps grid of `metric` (a column of the frame), coloured relative to the median
-    rank of each step, so a slow rank is a bright row whatever the absolute times."""
-    median = steps.groupby("step")[metric].transform("median")
+    """A ranks x steps grid of `metric` (a column of the frame), coloured relative to the step's
+    median rank: its `median_<metric>` column (all ranks of the job) when the frame has one, else
+    the median of the ranks drawn, so a slow rank is a bright row whatever the absolute times."""
+    median = (
+        steps[f"median_{metric}"]
+        if f"median_{metric}" in steps
+        else steps.groupby("step")[metric].transform("median")
+    )
     frame = steps.assign(value=steps[metric], relative=steps[metric] / median.where(median > 0))
     return (
         alt.Chart(frame)
@@ -71,18 +102,26 @@ def rank_heatmap(steps: pd.DataFrame, metric: str) -> alt.Chart:
         .encode(
             x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
             y=alt.Y("rank:O", title="rank"),
-            color=alt.Color(
-                "relative:Q",
-                title="x median rank",
-                # Typical ranks dark, 2x the median and above bright: noise of a few per cent
-                # stays one colour and a straggler's row stands out.
-                scale=alt.Scale(scheme="inferno", domain=[0.8, 2.0], clamp=True),
-            ),
+            color=alt.Color("relative:Q", title="x median rank", scale=_RELATIVE_SCALE),
             tooltip=["step", "rank", alt.Tooltip("value:Q", title=metric, format=".4f"),
                      alt.Tooltip("relative:Q", format=".2f")],
         )
         .properties(height=max(160, min(640, 10 * steps["rank"].nunique())))
     )  # fmt: skip
+
+
+def throughput_chart(points: pd.DataFrame) -> alt.Chart:
+    """Tokens/s of all ranks at each sampled step (`views.loss_points`)."""
+    return (
+        alt.Chart(points)
+        .mark_line(color="#4c78a8")
+        .encode(
+            x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1)),
+            y=alt.Y("tokens_per_s:Q", title="tokens/s", scale=alt.Scale(zero=False)),
+            tooltip=["step", alt.Tooltip("tokens_per_s:Q", format=",.0f")],
+        )
+        .interactive(bind_y=False)
+    )
 
 
 def phase_chart(phases: pd.DataFrame) -> alt.Chart:

@@ -75,8 +75,8 @@ GOODPUT_TTL_S = 60
 def cached_goodput(url: str, run_id: str) -> Goodput:
     """Goodput of `run_id`, at most GOODPUT_TTL_S old.
 
-    Cached because it is the one figure that reads every record of the run (seconds on a run of
-    100k steps x 64 ranks): a live page refreshing every REFRESH_S must not recompute it each
-    time. Pages draw everything else first and fill it in last.
+    Cached because it is the one figure that reads the whole run (its step rollups: one row per
+    step, a million on a long run): a live page refreshing every REFRESH_S must not recompute it
+    each time. Pages draw everything else first and fill it in last.
     """
     return goodput(read_only_engine(url), run_id)

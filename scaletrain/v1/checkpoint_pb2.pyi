@@ -55,7 +55,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class OpenSaveRequest(_message.Message):
-    __slots__ = ("ref", "world_size", "labels", "retention")
+    __slots__ = ("ref", "world_size", "labels", "retention", "replicas")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,21 +67,25 @@ class OpenSaveRequest(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
     world_size: int
     labels: _containers.ScalarMap[str, str]
     retention: RetentionPolicy
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ...) -> None: ...
+    replicas: int
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class RetentionPolicy(_message.Message):
-    __slots__ = ("memory_last", "ssd_last", "s3_every")
+    __slots__ = ("memory_last", "ssd_last", "s3_every", "replicas")
     MEMORY_LAST_FIELD_NUMBER: _ClassVar[int]
     SSD_LAST_FIELD_NUMBER: _ClassVar[int]
     S3_EVERY_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     memory_last: int
     ssd_last: int
     s3_every: int
-    def __init__(self, memory_last: _Optional[int] = ..., ssd_last: _Optional[int] = ..., s3_every: _Optional[int] = ...) -> None: ...
+    replicas: int
+    def __init__(self, memory_last: _Optional[int] = ..., ssd_last: _Optional[int] = ..., s3_every: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class OpenSaveResponse(_message.Message):
     __slots__ = ("save_id", "epoch", "coordinator", "coordinator_address")
@@ -244,7 +248,7 @@ class FileInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FileKind, str]] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("ref", "world_size", "committed", "tiers", "files", "total_bytes", "created_at", "committed_at", "labels", "retention", "node", "parts")
+    __slots__ = ("ref", "world_size", "committed", "tiers", "files", "total_bytes", "created_at", "committed_at", "labels", "retention", "node", "parts", "node_loss_safe")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +268,7 @@ class CheckpointInfo(_message.Message):
     RETENTION_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_LOSS_SAFE_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
     world_size: int
     committed: bool
@@ -276,10 +281,11 @@ class CheckpointInfo(_message.Message):
     retention: RetentionPolicy
     node: str
     parts: _containers.RepeatedCompositeFieldContainer[NodePart]
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., committed: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ..., node: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[NodePart, _Mapping]]] = ...) -> None: ...
+    node_loss_safe: bool
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., committed: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ..., node: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[NodePart, _Mapping]]] = ..., node_loss_safe: _Optional[bool] = ...) -> None: ...
 
 class NodePart(_message.Message):
-    __slots__ = ("node", "address", "files", "bytes", "tiers", "reachable", "error")
+    __slots__ = ("node", "address", "files", "bytes", "tiers", "reachable", "error", "replicas", "copies")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +293,8 @@ class NodePart(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     node: str
     address: str
     files: int
@@ -294,7 +302,17 @@ class NodePart(_message.Message):
     tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
     reachable: bool
     error: str
-    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., files: _Optional[int] = ..., bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[PartCopy]
+    copies: int
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., files: _Optional[int] = ..., bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[PartCopy, _Mapping]]] = ..., copies: _Optional[int] = ...) -> None: ...
+
+class PartCopy(_message.Message):
+    __slots__ = ("node", "tiers")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
+    def __init__(self, node: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ...) -> None: ...
 
 class ListCheckpointsRequest(_message.Message):
     __slots__ = ("run", "include_uncommitted", "nodes")
@@ -313,12 +331,14 @@ class ListCheckpointsResponse(_message.Message):
     def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ...) -> None: ...
 
 class GetCheckpointRequest(_message.Message):
-    __slots__ = ("ref", "latest")
+    __slots__ = ("ref", "latest", "node_loss_safe")
     REF_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
+    NODE_LOSS_SAFE_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
     latest: bool
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., latest: _Optional[bool] = ...) -> None: ...
+    node_loss_safe: bool
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., latest: _Optional[bool] = ..., node_loss_safe: _Optional[bool] = ...) -> None: ...
 
 class ReadFileRequest(_message.Message):
     __slots__ = ("ref", "path", "offset", "length", "tier", "local_only")
@@ -337,16 +357,50 @@ class ReadFileRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., local_only: _Optional[bool] = ...) -> None: ...
 
 class ReadFileResponse(_message.Message):
-    __slots__ = ("offset", "data", "crc32c", "tier")
+    __slots__ = ("offset", "data", "crc32c", "tier", "node")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     offset: int
     data: bytes
     crc32c: int
     tier: _common_pb2.Tier
-    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ...) -> None: ...
+    node: str
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., node: _Optional[str] = ...) -> None: ...
+
+class OpenReadRequest(_message.Message):
+    __slots__ = ("ref", "path", "offset", "length", "tier", "local_only")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ref: CheckpointRef
+    path: str
+    offset: int
+    length: int
+    tier: _common_pb2.Tier
+    local_only: bool
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., local_only: _Optional[bool] = ...) -> None: ...
+
+class OpenReadResponse(_message.Message):
+    __slots__ = ("ticket", "data_host", "data_port", "ticket_ttl_s", "offset", "length")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_HOST_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    data_host: str
+    data_port: int
+    ticket_ttl_s: float
+    offset: int
+    length: int
+    def __init__(self, ticket: _Optional[bytes] = ..., data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket_ttl_s: _Optional[float] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class DeleteCheckpointRequest(_message.Message):
     __slots__ = ("ref", "local_only")
@@ -365,24 +419,28 @@ class DeleteCheckpointResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., pending: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ("node", "address", "instance")
+    __slots__ = ("node", "address", "instance", "zone")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    ZONE_FIELD_NUMBER: _ClassVar[int]
     node: str
     address: str
     instance: str
-    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
+    zone: str
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., instance: _Optional[str] = ..., zone: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("node", "address", "instance")
+    __slots__ = ("node", "address", "instance", "zone")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    ZONE_FIELD_NUMBER: _ClassVar[int]
     node: str
     address: str
     instance: str
-    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
+    zone: str
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., instance: _Optional[str] = ..., zone: _Optional[str] = ...) -> None: ...
 
 class PartFile(_message.Message):
     __slots__ = ("path", "rank", "kind", "size", "block_crcs", "node")
@@ -496,12 +554,38 @@ class CatalogRequest(_message.Message):
     def __init__(self, run: _Optional[str] = ...) -> None: ...
 
 class CatalogEntry(_message.Message):
-    __slots__ = ("manifest", "tiers")
+    __slots__ = ("manifest", "tiers", "replicas")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaHeld]
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaHeld, _Mapping]]] = ...) -> None: ...
+
+class ReplicaHeld(_message.Message):
+    __slots__ = ("owner", "tiers")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStatus]
+    def __init__(self, owner: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ...) -> None: ...
+
+class OfferReplicaRequest(_message.Message):
+    __slots__ = ("ref", "owner", "sender")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    ref: CheckpointRef
+    owner: str
+    sender: str
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., owner: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
+
+class OfferReplicaResponse(_message.Message):
+    __slots__ = ("queued",)
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    queued: bool
+    def __init__(self, queued: _Optional[bool] = ...) -> None: ...
 
 class CatalogResponse(_message.Message):
     __slots__ = ("node", "entries")

@@ -91,6 +91,11 @@ class CheckpointServiceStub:
                 request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.ReadFileRequest.SerializeToString,
                 response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.ReadFileResponse.FromString,
                 _registered_method=True)
+        self.OpenRead = channel.unary_unary(
+                '/scaletrain.v1.CheckpointService/OpenRead',
+                request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.OpenReadRequest.SerializeToString,
+                response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.OpenReadResponse.FromString,
+                _registered_method=True)
         self.DeleteCheckpoint = channel.unary_unary(
                 '/scaletrain.v1.CheckpointService/DeleteCheckpoint',
                 request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.DeleteCheckpointRequest.SerializeToString,
@@ -195,6 +200,24 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenRead(self, request, context):
+        """The fast path of ReadFile: the bytes of one range over ckptd's data socket (the one that
+        OpenUpload's bytes take), instead of through gRPC's transport.
+        1. OpenRead checks the request exactly as ReadFile does (same grant, same errors: a bad
+        name or range fails here) and answers a ticket: random, single use, to be presented on
+        the data socket within `ticket_ttl_s`, and the range it resolved (`length` 0: the end).
+        2. The client connects to the data socket and sends the 32 ticket bytes; ckptd answers
+        with frames in order that cover exactly the range, each a 20-byte head (little-endian):
+        kind (uint8: 0 data, 1 error), tier (uint8, Tier), 2 zero bytes, offset (int64),
+        length (uint32), CRC-32C of the data (uint32); then the data. A piece that fails (no
+        tier has a verified copy) ends the range with an error frame: its offset is the gRPC
+        status code, its data a one-line UTF-8 message of at most 4096 bytes.
+        OpenRead answers UNIMPLEMENTED when OpenUpload would; the client then uses ReadFile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DeleteCheckpoint(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -253,6 +276,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.ReadFile,
                     request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.ReadFileRequest.FromString,
                     response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.ReadFileResponse.SerializeToString,
+            ),
+            'OpenRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenRead,
+                    request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.OpenReadRequest.FromString,
+                    response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.OpenReadResponse.SerializeToString,
             ),
             'DeleteCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteCheckpoint,
@@ -548,6 +576,33 @@ class CheckpointService:
             _registered_method=True)
 
     @staticmethod
+    def OpenRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scaletrain.v1.CheckpointService/OpenRead',
+            scaletrain_dot_v1_dot_checkpoint__pb2.OpenReadRequest.SerializeToString,
+            scaletrain_dot_v1_dot_checkpoint__pb2.OpenReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def DeleteCheckpoint(request,
             target,
             options=(),
@@ -619,6 +674,11 @@ class ClusterServiceStub:
                 request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.CatalogRequest.SerializeToString,
                 response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.CatalogResponse.FromString,
                 _registered_method=True)
+        self.OfferReplica = channel.unary_unary(
+                '/scaletrain.v1.ClusterService/OfferReplica',
+                request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.OfferReplicaRequest.SerializeToString,
+                response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.OfferReplicaResponse.FromString,
+                _registered_method=True)
 
 
 class ClusterServiceServicer:
@@ -665,6 +725,14 @@ class ClusterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferReplica(self, request, context):
+        """Ask a node to copy a part of a committed checkpoint into its tiers (a replica); refused for
+        a step the receiver does not know as committed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -692,6 +760,11 @@ def add_ClusterServiceServicer_to_server(servicer, server):
                     servicer.Catalog,
                     request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.CatalogRequest.FromString,
                     response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.CatalogResponse.SerializeToString,
+            ),
+            'OfferReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferReplica,
+                    request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.OfferReplicaRequest.FromString,
+                    response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.OfferReplicaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -839,6 +912,33 @@ class ClusterService:
             '/scaletrain.v1.ClusterService/Catalog',
             scaletrain_dot_v1_dot_checkpoint__pb2.CatalogRequest.SerializeToString,
             scaletrain_dot_v1_dot_checkpoint__pb2.CatalogResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scaletrain.v1.ClusterService/OfferReplica',
+            scaletrain_dot_v1_dot_checkpoint__pb2.OfferReplicaRequest.SerializeToString,
+            scaletrain_dot_v1_dot_checkpoint__pb2.OfferReplicaResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -239,16 +239,18 @@ class ReportStepsResponse(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
 class CheckpointEvent(_message.Message):
-    __slots__ = ("tier", "bytes", "seconds", "node")
+    __slots__ = ("tier", "bytes", "seconds", "node", "replica_of")
     TIER_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_OF_FIELD_NUMBER: _ClassVar[int]
     tier: _common_pb2.Tier
     bytes: int
     seconds: float
     node: str
-    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., node: _Optional[str] = ...) -> None: ...
+    replica_of: str
+    def __init__(self, tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., node: _Optional[str] = ..., replica_of: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("run_id", "step", "rank", "kind", "message", "time", "attributes", "checkpoint")

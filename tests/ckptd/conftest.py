@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from ckptd_testing import FAST_RETRIES
+from cluster_testing import Cluster
 
 from ckptd.config import CkptdConfig, S3Config
 from ckptd.server import RunningCkptd, start
@@ -78,3 +79,18 @@ def run_ckptd(tmp_path: Path) -> Iterator[Callable[..., RunningCkptd]]:
     yield _start
     for running in servers:
         running.stop(grace=1)
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
+    """Start clusters of ckptd processes (`Cluster`); all are stopped at teardown."""
+    made: list[Cluster] = []
+
+    def _make(n: int, s3: S3Config | None = None, *args: str, metrics: bool = False) -> Cluster:
+        cluster = Cluster(tmp_path, n, s3, args, metrics)
+        made.append(cluster)
+        return cluster
+
+    yield _make
+    for cluster in made:
+        cluster.close()

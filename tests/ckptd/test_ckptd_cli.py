@@ -40,9 +40,12 @@ def test_against_a_running_ckptd_every_command_works_and_verify_names_a_damaged_
 
     listed = json.loads(ckpt("ls", *at, "--json").stdout)
     total = sum(len(data) for _, _, data in files.values())
+    node = running.store.node
     assert listed == [
         {"run": "run", "step": 10, "world_size": 2, "bytes": total,
-         "tiers": ["memory", "ssd", "s3"]}
+         "tiers": ["memory", "ssd", "s3"],
+         # One node: its part has one copy, so losing that node would lose it (not S3's copy).
+         "node_loss_safe": False, "copies": {node: [node]}}
     ]  # fmt: skip
     shown = json.loads(ckpt("show", *at, "run", "--json").stdout)
     assert shown["step"] == 10 and {f["path"] for f in shown["files"]} == set(files)

@@ -14,13 +14,21 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 from ckptd_testing import ROOT, CkptdProcess, checkpoint_files, wait_for
+from cluster_testing import (
+    COMMITTED,
+    NO_REPLICAS,
+    assert_every_node_reads_back,
+    cluster_stub,
+    node_of_rank,
+    save,
+    steps_listed,
+    wait_until_every_node_sees_it_on_s3,
+)
 
 from ckptd.client import CkptdClient
 from ckptd.config import S3Config
@@ -29,121 +37,9 @@ from scaletrain.errors import (
     InvalidArgument,
     NotFound,
     ScaletrainError,
-    Unavailable,
 )
-from scaletrain.rpc import wait_until_healthy
 from scaletrain.stack import free_port
-from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
-
-Files = dict[str, tuple[int, int, bytes]]
-COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
-S3 = 3
-
-
-class Cluster:
-    """N ckptd processes that list each other as peers, each with its own data dir."""
-
-    def __init__(self, root: Path, n: int, s3: S3Config | None = None) -> None:
-        self.root, self.s3 = root, s3
-        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-        self.procs: list[CkptdProcess | None] = [None] * n
-        self.clients: list[CkptdClient] = [CkptdClient(a) for a in self.addresses]
-        with ThreadPoolExecutor(n) as pool:  # their start-ups overlap
-            list(pool.map(self.start, range(n)))
-
-    def data_dir(self, i: int) -> Path:
-        return self.root / f"node{i}" / "ckptd"
-
-    def start(self, i: int, crash_at: str | None = None) -> CkptdProcess:
-        peers = ",".join(a for j, a in enumerate(self.addresses) if j != i)
-        self.data_dir(i).mkdir(parents=True, exist_ok=True)
-        args = ("--listen", self.addresses[i], "--node", f"node{i}", "--peers", peers)
-        proc = CkptdProcess(
-            self.data_dir(i), self.s3, crash_at, (*args, "--sync-interval-s", "0.5")
-        )
-        self.procs[i] = proc
-        # gRPC shares connections between channels to one address: wait out the backoff of the
-        # one to the process this replaces, so the first call does not fail UNAVAILABLE.
-        wait_until_healthy(self.addresses[i], timeout_s=30)
-        self.clients[i].close()
-        self.clients[i] = CkptdClient(self.addresses[i])
-        return proc
-
-    def kill(self, i: int) -> None:
-        proc = self.procs[i]
-        if proc is not None:
-            proc.stop()
-            self.procs[i] = None
-
-    def close(self) -> None:
-        for client in self.clients:
-            client.close()
-        for i in range(len(self.procs)):
-            self.kill(i)
-
-
-@pytest.fixture
-def make_cluster(tmp_path: Path) -> Iterator:
-    made: list[Cluster] = []
-
-    def _make(n: int, s3: S3Config | None = None) -> Cluster:
-        cluster = Cluster(tmp_path, n, s3)
-        made.append(cluster)
-        return cluster
-
-    yield _make
-    for cluster in made:
-        cluster.close()
-
-
-def node_of_rank(rank: int, world_size: int, nodes: int) -> int:
-    return rank // (world_size // nodes)
-
-
-def save(cluster: Cluster, step: int, files: Files, world_size: int, commit: bool = True) -> str:
-    """A save as DCP makes it: the coordinator (rank 0, node 0) opens it, every rank joins it on
-    its own node's ckptd and writes its shard there; the metadata goes to node 0, which commits."""
-    nodes = len(cluster.clients)
-    opened = cluster.clients[0].open_save("run", step, world_size)
-    joined = set()
-    for path, (rank, kind, data) in files.items():
-        client = cluster.clients[node_of_rank(rank, world_size, nodes)]
-        if rank not in joined:
-            client.join_save(opened, "run", step, world_size)
-            joined.add(rank)
-        client.write_file(opened.save_id, path, rank, kind, data)
-    if commit:
-        cluster.clients[0].commit(opened.save_id)
-    return opened.save_id
-
-
-def steps_listed(client: CkptdClient) -> set[int] | None:
-    """The steps a node lists; None while it cannot be reached (just restarted)."""
-    try:
-        return {c.ref.step for c in client.list("run")}
-    except Unavailable:
-        return None
-
-
-def assert_every_node_reads_back(cluster: Cluster, step: int, files: Files) -> None:
-    for i, client in enumerate(cluster.clients):
-        for path, (_, _, data) in files.items():
-            assert client.read("run", step, path) == data, f"node {i} reading {path}"
-
-
-def wait_until_every_node_sees_it_on_s3(cluster: Cluster, step: int) -> None:
-    def whole_on_s3(client: CkptdClient) -> bool:
-        return next(t for t in client.get("run", step).tiers if t.tier == S3).state == COMMITTED
-
-    wait_for(
-        lambda: all(whole_on_s3(c) for c in cluster.clients),
-        timeout_s=60,
-        what=f"every node to see step {step} whole on S3",
-    )
-
-
-def cluster_stub(address: str) -> checkpoint_pb2_grpc.ClusterServiceStub:
-    return checkpoint_pb2_grpc.ClusterServiceStub(grpc.insecure_channel(address))
+from scaletrain.v1 import checkpoint_pb2
 
 
 @pytest.mark.parametrize("nodes", [2, 4])
@@ -179,7 +75,7 @@ def test_a_save_over_several_nodes_commits_on_every_node_and_any_node_serves_eve
 def test_a_node_lost_with_its_disk_is_replaced_empty_and_restores_its_part_from_s3(
     make_cluster, s3_config: S3Config
 ) -> None:
-    cluster = make_cluster(2, s3_config)
+    cluster = make_cluster(2, s3_config, *NO_REPLICAS)
     files = {s: checkpoint_files(world_size=4, shard_bytes=200_000, seed=s) for s in (10, 20)}
     save(cluster, 10, files[10], 4)
     wait_until_every_node_sees_it_on_s3(cluster, 10)
@@ -200,7 +96,7 @@ def test_a_node_lost_with_its_disk_is_replaced_empty_and_restores_its_part_from_
 def test_latest_skips_a_step_whose_part_is_on_a_node_that_is_down_and_not_on_s3(
     make_cluster,
 ) -> None:
-    cluster = make_cluster(2)  # no S3: a node's part lives only on that node
+    cluster = make_cluster(2, None, *NO_REPLICAS)  # no S3: a node's part is only on that node
     for step in (1, 2):
         save(cluster, step, checkpoint_files(world_size=2, shard_bytes=1000, seed=step), 2)
     assert cluster.clients[0].get("run").ref.step == 2
@@ -320,7 +216,7 @@ def test_messages_from_a_stale_coordinator_a_world_size_disagreement_and_unknown
 def test_a_part_damaged_on_its_node_is_read_from_s3_instead(
     make_cluster, s3_config: S3Config
 ) -> None:
-    cluster = make_cluster(2, s3_config)
+    cluster = make_cluster(2, s3_config, *NO_REPLICAS)
     files = checkpoint_files(world_size=2, shard_bytes=600_000, seed=11)
     save(cluster, 4, files, 2)
     wait_until_every_node_sees_it_on_s3(cluster, 4)

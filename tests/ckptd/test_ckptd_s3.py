@@ -66,8 +66,8 @@ def test_a_read_is_served_from_s3_when_the_ssd_copy_is_gone_or_corrupt(
 
     for path in ("__0_0.distcp", "__1_0.distcp"):
         pieces = list(store.iter_range(ref("run", 1), path))
-        assert b"".join(data for _, _, data in pieces) == files[path][2]
-        assert {tier for tier, _, _ in pieces} == {3}  # TIER_S3
+        assert b"".join(piece.data for piece in pieces) == files[path][2]
+        assert {piece.tier for piece in pieces} == {3}  # TIER_S3
     info = store.get(ref("run", 1))
     assert tier_states(info)["ssd"] == "FAILED"
 

@@ -19,9 +19,10 @@ from ckptd_testing import (
     trailer,
 )
 
+from ckptd.config import CkptdConfig
 from ckptd.datadir import list_offline
 from ckptd.manifest import data_crc32c
-from ckptd.store import CheckpointStore
+from ckptd.store import CheckpointStore, TierCommit
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.memory import MemoryFile
 from scaletrain.errors import (
@@ -281,10 +282,11 @@ def test_the_oldest_checkpoint_leaves_memory_first_once_a_slower_tier_holds_it(
     assert store.memory.used_bytes <= 5 << 20
 
 
-def test_a_read_falls_through_to_ssd_when_the_memory_copy_is_corrupt(
-    open_store: OpenStore,
+def test_a_read_falls_through_to_ssd_when_the_memory_copy_is_corrupt_and_says_so(
+    tmp_path: Path,
 ) -> None:
-    store = open_store()
+    heard: list[TierCommit] = []
+    store = CheckpointStore(CkptdConfig(data_dir=tmp_path / "ckptd"), on_tier_commit=heard.append)
     files = checkpoint_files(world_size=1, shard_bytes=1 << 20)
     store_save(store, "run", 1, files)
     key = CheckpointKey("run", 1)
@@ -294,9 +296,14 @@ def test_a_read_falls_through_to_ssd_when_the_memory_copy_is_corrupt(
     rotten.append(bytes(damaged))
     store.memory._checkpoints[key]["__0_0.distcp"] = rotten
     pieces = list(store.iter_range(ref("run", 1), "__0_0.distcp"))
-    assert b"".join(data for _, _, data in pieces) == files["__0_0.distcp"][2]
-    assert pieces[0][0] == 2  # TIER_SSD
+    assert b"".join(piece.data for piece in pieces) == files["__0_0.distcp"][2]
+    assert pieces[0].tier == 2  # TIER_SSD
     assert tier_states(store.get(ref("run", 1)))["memory"] == "FAILED"
+    # The observer (telemetry) hears of the damaged copy, not only of the commits.
+    (damage,) = [event for event in heard if event.failed]
+    assert (damage.tier, damage.node) == (1, store.node)  # TIER_MEMORY
+    assert "__0_0.distcp fails its checksum in block" in damage.failed
+    store.close()
 
 
 def test_a_corrupt_ssd_copy_with_no_other_tier_is_data_loss(open_store: OpenStore) -> None:

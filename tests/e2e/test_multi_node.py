@@ -13,6 +13,7 @@ and run in the one-node chaos suite.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,13 +27,15 @@ from scaletrain.v1 import checkpoint_pb2
 
 pytestmark = pytest.mark.e2e
 
-RANKS, NODES, STEPS, EVERY = 4, 2, 50, 5
+RANKS, NODES, STEPS, EVERY = 4, 2, 30, 5
 # ckptd's default retention: memory keeps the newest 2 checkpoints, SSD the newest 5, S3 all.
 KEEP = {"memory": 2, "ssd": 5, "s3": STEPS}
-SDC_STEP = 24
-SCHEDULE = ["kill-node@8", "partition-node@18:2", f"sdc@{SDC_STEP}", "stop-s3@28:2"]
+SDC_STEP = 18
+SCHEDULE = ["kill-node@8", "partition-node@13:2", f"sdc@{SDC_STEP}", "stop-s3@22:2"]
+# A global batch every data-parallel degree of the reshard test divides (4, 2, 6 and 8 ranks).
+MODEL = [*TINY, "--global-batch", "24"]
 LAYOUT = ["--ranks", str(RANKS), "--nodes", str(NODES), "--steps", str(STEPS),
-          "--ckpt-every", str(EVERY), *TINY]  # fmt: skip
+          "--ckpt-every", str(EVERY), *MODEL]  # fmt: skip
 
 
 def tiers_of(step: int, tiers: tuple[str, ...] = tuple(KEEP)) -> list[str]:
@@ -70,8 +73,11 @@ def test_a_two_node_run_commits_every_checkpoint_with_a_part_on_each_node(two_no
         assert all(p["reachable"] and p["tiers"] == tiers for p in parts), checkpoint
         assert [p["files"] for p in parts] == [3, 2], checkpoint
         assert sum(p["bytes"] for p in parts) == checkpoint["bytes"] > 0
-    # The newest on every tier of every node: what the end of the run waited for.
-    assert two_nodes["checkpoints"][-1]["tiers"] == list(KEEP)
+    # The newest on every tier of every node, and each node's part copied to the other node
+    # (R = 2 by default): what the end of the run waited for.
+    newest = two_nodes["checkpoints"][-1]
+    assert newest["tiers"] == list(KEEP) and newest["node_loss_safe"], newest
+    assert [sorted(p["replicas"]) for p in newest["parts"]] == [["node1"], ["node0"]], newest
     # Each rank saved to its own node's ckptd: node0 (its agent c10d's group rank 0) has ranks 0
     # and 1, node1 ranks 2 and 3. node0's data dir and log keep the names they have on one node.
     workdir = Workdir(two_nodes["workdir"])
@@ -83,6 +89,16 @@ def test_a_two_node_run_commits_every_checkpoint_with_a_part_on_each_node(two_no
     assert on_ssd == [
         [".metadata", "_COMMITTED", "__0_0.distcp", "__1_0.distcp"],
         ["_COMMITTED", "__2_0.distcp", "__3_0.distcp"],
+    ]
+    # node0 holds a copy of node1's part, with the checkpoint's marker, and node1 of node0's.
+    copies = [
+        sorted(p.name for p in (workdir.ckptd_dir(node) / "replicas" / f"node{1 - node}" / run
+                                / step).iterdir())
+        for node in range(NODES)
+    ]  # fmt: skip
+    assert copies == [
+        ["_COMMITTED", "__2_0.distcp", "__3_0.distcp"],
+        [".metadata", "_COMMITTED", "__0_0.distcp", "__1_0.distcp"],
     ]
     assert workdir.ckptd == workdir.ckptd_dir(0) and workdir.trainer_log(1).exists()
     assert "[trainer] done: final loss" in workdir.trainer_log(0).read_text()
@@ -147,6 +163,12 @@ def test_a_killed_node_is_replaced_by_a_fresh_machine_and_the_job_reforms(drill:
     assert "data dir deleted; a fresh ckptd at " in fault["detail"]
     assert " lists step " in fault["detail"], fault
     restart_after(drill, fault)
+    # The fresh machine got node1's part back from node0's copy of it (read through its ckptd,
+    # or copied back into its own tiers first): the restore read no S3.
+    recovery = drill["recoveries"][0]
+    assert recovery["step"] <= fault["step"], drill["recoveries"]
+    sources = recovery["restored_from"]
+    assert sum(sources.values()) > 0 and "S3" not in sources, sources
     workdir = Workdir(drill["workdir"])
     ckptd_log = (workdir.logs / "ckptd-node1.log").read_text()
     assert ckptd_log.count('"message": "ckptd started on') == 2
@@ -217,22 +239,38 @@ def test_the_default_drill_leaves_out_on_one_node_what_needs_two():
     assert kinds == set(KINDS) - MULTI_NODE and "partition-node" in kinds
 
 
-def test_a_two_node_checkpoint_restores_at_two_ranks_on_one_node_and_at_eight_over_four(
+def test_a_two_node_checkpoint_restores_resharded_from_copies_of_a_lost_nodes_part_not_s3(
     two_nodes: dict,
 ):
-    """The run saved at 4 ranks over 2 nodes resumes resharded: at 2 ranks on 1 node (node1's
-    part, its ckptd not running, comes from S3), then at 8 ranks over 4 nodes (two of them new,
-    empty machines that learn the checkpoints from their peers and read their parts from them).
+    """The run saved at 4 ranks over 2 nodes resumes resharded, and no restore reads S3:
+    - at 2 ranks on 1 node, saving nothing: node1's part (its ckptd not running) comes from
+      node0's copy of it;
+    - node1 lost with its disk, at 6 ranks over 3 nodes: node1 and node2 are empty machines,
+      node1's part again comes from node0's copy;
+    - at 8 ranks over 4 nodes from that 3-node checkpoint: two machines learn the checkpoints
+      from their peers and read their parts from them.
     Runs last: it adds steps to the two-node run."""
     workdir = str(two_nodes["workdir"])
-    for ranks, nodes, steps in ((2, 1, STEPS + EVERY), (8, 4, STEPS + 2 * EVERY)):
+    # (ranks, nodes, steps, save every, the step it resumes from); one step each.
+    layouts = (
+        (2, 1, STEPS + 1, 0, STEPS),
+        (6, 3, STEPS + 1, 1, STEPS),
+        (8, 4, STEPS + 2, 1, STEPS + 1),
+    )
+    for ranks, nodes, steps, every, start in layouts:
+        if nodes == 3:
+            shutil.rmtree(Workdir(two_nodes["workdir"]).ckptd_dir(1))
         resumed = scaletrain_json(
             "run", "--workdir", workdir, "--resume", "--ranks", str(ranks), "--nodes", str(nodes),
-            "--steps", str(steps), "--ckpt-every", str(EVERY), *TINY,
+            "--steps", str(steps), "--ckpt-every", str(every), *MODEL,
         )  # fmt: skip
         assert resumed["run_id"] == two_nodes["run_id"]
-        assert f"from step {steps - EVERY}" in resumed["_log"], resumed["_log"][-3000:]
+        (line,) = [x for x in resumed["_log"].splitlines() if "[trainer] resumed run" in x]
+        assert f"from step {start} " in line, line
+        assert "from S3" not in line and "@node0" in line, line
         assert resumed["steps"] == steps
+        if not every:
+            continue
         newest = max(resumed["checkpoints"], key=lambda c: c["step"])
         assert newest["step"] == steps
         assert [p["node"] for p in newest["parts"] if p["files"]] == [

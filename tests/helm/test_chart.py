@@ -102,7 +102,7 @@ CKPTD_CLUSTER_CASES: dict[str, dict[str, Any]] = {
     "ckptd-static-peers": {"ckptd": {"cluster": {"peers": STATIC_PEERS}}},
     "ckptd-cluster-off": {"ckptd": {"cluster": {"enabled": False}}},
 }
-CLUSTER_FLAGS = ("--node", "--advertise", "--peers", "--peers-dns")
+CLUSTER_FLAGS = ("--node", "--advertise", "--peers", "--peers-dns", "--replicas", "--replica-mb-s")
 
 
 @cache
@@ -613,6 +613,12 @@ def test_ckptd_finds_its_peers_through_a_headless_service_of_the_daemonset() -> 
         "--node": "$(NODE_NAME)",
         "--advertise": "$(POD_IP):50051",
         "--peers-dns": f"{fqdn}:{port['port']}",
+        "--replicas": "2",
+        "--replica-mb-s": "256",
+    }
+    # Each node's failure domain, from the zone label Kubernetes copies onto the pod.
+    assert env["SCALETRAIN_ZONE"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['topology.kubernetes.io/zone']"}
     }
     # The trainers' Service is still the node-local one.
     service = client_service(docs, "ckptd")
@@ -637,7 +643,7 @@ def test_ckptd_without_a_cluster_gets_no_peer_flags_and_no_headless_service() ->
     docs = rendered("ckptd-cluster-off")
     c = container(workload(docs, "ckptd"))
     assert not set(CLUSTER_FLAGS) & set(c["args"])
-    assert not {"NODE_NAME", "POD_IP"} & env_of(c).keys()
+    assert not {"NODE_NAME", "POD_IP", "SCALETRAIN_ZONE"} & env_of(c).keys()
     assert headless_services(docs, "ckptd") == []
     assert client_service(docs, "ckptd")["spec"]["internalTrafficPolicy"] == "Local"
 

@@ -39,6 +39,7 @@ def run_bench(script: str, *args: str) -> str:
         ("ckptd_restore.py", SMALL, "ratio memory/SSD"),
         ("ckptd_s3.py", SMALL, "ratio S3 tier / boto3"),
         ("ckptd_cluster.py", SMALL, "ratio commit latency 2 nodes/1 node"),
+        ("ckptd_replicas.py", [*SMALL, "--train-pairs", "0"], "ratio replication (on disk)"),
         ("ckpt_stall.py", ["--dim", "96", "--layers", "1", "--steps", "2"], '"ours_over_floor"'),
     ],
 )
@@ -46,6 +47,14 @@ def test_each_checkpoint_benchmark_runs_and_prints_its_ratio(
     script: str, args: list[str], prints: str
 ) -> None:
     assert prints in run_bench(script, *args)
+
+
+def test_the_model_build_memory_benchmark_runs_both_paths_and_prints_their_ratio() -> None:
+    printed = run_bench(
+        "model_build_memory.py", "--ranks", "2", "--dim", "64", "--layers", "2", "--heads", "4",
+        "--kv-heads", "2", "--vocab", "256",
+    )  # fmt: skip
+    assert "ratio old/new peak RSS added" in printed
 
 
 def test_the_fp8_speed_benchmark_runs_on_a_cpu_and_says_where_the_step_time_went() -> None:
@@ -70,3 +79,28 @@ def test_the_fp8_traffic_benchmark_shows_what_counting_lost_values_adds_to_a_com
     counted = report["tensorwise-delayed counting=True"]
     uncounted = report["tensorwise-delayed counting=False"]
     assert counted["mb"] > uncounted["mb"] and counted["kernels"] > uncounted["kernels"]
+
+
+def test_the_cluster_ingest_benchmark_runs_a_small_cluster_and_prints_its_ratios() -> None:
+    printed = run_bench(
+        "telemetry_cluster.py", "--ranks", "64", "--duration-s", "4", "--processes", "1",
+        "--baseline-steps", "2",
+    )  # fmt: skip
+    report = json.loads(printed)
+    assert report["records_stored"] == report["records_offered"] == 64 * 2
+    assert report["ratio_stored_to_offered"] > 0 and report["ratio_offered_to_baseline"] > 0
+
+
+def test_the_detection_cost_benchmark_prints_its_ratio_per_world_size() -> None:
+    report = json.loads(run_bench("telemetry_detect.py", "--ranks", "64,512", "--steps", "2"))
+    assert set(report) == {"64 ranks", "512 ranks"}
+    assert all(sizes["ratio_scoring_to_baseline"] > 0 for sizes in report.values())
+
+
+def test_the_page_benchmark_fills_a_small_cluster_run_and_prints_its_ratios(tmp_path: Path) -> None:
+    printed = run_bench(
+        "telemetry_pages.py", "--db", f"sqlite:///{tmp_path / 'pages.db'}", "--ranks", "64",
+        "--steps", "10",
+    )  # fmt: skip
+    report = json.loads(printed[printed.index("{") :])
+    assert report["ratio_run_page_warm_to_baseline"] > 0 and report["goodput_s"] > 0

@@ -35,7 +35,7 @@ def test_migrating_an_up_to_date_database_again_changes_nothing(engine: Engine) 
     migrate(engine)
     with engine.connect() as connection:
         versions = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).all()
-    assert versions == [("0003",)]
+    assert versions == [("0005",)]
 
 
 def test_a_database_from_before_checkpoint_nodes_upgrades_and_keeps_its_checkpoints(
@@ -73,7 +73,7 @@ def test_a_database_from_before_checkpoint_nodes_upgrades_and_keeps_its_checkpoi
             assert compare_metadata(context, Base.metadata) == []
             # Autogenerate does not compare primary keys.
             key = inspect(connection).get_pk_constraint("checkpoints")["constrained_columns"]
-            assert key == ["run_id", "step", "tier", "node"]
+            assert key == ["run_id", "step", "tier", "node", "part"]
         store = TelemetryStore(engine)
         # The resent old event is still recognised; two nodes' parts of a new step are two rows.
         resent = event("old", "checkpoint_committed", step=4, tier="ssd", bytes=900, seconds=1.0)

@@ -6,66 +6,103 @@ import math
 import random
 import statistics
 
+import numpy as np
 import pytest
 
 from scaletrain.errors import NotFound
 from scaletrain.v1 import telemetry_pb2
 from telemetry import mfu
 from telemetry.client import rank_step
-from telemetry.detect import StragglerDetector, StragglerPolicy, median_without
+from telemetry.detect import (
+    NodeFlag,
+    StragglerDetector,
+    StragglerFlag,
+    StragglerPolicy,
+    medians_without,
+)
 from telemetry.ingest import step_values
 from telemetry.live import LiveRuns
 from telemetry.models import Run
+from telemetry.rollup import NodeMap
+
+
+def detector(
+    world: int, policy: StragglerPolicy | None = None, per_node: int = 1
+) -> StragglerDetector:
+    """A detector of `world` ranks, `per_node` ranks to a host (host0, host1, ...)."""
+    nodes = NodeMap.of_hosts(world, {rank: f"host{rank // per_node}" for rank in range(world)})
+    return StragglerDetector(nodes, policy)
 
 
 def run_steps(
     detector: StragglerDetector, steps: range, times: dict[int, float]
 ) -> list[tuple[int, int]]:
-    """Feed the same compute times for `steps`; return (step, rank) of every flag raised."""
-    return [(flag.step, flag.rank) for step in steps for flag in detector.observe(step, times)]
+    """Feed the same compute times for `steps`; return (step, rank) of every rank flag raised."""
+    work = np.array([times[rank] for rank in range(len(times))])
+    return [
+        (flag.step, flag.rank)
+        for step in steps
+        for flag in detector.observe(step, work)
+        if isinstance(flag, StragglerFlag)
+    ]
 
 
 def test_a_rank_twice_as_slow_as_its_peers_is_flagged_after_patience_steps_and_only_once() -> None:
-    detector = StragglerDetector(StragglerPolicy(patience=3))
-    flags = run_steps(detector, range(1, 10), {0: 0.1, 1: 0.1, 2: 0.2, 3: 0.1})
+    slow = detector(4, StragglerPolicy(patience=3))
+    flags = run_steps(slow, range(1, 10), {0: 0.1, 1: 0.1, 2: 0.2, 3: 0.1})
     assert flags == [(3, 2)]
-    assert detector.latest[2].relative == pytest.approx(0.5)
-    assert detector.latest[0].relative == pytest.approx(1.0)
+    assert slow.latest()[2].relative == pytest.approx(0.5)
+    assert slow.latest()[0].relative == pytest.approx(1.0)
 
 
 def test_a_rank_that_recovers_and_slows_down_again_is_flagged_again() -> None:
-    detector = StragglerDetector(StragglerPolicy(patience=2))
+    pair = detector(2, StragglerPolicy(patience=2))
     slow, normal = {0: 0.1, 1: 0.3}, {0: 0.1, 1: 0.1}
-    flags = run_steps(detector, range(1, 4), slow) + run_steps(detector, range(4, 6), normal)
-    flags += run_steps(detector, range(6, 8), slow)
+    flags = run_steps(pair, range(1, 4), slow) + run_steps(pair, range(4, 6), normal)
+    flags += run_steps(pair, range(6, 8), slow)
     # In a world of two, the peer of the slow rank is rank 0: only rank 1 is slower than its peer.
     assert flags == [(2, 1), (7, 1)]
 
 
 def test_noise_on_a_clean_run_flags_nobody() -> None:
     rng = random.Random(7)
-    detector = StragglerDetector()
+    clean = detector(8)
     flags = []
     for step in range(1, 500):
         # A shared machine: every rank is up to 30% off, now and then one takes 2x for one step.
         times = {rank: 0.1 * rng.uniform(0.85, 1.15) for rank in range(8)}
         if rng.random() < 0.2:
             times[rng.randrange(8)] *= 2
-        flags += detector.observe(step, times)
+        flags += run_steps(clean, range(step, step + 1), times)
     assert flags == []
 
 
 def test_a_world_of_one_is_scored_against_its_own_best() -> None:
-    detector = StragglerDetector(StragglerPolicy(patience=2))
-    assert run_steps(detector, range(1, 5), {0: 0.1}) == []
-    assert run_steps(detector, range(5, 8), {0: 0.3}) == [(6, 0)]
-    assert detector.latest[0].individual == pytest.approx(1 / 3)
+    alone = detector(1, StragglerPolicy(patience=2))
+    assert run_steps(alone, range(1, 5), {0: 0.1}) == []
+    assert run_steps(alone, range(5, 8), {0: 0.3}) == [(6, 0)]
+    assert alone.latest()[0].individual == pytest.approx(1 / 3)
 
 
 def test_ranks_without_a_measured_time_are_not_scored() -> None:
-    detector = StragglerDetector(StragglerPolicy(patience=1))
-    assert run_steps(detector, range(1, 3), {0: 0.1, 1: 0.0, 2: 0.1}) == []
-    assert 1 not in detector.latest
+    gaps = detector(3, StragglerPolicy(patience=1))
+    assert run_steps(gaps, range(1, 3), {0: 0.1, 1: 0.0, 2: 0.1}) == []
+    assert 1 not in gaps.latest()
+
+
+def test_a_node_whose_ranks_are_all_slow_is_one_slow_node_naming_its_host() -> None:
+    # 64 nodes of 8 ranks; every rank of host5 (ranks 40-47) and rank 3 alone take 1.6x.
+    cluster = detector(512, StragglerPolicy(patience=3), per_node=8)
+    work = np.full(512, 0.1)
+    work[40:48] = work[3] = 0.16
+    flags = [flag for step in range(1, 10) for flag in cluster.observe(step, work)]
+    nodes = [flag for flag in flags if isinstance(flag, NodeFlag)]
+    ranks = [flag for flag in flags if isinstance(flag, StragglerFlag)]
+    assert [(f.step, f.node, f.ranks, f.since_step) for f in nodes] == [
+        (3, "host5", list(range(40, 48)), 1)
+    ]
+    assert nodes[0].relative == pytest.approx(0.1 / 0.16)
+    assert [(f.step, f.rank, f.node) for f in ranks] == [(3, 3, "host0")]
 
 
 def test_a_policy_outside_its_range_is_refused() -> None:
@@ -73,16 +110,18 @@ def test_a_policy_outside_its_range_is_refused() -> None:
         StragglerPolicy(slow_below=1.5)
     with pytest.raises(ValueError, match="patience must be at least 1"):
         StragglerPolicy(patience=0)
+    with pytest.raises(ValueError, match="node_share"):
+        StragglerPolicy(node_share=0)
 
 
-def test_the_median_without_one_value_matches_the_plain_median() -> None:
+def test_the_median_of_the_others_matches_the_plain_median_for_every_value() -> None:
     rng = random.Random(3)
     for _ in range(500):
-        values = sorted(rng.choice([0.1, 0.2, rng.random()]) for _ in range(rng.randint(2, 9)))
-        left_out = rng.choice(values)
-        rest = list(values)
-        rest.remove(left_out)
-        assert median_without(values, left_out) == statistics.median(rest)
+        values = [rng.choice([0.1, 0.2, rng.random()]) for _ in range(rng.randint(2, 9))]
+        medians = medians_without(np.array(values))
+        for index in range(len(values)):
+            rest = values[:index] + values[index + 1 :]
+            assert medians[index] == statistics.median(rest)
 
 
 @pytest.mark.parametrize(
@@ -122,7 +161,7 @@ def test_live_runs_complete_every_step_when_one_ranks_backlog_arrives_before_the
     def unknown(run_id: str) -> Run:
         raise NotFound(run_id)
 
-    live = LiveRuns(unknown, StragglerPolicy(patience=3))
+    live = LiveRuns(unknown, lambda run_id: NodeMap.of_hosts(3, {}), StragglerPolicy(patience=3))
     live.registered(telemetry_pb2.RegisterRunRequest(run_id="r", world_size=3), attempt=0)
 
     def rows(rank: int, compute: float) -> list[tuple[object, ...]]:
@@ -133,10 +172,14 @@ def test_live_runs_complete_every_step_when_one_ranks_backlog_arrives_before_the
         ]  # fmt: skip
 
     # After an outage each client sends its whole backlog: rank 0's 500 steps arrive first.
-    flags = live.observe_steps(rows(0, 0.1)) + live.observe_steps(rows(1, 0.1))
-    assert flags == []
-    flags = live.observe_steps(rows(2, 0.3))
-    assert [(flag.step, flag.rank) for flag in flags] == [(3, 2)]
+    first = [live.observe_steps(rows(rank, 0.1)) for rank in (0, 1)]
+    assert [(o.flags, o.summaries, o.incomplete) for o in first] == [([], [], [])] * 2
+    observed = live.observe_steps(rows(2, 0.3))
+    assert [(flag.step, flag.rank) for flag in observed.flags] == [(3, 2)]
+    assert "rank 2 on rank2 computes 3.0x slower" in observed.flags[0].message
+    # Every step was rolled up as it completed, none left incomplete.
+    assert [summary.rollup["step"] for summary in observed.summaries] == list(range(1, 501))
+    assert observed.incomplete == []
     (view,) = live.views()
     assert (view.step, view.records, view.tokens_per_s) == (500, 1500, 30.0)
     assert view.ranks[2].scores is not None and view.ranks[2].scores.relative == pytest.approx(

@@ -78,6 +78,7 @@ def run(store: TelemetryStore, run_request: RegisterRun) -> TelemetryStore:
         records.append(record(step, 1, 1, ends, step=4.0 if step == 5 else 2.0, data=0.3))
     store.register_run(request)  # the restart registers again: attempt 1
     store.add_steps(records)
+    store.roll_up()
     store.add_events(
         [
             stamped(event("run-1", "checkpoint_staged", step=2, bytes=100, seconds=0.5), 15),
@@ -178,6 +179,7 @@ def test_goodput_of_a_running_never_restarted_run_ends_at_its_latest_record(
             for extra in [{"checkpoint": 0.5 * rank} if step == 2 else {}]
         ]
     )
+    store.roll_up()
     # Wall: 0 to 19 s (no run_finished: the latest record). Productive 1.5 + 1 + 1.5 s.
     result = goodput(engine, "run-1")
     assert result.wall_s == pytest.approx(19.0)

@@ -36,7 +36,8 @@ def registered(store: TelemetryStore, run_request: RegisterRun) -> TelemetryStor
 def steps(
     store: TelemetryStore, numbers: range, *, ranks: int = 4, attempt: int = 0, **times: float
 ) -> None:
-    """Records of `numbers` on every rank: loss 100/step (+rank/100), 1000 tokens, `times`."""
+    """Records of `numbers` on every rank: loss 100/step (+rank/100), 1000 tokens, `times`; rolled
+    up as the service rolls up complete steps."""
     store.add_steps(
         [
             rank_step(
@@ -48,6 +49,7 @@ def steps(
             for rank in range(ranks)
         ]
     )  # fmt: skip
+    store.roll_up()
 
 
 def test_sampled_steps_spread_evenly_from_the_first_to_the_last_step(
@@ -77,7 +79,7 @@ def test_a_replayed_step_is_shown_as_its_latest_attempt_recorded_it(
     steps(registered, range(1, 6), compute=0.1)
     registered.register_run(run_request(world_size=4))  # the restart: attempt 1
     steps(registered, range(4, 6), attempt=1, compute=0.3)
-    grid = views.rank_steps(engine, "run-1")
+    grid = views.rank_steps(engine, "run-1", [0, 1, 2, 3])
     assert grid.groupby("step")["compute_s"].max().to_dict() == pytest.approx(
         {1: 0.1, 2: 0.1, 3: 0.1, 4: 0.3, 5: 0.3}
     )
@@ -95,7 +97,8 @@ def test_a_rank_twice_as_slow_as_its_peers_scores_one_half(
             for rank in range(4)
         ]
     )  # fmt: skip
-    phases = views.rank_phases(engine, "run-1", window=20)
+    registered.roll_up()
+    phases = views.rank_phases(engine, "run-1", [0, 1, 2, 3], window=20)
     assert list(phases["rank"]) == [0, 1, 2, 3]
     assert list(phases["relative_score"]) == pytest.approx([1.0, 1.0, 1.0, 0.5])
     assert list(phases["comm_wait_s"]) == pytest.approx([0.3, 0.3, 0.3, 0.2])

@@ -7,7 +7,9 @@ own gradient clipping, no parallelism at all. After STEPS optimizer steps we com
 loss and gradient norm, and every parameter gathered in full (element-wise and by a float64
 checksum). Some layouts are also checkpointed through a real ckptd with the trainer's
 Checkpointer, restored into a fresh copy of the layout, and exported to a stock DCP directory that
-a plain one-process model loads.
+a plain one-process model loads. Before any step, every layout's parameters gathered in full must
+equal the reference's initial ones bit for bit: each rank built the model on the meta device and
+initialised only its own shards (trainer.model.init).
 
 Tolerances (fp32): loss and gradient norm within 2e-5 relative; parameters within 1e-4 absolute
 (AdamW moves each by up to lr = 3e-3 a step, so last-bit differences in tiny gradients show up
@@ -175,6 +177,16 @@ def test_a_layout_on_4_ranks_trains_like_one_process(name: str, measured):
 @pytest.mark.parametrize("name", list(WORLD_8))
 def test_a_layout_on_8_ranks_trains_like_one_process(name: str, measured):
     _check_layout(WORLD_8, name, measured)
+
+
+@pytest.mark.parametrize("name", list(WORLD_4) + list(WORLD_8))
+def test_every_layout_starts_from_the_weights_of_one_process_bit_for_bit(name: str, measured):
+    """Each rank built the model on the meta device and initialised only its own shards."""
+    results, _ = measured
+    table = WORLD_4 if name in WORLD_4 else WORLD_8
+    initial = results[name]["initial_state"]
+    assert sorted(initial) == sorted(_reference(table, name).initial_state)
+    assert state_sha256(initial) == state_sha256(_reference(table, name).initial_state)
 
 
 @pytest.mark.parametrize("name, twin", list(BITWISE_TWINS.items()))

@@ -1,5 +1,6 @@
 """The dashboard in a real browser: `streamlit run` on loopback (as `scaletrain ui` starts it),
-opened in Debian's headless Chromium through Playwright, on the database of a real run.
+opened in Debian's headless Chromium through Playwright, on the database of a real run, and on a
+simulated cluster of 512 ranks on 64 nodes for the node view.
 
 Screenshots of each page go to test-artifacts/ (ui-overview.png, ui-run-health.png) for a person
 to look at; the test fails if an expected element is missing or Streamlit shows an exception. A
@@ -23,8 +24,11 @@ from ui_testing import RealRun
 
 from scaletrain.stack import free_port
 from telemetry.client import rank_step
+from telemetry.config import TelemetryConfig
 from telemetry.db import connect
 from telemetry.models import Run
+from telemetry.server import start
+from telemetry.simulated_cluster import Cluster, simulate
 from telemetry.store import TelemetryStore
 from ui.launch import ui_command, ui_environment
 from ui.source import REFRESH_S
@@ -111,13 +115,16 @@ def click_through(page: Page, served: str, real_run: RealRun) -> None:
     page.set_viewport_size({"width": 1400, "height": 3300})
 
     page.get_by_text(f"Open the health page of {real_run.run_id}").click()
-    # Loss, heatmap, phase breakdown, straggler scores, checkpoint timeline, time use.
-    settled(page, CHART, count=6)
+    # Loss, throughput, nodes x steps, the opened node's ranks x steps, its phase breakdown and
+    # straggler scores, checkpoint timeline, time use.
+    settled(page, CHART, count=8)
     assert page.url == f"{served}/run?run={real_run.run_id}"
-    for heading in ("Loss", "Ranks", "Checkpoints", "Events and alerts", "Where the time went"):
+    headings = ("Loss and throughput", "Nodes", "Checkpoints", "Events and alerts",
+                "Where the time went")  # fmt: skip
+    for heading in headings:
         assert page.get_by_role("heading", name=heading).count() == 1, heading
     assert page.locator('[data-testid="stMetric"]').count() == 6
-    assert page.locator(f"{CHART} canvas, {CHART} svg").count() >= 6
+    assert page.locator(f"{CHART} canvas, {CHART} svg").count() >= 8
     page.screenshot(path=ARTIFACTS / "ui-run-health.png")
 
 
@@ -143,3 +150,55 @@ def test_the_page_of_a_live_run_refreshes_by_itself_when_a_step_arrives(
             timeout=(REFRESH_S + 20) * 1000,
         )
     engine.dispose()
+
+
+CLUSTER = Cluster("cluster-512", ranks=512, steps=12)
+
+
+@pytest.fixture(scope="module")
+def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 512-rank run on 64 nodes, reported through the real client and service into SQLite."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('cluster-ui') / 'telemetry.db'}"
+    service = start(TelemetryConfig(db_url=url))
+    try:
+        result = simulate(service.address, CLUSTER, processes=2)
+    finally:
+        service.stop(grace=0)
+    assert (result.records, result.dropped) == (512 * 12, 0)
+    return url
+
+
+def test_on_a_512_rank_run_an_engineer_searches_a_host_and_opens_its_ranks(
+    page: Page, cluster_run: str
+) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    slow = CLUSTER.slow_node_ranks()
+    host = CLUSTER.host(slow[0])
+    with serving(cluster_run) as served:
+        page.set_viewport_size({"width": 1400, "height": 4200})
+        page.goto(f"{served}/run?run={CLUSTER.run_id}")
+        # Loss, throughput, nodes x steps, the opened node's ranks, phases, scores, time use.
+        settled(page, CHART, count=7)
+        assert page.get_by_role("heading", name="Nodes").count() == 1
+        # The view says what it samples: 48 of the 64 nodes, the slowest.
+        assert page.get_by_text("48 of 64 nodes", exact=False).count() == 1
+        # The slowest node is opened first: a straggler's (1.6x), then the searched host's.
+        body = "document.body.innerText"
+        opened = [CLUSTER.host(rank) for rank in CLUSTER.fault_plan.stragglers]
+        page.wait_for_function(
+            " || ".join(f"{body}.includes('Node {node}')" for node in opened), timeout=TIMEOUT_MS
+        )
+        settled(page, CHART, count=7)
+        # Streamlit's router greets a deep link to a page with a "page not found" notice whose
+        # dialog makes the page inert until it is closed (the page itself is the right one).
+        if page.get_by_role("dialog").count():
+            page.keyboard.press("Escape")
+            page.get_by_role("dialog").wait_for(state="detached", timeout=TIMEOUT_MS)
+        search = page.get_by_label("Find a rank or host")
+        search.fill(host)
+        search.press("Enter")
+        page.wait_for_function(f"{body}.includes('Node {host}')", timeout=TIMEOUT_MS)
+        settled(page, CHART, count=7)
+        ranks = ", ".join(map(str, slow))
+        assert page.get_by_text(f"ranks {ranks}", exact=False).count() >= 1
+        page.screenshot(path=ARTIFACTS / "ui-node-view.png")

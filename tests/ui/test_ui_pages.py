@@ -55,13 +55,14 @@ def test_the_health_page_of_a_real_run_shows_every_section(
     assert shown["loss"] == f"{real_run.summary['last_loss']:.4f}"
     assert shown["goodput"].endswith("%")
     assert "since last checkpoint" in shown
-    # Loss, heatmap, phase breakdown, straggler scores, checkpoint timeline, time use.
-    assert len(app.get("vega_lite_chart")) == 6
-    assert [
-        w.value.startswith(f"Slower than their peers now: rank {STRAGGLER_RANK} (")
-        for w in app.warning
-    ] == [True]
-    tiers, offsets, log = (frame.value for frame in app.dataframe)
+    # Loss, throughput, nodes x steps, the opened node's ranks x steps, its phase breakdown and
+    # straggler scores, checkpoint timeline, time use.
+    assert len(app.get("vega_lite_chart")) == 8
+    # Ranks registered without a host are nodes of their own; the slowest is opened first.
+    assert app.selectbox[1].value == f"rank{STRAGGLER_RANK}"
+    slowest_now, _, slowest_over_run, _, tiers, offsets, log = (f.value for f in app.dataframe)
+    assert slowest_now["rank"].iloc[0] == STRAGGLER_RANK
+    assert slowest_over_run["rank"].iloc[0] == STRAGGLER_RANK
     assert list(tiers["step"]) == [12, 8, 4]
     assert all("ssd" in held for held in tiers["tiers"])
     assert (tiers["ssd MB"] > 0).all()
@@ -78,22 +79,30 @@ def test_the_events_log_filters_by_kind_rank_and_text(
 ) -> None:
     app = open_page(monkeypatch, real_run.db_url, RUN_HEALTH, run=real_run.run_id)
 
+    # Text input 0 is the nodes panel's search box.
     app.multiselect[0].select("sdc").select("straggler").run()
     assert set(app.dataframe[-1].value["kind"]) == {"sdc", "straggler"}
-    app.text_input[0].input(str(STRAGGLER_RANK)).run()
+    app.text_input[1].input(str(STRAGGLER_RANK)).run()
     assert list(app.dataframe[-1].value["kind"]) == ["straggler"]
-    app.text_input[0].input("").run()
-    app.text_input[1].input(f"at step {SDC_STEP}").run()
+    app.text_input[1].input("").run()
+    app.text_input[2].input(f"at step {SDC_STEP}").run()
     assert list(app.dataframe[-1].value["kind"]) == ["sdc"]
-    app.text_input[0].input("first").run()
+    app.text_input[1].input("first").run()
     assert [e.value for e in app.error] == ["Rank must be a whole number, got 'first'."]
 
 
-def test_the_heatmap_can_show_any_phase(monkeypatch: pytest.MonkeyPatch, real_run: RealRun) -> None:
+def test_a_node_is_found_by_rank_and_its_heatmap_can_show_any_phase(
+    monkeypatch: pytest.MonkeyPatch, real_run: RealRun
+) -> None:
     app = open_page(monkeypatch, real_run.db_url, RUN_HEALTH, run=real_run.run_id)
-    app.selectbox[1].select("comm_wait_s").run()
+    app.text_input[0].input("0").run()
+    assert app.selectbox[1].value == "rank0"
+    assert any(m.value.startswith("**Node rank0**: ranks 0") for m in app.markdown)
+    app.selectbox[2].select("comm_wait_s").run()
     assert not app.exception
-    assert len(app.get("vega_lite_chart")) == 6
+    assert len(app.get("vega_lite_chart")) == 8
+    app.text_input[0].input("gpu-host-9").run()
+    assert "No rank or host of this run matches 'gpu-host-9'." in [w.value for w in app.warning]
 
 
 def test_an_unknown_run_in_the_address_falls_back_to_the_newest_run(
@@ -155,7 +164,7 @@ def test_a_run_without_steps_or_checkpoints_explains_what_is_missing(
     assert NO_CHECKPOINTS in infos(app)
 
 
-def test_a_checkpoint_spread_over_two_nodes_shows_which_nodes_hold_their_part_on_each_tier(
+def test_a_checkpoint_spread_over_two_nodes_shows_where_each_part_and_its_copies_are(
     monkeypatch: pytest.MonkeyPatch, empty_db: str
 ) -> None:
     store = TelemetryStore(connect(empty_db))
@@ -166,13 +175,27 @@ def test_a_checkpoint_spread_over_two_nodes_shows_which_nodes_hold_their_part_on
             for tier in ("memory", "ssd", "s3")
             for node in ("node0", "node1")
         ]
-    )
+        # Step 8: each node holds a copy of the other's part; step 4: only node1 of node0's.
+        + [
+            event("two-nodes", "checkpoint_committed", step=8, tier="ssd", bytes=1 << 20,
+                  node=holder, replica_of=owner)
+            for holder, owner in (("node0", "node1"), ("node1", "node0"))
+        ]
+        + [
+            event("two-nodes", "checkpoint_committed", step=4, tier="ssd", bytes=1 << 20,
+                  node=node, replica_of=owner)
+            for node, owner in (("node0", ""), ("node1", ""), ("node1", "node0"))
+        ]
+    )  # fmt: skip
     app = open_page(monkeypatch, empty_db, RUN_HEALTH, run="two-nodes")
     (tiers,) = (frame.value for frame in app.dataframe if "tiers" in frame.value.columns)
-    assert tiers[["step", "tiers", "nodes"]].values.tolist() == [
-        [8, "memory, ssd, s3", "memory: node0, node1 · ssd: node0, node1 · s3"]
-    ]
-    assert tiers["ssd MB"].tolist() == [pytest.approx(2 * (1 << 20) / 1e6)]
+    assert tiers[["step", "tiers", "nodes", "copies", "node_loss_safe"]].values.tolist() == [
+        [8, "memory, ssd, s3", "memory: node0, node1 · ssd: node0, node1 · s3",
+         "node0: node0, node1 · node1: node0, node1", "yes"],
+        [4, "ssd", "ssd: node0, node1", "node0: node0, node1 · node1: node1", "no"],
+    ]  # fmt: skip
+    # A part's size counts once, not once per copy.
+    assert tiers["ssd MB"].tolist() == [pytest.approx(2 * (1 << 20) / 1e6)] * 2
 
 
 @pytest.mark.postgres
@@ -192,6 +215,7 @@ def test_the_pages_render_from_postgresql(
             for rank in range(4)
         ]
     )  # fmt: skip
+    store.roll_up()
     store.add_events([event("pg-run", "checkpoint_committed", step=40, tier="ssd", bytes=1 << 20)])
     engine.dispose()
 

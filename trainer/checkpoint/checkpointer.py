@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -91,6 +92,7 @@ class Checkpointer:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         loader: DeterministicLoader,
         policy: SavePolicy = SavePolicy.WAIT,
+        replicas: int = 0,
         fp8: Fp8Training | None = None,
         timeout: timedelta | None = None,
     ) -> None:
@@ -98,6 +100,9 @@ class Checkpointer:
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.loader = scheduler, loader
         self.policy = policy
+        self.replicas = replicas
+        # Bytes the last restore read from each copy, over every rank ("memory@node0", "s3").
+        self.restored_from: dict[str, int] = {}
         self.fp8 = fp8
         self.rank = dist.get_rank()
         # Background saves run their collectives here, never on the training loop's group.
@@ -154,7 +159,9 @@ class Checkpointer:
         nbytes: int,
     ) -> SaveDone:
         start = time.perf_counter()
-        writer = CkptdStorageWriter(self.address, self.run_id, step, labels=labels)
+        writer = CkptdStorageWriter(
+            self.address, self.run_id, step, labels=labels, replicas=self.replicas
+        )
         error: BaseException | None = None
         try:
             with _without_zip_crc32():
@@ -208,6 +215,7 @@ class Checkpointer:
             raise ScaletrainError(f"restoring step {step} failed: {cause}") from cause
         finally:
             reader.close()
+        self.restored_from = _summed(reader.client.served, self._group)
         set_state_dict(
             self.model,
             self.optimizer,
@@ -222,3 +230,13 @@ class Checkpointer:
         if "fp8" in state:
             self.fp8.load_state_dict(state["fp8"])
         return train
+
+
+def _summed(counts: Mapping[str, int], group: dist.ProcessGroup) -> dict[str, int]:
+    """`counts` added up over every rank of `group` (each rank read its own ranges)."""
+    gathered: list[dict[str, int] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, dict(counts), group=group)
+    total: Counter[str] = Counter()
+    for one in gathered:
+        total.update(one or {})
+    return dict(sorted(total.items()))

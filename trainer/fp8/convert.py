@@ -6,7 +6,7 @@ the output head and any MoE router) stay `nn.Linear`. A name matches a layer whe
 parts appear in the layer's name in a row: "output" keeps `output`, "router" keeps
 `layers.3.moe.router.gate`, "layers.0" keeps every linear of the first block.
 
-Convert after moving the model to its device and before sharding it (FSDP2, tensor parallel):
+Convert before sharding the model (FSDP2, tensor parallel), on its device or on the meta device:
 parameters are shared, not copied, so checkpoint keys and the optimizer see the same tensors.
 """
 
@@ -116,12 +116,15 @@ def convert_to_fp8(
     group: dist.ProcessGroup | None = None,
     all_gather: bool = False,
     count_every: int = 1,
+    device: torch.device | None = None,
 ) -> Fp8Training:
     """Replace `model`'s linears by FP8 linears in place; ValueError naming a layer that cannot.
 
     `group` is what amax values are reduced over (default: every rank): all ranks holding a
     replica or a shard of the same layers. `all_gather` makes FSDP2 (applied next) all-gather
     the FP8 linears' weights in FP8 (trainer.fp8.fsdp). `count_every`: see `begin_step`.
+    `device` holds the delayed-scaling state and counts (default: where the parameters are; a
+    model built on the meta device names the device it will run on).
     """
     if count_every < 1:
         raise ValueError(f"fp8 count_every must be at least 1, got {count_every}")
@@ -130,7 +133,7 @@ def convert_to_fp8(
     linears = {name: module for name, module in model.named_modules() if type(module) is nn.Linear}
     kept = [n for n in linears if any(matches(n, p) for p in keep_high_precision)]
     names = [n for n in linears if n not in kept]
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     history = AmaxHistory(names, recipe, device, group) if recipe.delayed else None
     plan = Fp8Plan(recipe)
     layers = {}

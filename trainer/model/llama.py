@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.model.init import init_parameters
 from trainer.model.moe import MoE, MoEArgs
 
 
@@ -51,11 +52,20 @@ class ModelArgs:
         return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
 
 
-def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosine and sine tables of shape (max_seq_len, head_dim // 2)."""
+def rope_tables(
+    args: ModelArgs, positions: torch.Tensor | None = None, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine and sine tables of shape (len(positions), head_dim // 2), on `device`.
+
+    `positions` (default: every one up to max_seq_len) are the sequence positions the model is
+    fed, in order: context parallelism feeds each rank only some of them.
+    """
     half = args.head_dim // 2
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, half, dtype=torch.float32) / half))
-    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32), inv_freq)
+    exponents = torch.arange(0, half, dtype=torch.float32, device=device) / half
+    inv_freq = 1.0 / (args.rope_theta**exponents)
+    if positions is None:
+        positions = torch.arange(args.max_seq_len, device=device)
+    angles = torch.outer(positions.to(device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -156,9 +166,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # The positions the rotary tables cover (None: all); context parallelism sets them.
+        self.rope_positions: torch.Tensor | None = None
         cos, sin = rope_tables(args)
-        # Derived from the config, so not part of the checkpoint. Context parallelism replaces
-        # them with the rows of the positions this rank holds.
+        # Derived from the config, so not part of the checkpoint.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -173,26 +184,28 @@ class Transformer(nn.Module):
         stage.layers = nn.ModuleDict({key: model.layers[key] for key in layers})
         stage.norm = model.norm if last else None
         stage.output = model.output if last else None
+        stage.rope_positions = model.rope_positions
         stage.register_buffer("rope_cos", model.rope_cos, persistent=False)
         stage.register_buffer("rope_sin", model.rope_sin, persistent=False)
         return stage
 
+    def set_rope_positions(self, positions: torch.Tensor) -> None:
+        """Feed this model only `positions` of each sequence: rotary tables for those alone."""
+        self.rope_positions = positions
+        self.init_buffers(self.rope_cos.device)
+
     def init_weights(self, seed: int) -> None:
-        """Deterministic initialisation: the same seed gives the same model on every rank."""
-        gen = torch.Generator().manual_seed(seed)
-        std = 0.02
-        out_std = std / math.sqrt(2 * self.args.n_layers)
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                    continue
-                # Projections back into the residual stream get the depth-scaled deviation.
-                scaled = name.endswith(("wo.weight", "w2.weight", ".w2"))
-                values = torch.empty(param.shape).normal_(
-                    0.0, out_std if scaled else std, generator=gen
-                )
-                param.copy_(values)
+        """Initialise the parameters, whole or this rank's shards of them (trainer.model.init:
+        every layout gets the values one process gets from the same seed), and the buffers."""
+        init_parameters(self, seed, self.args.n_layers)
+        self.init_buffers(self.rope_cos.device)
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Compute the buffers on `device`: rotary tables, zeroed MoE balancing state."""
+        self.rope_cos, self.rope_sin = rope_tables(self.args, self.rope_positions, device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.init_buffers()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x

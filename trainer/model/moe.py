@@ -174,6 +174,11 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
         self.register_buffer("tokens_dropped", torch.zeros(()), persistent=False)
 
+    def init_buffers(self) -> None:
+        """Zero the balancing state and the load counters, in place on their device."""
+        for buffer in (self.router.expert_bias, self.tokens_per_expert, self.tokens_dropped):
+            buffer.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
         flat = x.reshape(-1, dim)

@@ -41,8 +41,7 @@ def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_len: int) -> torch.Ten
     """
     group, rank, size = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
     positions = chunk_positions(seq_len, size, rank)
-    model.rope_cos = model.rope_cos[positions.to(model.rope_cos.device)]
-    model.rope_sin = model.rope_sin[positions.to(model.rope_sin.device)]
+    model.set_rope_positions(positions)
     for block in model.layers.values():
         block.attention.core = RingAttention(group)
         if isinstance(block.feed_forward, MoE):

@@ -1,10 +1,14 @@
 """Applies the job's parallelisms to the model, in the one order that composes, and runs its steps.
 
-Order: tensor parallelism (DTensor plans on the whole model), context parallelism (ring attention,
-rotary tables cut to this rank's positions), expert parallelism (experts sharded, all-to-all
-dispatch), activation checkpointing, torch.compile per block, the pipeline split (this rank keeps
-its stages), and FSDP last, over whatever each part then holds. Every rank starts from the same
-full model (same seed), so applying a layout shards tensors and moves no data.
+The model is built on the meta device (shapes, no storage), FP8 linears swapped in, and laid out
+there in the one order that composes: tensor parallelism (DTensor plans on the whole model),
+context parallelism (ring attention, rotary tables for this rank's positions), expert parallelism
+(experts sharded, all-to-all dispatch), activation checkpointing, torch.compile per block, the
+pipeline split (this rank keeps its stages), and FSDP last, over whatever each part then holds.
+Only then does each rank allocate its own shards on its device (`to_empty`, as TorchTitan) and
+initialise them with the counter-based scheme of trainer.model.init, which gives every element
+the value one process gives it: no rank ever holds the whole model, whatever its size, and every
+layout starts from the same weights, bit for bit.
 
 The training loop sees one object: `forward` gives this rank's loss (under pipelining the whole
 forward-backward schedule runs there), `backward`, `clip_grad_norm_`, `mean_loss`, and
@@ -19,8 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from trainer.config import TrainConfig
+from trainer.fp8 import Fp8Training, convert_to_fp8, make_recipe
 from trainer.model.llama import Transformer, next_token_loss
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.context import apply_cp
@@ -91,6 +97,10 @@ class ParallelModel:
         dist.all_gather_object(stages, load, group=self.mesh.pp.get_group())
         return ExpertLoad.merge([stage for stage in stages if stage is not None])
 
+    def param_bytes(self) -> int:
+        """Bytes of the parameters this rank holds: its shards, of its pipeline stages."""
+        return sum(_local(p).numel() * p.element_size() for p in self.model.parameters())
+
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered in full, on every rank (pipeline stages merged)."""
         options = StateDictOptions(full_state_dict=True)
@@ -102,10 +112,40 @@ class ParallelModel:
         return {k: v for stage in stages if stage for k, v in stage.items()}
 
 
+def build_model(
+    cfg: TrainConfig, mesh: ParallelMesh, device: torch.device
+) -> tuple[ParallelModel, Fp8Training | None]:
+    """`cfg`'s model laid out over `mesh`, this rank's shards allocated on `device` and
+    initialised from `cfg.seed`; and its FP8 side when `cfg.fp8` asks for FP8 linears."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    fp8 = None
+    # FP8 swaps the linears before the layout wraps them (TP shards them, FSDP2 shards them).
+    if cfg.fp8 != "none":
+        fp8 = convert_to_fp8(
+            model,
+            make_recipe(cfg.fp8, cfg.fp8_options),
+            cfg.fp8_keep_high_precision,
+            all_gather=cfg.fp8_all_gather,
+            count_every=cfg.fp8_count_every,
+            device=device,
+        )
+    parallel, parts = parallelize(model, mesh, cfg, device)
+    for part in parts:
+        part.to_empty(device=device)
+        part.init_weights(cfg.seed)
+    if parts != [model]:  # pipeline stages: the model shares their modules, not their buffers
+        model.init_buffers(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not left, f"left on the meta device after the build: {left}"
+    return parallel, fp8
+
+
 def parallelize(
     model: Transformer, mesh: ParallelMesh, cfg: TrainConfig, device: torch.device
-) -> ParallelModel:
-    """Lay `model` (identical on every rank) out over `mesh` as `cfg.parallel` says."""
+) -> tuple[ParallelModel, list[Transformer]]:
+    """Lay `model` out over `mesh` as `cfg.parallel` says; also the parts FSDP made roots of
+    (the model, or this rank's pipeline stages)."""
     dims, par = mesh.dims, cfg.parallel
     if dims.tp > 1:
         apply_tp(model, mesh.tp)
@@ -148,7 +188,12 @@ def parallelize(
             stages, par.pp_schedule, dims.pp * v, microbatches, mesh.pp.get_group(), shapes,
             next_token_loss, device,
         )  # fmt: skip
-    return ParallelModel(model, dims, mesh, device, positions, pipeline)
+    return ParallelModel(model, dims, mesh, device, positions, pipeline), parts
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: a DTensor's local shard, or the tensor itself."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:

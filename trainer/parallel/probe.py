@@ -2,8 +2,9 @@
 
 What the layout tests compare and the parallel benchmarks time. Under torchrun, every layout in
 turn builds its own mesh over the same world, trains from the same seed on the same data, and rank
-0 writes per layout: the loss and gradient norm of each step, every parameter gathered in full,
-each step's expert loads and wall time. With --ckptd, layouts marked "checkpoint" are then saved
+0 writes per layout: every parameter gathered in full after the build, the loss and gradient norm
+of each step, every parameter gathered in full after the last, each step's expert loads and wall
+time. With --ckptd, layouts marked "checkpoint" are then saved
 to ckptd with the trainer's Checkpointer and restored into a fresh copy of the layout, whose
 parameters must come back equal. `reference` computes the same numbers in one process with a
 plain model, a plain loss and torch's own clipping: the single-process run layouts must match.
@@ -40,7 +41,7 @@ from trainer.model.llama import ModelArgs, Transformer, next_token_loss
 from trainer.model.moe import MoEArgs
 from trainer.parallel.dims import ParallelMesh, validate_layout
 from trainer.parallel.expert import ExpertLoad, balance_experts
-from trainer.parallel.parallelize import ParallelModel, parallelize
+from trainer.parallel.parallelize import ParallelModel, build_model
 from trainer.parallel.pipeline import scheduled_bubble
 
 CORPUS_BYTES = 1 << 18
@@ -53,6 +54,8 @@ class ProbeResult:
     expert_loads: list[ExpertLoad | None] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Every parameter gathered in full right after the build, before the first step.
+    initial_state: dict[str, torch.Tensor] = field(default_factory=dict)
     # Set when the layout was checkpointed: whether a fresh copy restored every parameter.
     restored_equal: bool | None = None
     # Pipelined layouts: each step's idle fraction, averaged over the pipeline ranks, and the
@@ -80,19 +83,14 @@ def _optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
 
-def _model(cfg: TrainConfig) -> Transformer:
-    model = Transformer(cfg.model)
-    model.init_weights(cfg.seed)
-    return model
-
-
 def reference(cfg: TrainConfig, steps: int) -> ProbeResult:
     """The same steps in this process on the whole global batch, with no parallelism."""
-    model = _model(cfg)
+    model = Transformer(cfg.model)
+    model.init_weights(cfg.seed)
     optimizer = _optimizer(model.parameters(), cfg)
     loader = DeterministicLoader(stdlib_corpus(cfg.corpus_bytes), cfg.seq_len, cfg.global_batch,
                                  0, 1, seed=cfg.seed)  # fmt: skip
-    result = ProbeResult()
+    result = ProbeResult(initial_state=_copy(model.state_dict()))
     for _ in range(steps):
         start = time.perf_counter()
         inputs, targets = loader.next_batch()
@@ -105,8 +103,12 @@ def reference(cfg: TrainConfig, steps: int) -> ProbeResult:
         result.losses.append(loss.item())
         result.grad_norms.append(norm.item())
         result.step_seconds.append(time.perf_counter() - start)
-    result.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    result.state = _copy(model.state_dict())
     return result
+
+
+def _copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 @dataclass
@@ -119,8 +121,8 @@ class _Job:
 
 
 def _build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, seed: int) -> _Job:
-    model = _model(dataclasses.replace(cfg, seed=seed)).to(device)
-    parallel = parallelize(model, mesh, cfg, device)
+    parallel, _ = build_model(dataclasses.replace(cfg, seed=seed), mesh, device)
+    model = parallel.model
     loader = DeterministicLoader(stdlib_corpus(cfg.corpus_bytes), cfg.seq_len, cfg.global_batch,
                                  mesh.dp_rank, mesh.dims.dp_size, seed=cfg.seed)  # fmt: skip
     return _Job(parallel, _optimizer(model.parameters(), cfg), loader)
@@ -136,7 +138,8 @@ def run_layout(
     """
     mesh = validate_layout(cfg, dist.get_world_size()).build_mesh(device.type)
     job = _build(cfg, mesh, device, cfg.seed)
-    result = ProbeResult()
+    # A copy: a gathered tensor may share storage with a parameter the steps then change.
+    result = ProbeResult(initial_state=_copy(job.parallel.full_state()))
     for _ in range(steps):
         dist.barrier()
         start = time.perf_counter()

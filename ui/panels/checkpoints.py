@@ -1,6 +1,7 @@
 """Checkpoints: a timeline of saves with blocking and background time, the tiers that hold each
-one with sizes (and, for a run on several nodes, which nodes hold their part on each), and every
-rank's data-loader offset at the latest (the resume point)."""
+one with sizes (and, for a run on several nodes, which nodes hold their part on each, the copies
+of each part on other nodes and whether the step is node-loss safe), and every rank's data-loader
+offset at the latest (the resume point)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ def render(engine: Engine, run_id: str) -> None:
         sizes = timeline[shown].assign(
             **{f"{tier} MB": timeline[f"{tier}_bytes"] / 1e6 for tier in views.TIERS}
         )
+        if spread:
+            copies = views.checkpoint_copies(engine, run_id)
+            sizes = sizes.merge(copies, on="step", how="left")
+            sizes["node_loss_safe"] = sizes["node_loss_safe"].map({True: "yes", False: "no"})
         st.dataframe(
             sizes.sort_values("step", ascending=False),
             hide_index=True,
@@ -46,13 +51,17 @@ def render(engine: Engine, run_id: str) -> None:
                 },
                 "failed_tiers": st.column_config.TextColumn("failed on"),
                 "nodes": st.column_config.TextColumn("held by nodes"),
+                "copies": st.column_config.TextColumn("copies of each node's part"),
+                "node_loss_safe": st.column_config.TextColumn("node-loss safe"),
             },
         )
         st.caption(
             "Tiers each checkpoint was committed on, with its size there (blank: not on it)."
             + (
                 " Each node holds its part (its ranks' files) on its own memory and SSD tiers: "
-                '"held by nodes" names them. S3 holds the whole checkpoint.'
+                '"held by nodes" names them; "copies" names every node holding a copy of each '
+                "part (its own and its peer replicas), and a step is node-loss safe when each "
+                "part is on 2 nodes or more. S3 holds the whole checkpoint."
                 if spread
                 else ""
             )

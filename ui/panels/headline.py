@@ -42,7 +42,7 @@ def render(engine: Engine, run_id: str) -> Callable[[], None]:
         _delta(figures.tokens_per_s, figures.previous_tokens_per_s, ",.0f"),
     )
     mfu.metric("MFU", _number(figures.mfu, ".1%"), _delta(figures.mfu, figures.previous_mfu, ".2%"))
-    goodput_slot.metric("goodput", "…", help="computing: reads every record of the run")
+    goodput_slot.metric("goodput", "…", help="computing: reads the whole run's step rollups")
     if figures.last_checkpoint_at is None:
         checkpoint.metric("last checkpoint", "none", help="no checkpoint committed on any tier")
     else:

@@ -1,4 +1,5 @@
-"""The loss curve with markers for checkpoints, restarts, loss spikes, SDC events and replays."""
+"""The loss curve with markers for checkpoints, restarts, loss spikes, SDC events and replays, and
+the throughput, both from the step rollups (one row per step, whatever the world size)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ MAX_POINTS = 1000
 
 
 def render(engine: Engine, run_id: str) -> None:
-    st.subheader("Loss")
+    st.subheader("Loss and throughput")
     points = views.loss_points(engine, run_id, max_points=MAX_POINTS)
     if points.empty:
         st.info(
@@ -24,13 +25,15 @@ def render(engine: Engine, run_id: str) -> None:
     st.altair_chart(charts.loss_chart(points, markers), width="stretch")
     first, last = int(points["step"].min()), int(points["step"].max())
     sampled = len(points) < last - first + 1
+    st.altair_chart(charts.throughput_chart(points), width="stretch")
     st.caption(
-        "Mean loss over ranks, the band spans the ranks' minimum to maximum. "
+        "From the step rollups. Mean loss over ranks, the band spans the ranks' minimum to "
+        "maximum; tokens/s is all ranks' tokens over the slowest rank's step time. "
         + (
             f"{len(points):,} of the {last - first + 1:,} steps are drawn, spread evenly; "
             "loss spikes the detector found are marked whether drawn or not. "
             if sampled
-            else ""
+            else f"Every one of the {len(points):,} steps is drawn. "
         )
         + "Green triangles along the bottom: checkpoints; lines: grey restarts, orange loss "
         "spikes, red silent data corruption, purple replays. Scroll to zoom, drag to pan."

@@ -1,0 +1,146 @@
+"""Peer replicas: how fast one ckptd copies a peer's part, and what replication costs training.
+
+Two measures, each beside its baseline in the same command:
+
+- **Replication throughput.** Two ckptd processes on loopback, peers of each other, copying
+  without a rate limit: a save puts a shard of --mib MiB on node 1, and node 0 copies it into
+  its memory tier and SSD (read from node 1 over the data socket, every block CRC-checked, made
+  durable). Timed from the commit's return to node 0's `ckptd_replica_bytes{tier="SSD"}` showing
+  the whole part; beside the raw TCP loopback baseline of the same bytes (`RawTcp`). Measured
+  twice: with the data dirs on this machine's disk, and on tmpfs (/dev/shm), which leaves the
+  disk's write speed out and measures ckptd's own path.
+- **Training while replicating.** The same 2-node `scaletrain run` with R=2 (each part copied to
+  the other node after every save) and with R=1 (no copies), tokens/s from its summary;
+  the runs alternate, one pair after another.
+
+Run: `OMP_NUM_THREADS=1 .venv/bin/python bench/ckptd_replicas.py [--mib 256] [--runs 3]
+[--train-pairs 1] [--ranks 4] [--steps 30]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from ckptd_cluster import Nodes
+from ckptd_common import RawTcp, bench_parser, payload
+
+from scaletrain.embedded import RunOptions, run
+from scaletrain.stack import Workdir, free_port
+from scaletrain.v1 import checkpoint_pb2
+
+SHARD = checkpoint_pb2.FILE_KIND_SHARD
+METADATA = checkpoint_pb2.FILE_KIND_METADATA
+_REPLICA_SSD = re.compile(r'^ckptd_replica_bytes\{tier="SSD"\} (\S+)$', re.M)
+
+
+def replica_bytes(port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    found = _REPLICA_SSD.search(text)
+    return float(found.group(1)) if found else 0.0
+
+
+def replicate_once(nodes: Nodes, metrics_port: int, step: int, shard: bytes) -> float:
+    """Seconds from the commit of a save whose big shard is on node 1 to node 0 holding it."""
+    opened = nodes.clients[0].open_save("bench", step, 2)
+    for rank, data in ((0, b"s" * 4096), (1, shard)):
+        client = nodes.clients[rank]
+        client.join_save(opened, "bench", step, 2)
+        client.write_file(opened.save_id, f"__{rank}_0.distcp", rank, SHARD, data)
+    nodes.clients[0].write_file(opened.save_id, ".metadata", 0, METADATA, b"m" * 4096)
+    before = replica_bytes(metrics_port)
+    nodes.clients[0].commit(opened.save_id)
+    committed = time.perf_counter()
+    while replica_bytes(metrics_port) < before + len(shard):
+        if time.perf_counter() - committed > 120:
+            raise SystemExit("node 0 did not copy node 1's part within 120 s")
+        time.sleep(0.002)
+    seconds = time.perf_counter() - committed
+    nodes.clients[0].delete("bench", step)  # from every node: keep memory and disk small
+    return seconds
+
+
+def replication(args: argparse.Namespace, where: str | None) -> dict[str, float]:
+    """Replication throughput with the data dirs under `where` (None: the default temp dir)."""
+    shard = payload(args.mib)
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="ckptd-replicas-bench-", dir=where) as tmp:
+        budget = str(3 * args.mib + 256)
+        nodes = Nodes(
+            Path(tmp), 2, "--replica-mb-s", "0", "--memory-budget-mb", budget,
+            per_node=[("--metrics-port", str(port)), ()],
+        )  # fmt: skip
+        raw = RawTcp(len(shard), to_child=False)
+        try:
+            copies, baseline = [], []
+            for run_ in range(args.runs):
+                copies.append(replicate_once(nodes, port, run_ + 1, shard))
+                baseline.append(raw.transfer())
+        finally:
+            raw.close()
+            nodes.close()
+    rate = len(shard) / min(copies) / 1e6
+    raw_rate = len(shard) / min(baseline) / 1e6
+    disk = "on tmpfs" if where else "on disk"
+    print(f"raw TCP loopback                         {raw_rate:9.0f} MB/s")
+    print(f"replication node 1 -> node 0, {disk:<10} {rate:9.0f} MB/s")
+    print(f"ratio replication ({disk}) / raw TCP: {rate / raw_rate:.2f} (target >= 0.5)")
+    return {"replication_mb_s": rate, "raw_tcp_mb_s": raw_rate, "ratio": rate / raw_rate}
+
+
+def train(root: Path, replicas: int, args: argparse.Namespace) -> float:
+    """Tokens/s of a 2-node run saving every --ckpt-every steps with R = `replicas`."""
+    options = RunOptions(
+        workdir=Workdir(root),
+        ranks=args.ranks,
+        nodes=2,
+        steps=args.steps,
+        ckpt_every=args.ckpt_every,
+        trainer_args=[
+            *("--dim", str(args.dim), "--n-layers", str(args.layers)),
+            *("--replicas", str(replicas)),
+        ],
+        upload_wait_s=0,
+    )
+    return run(options, io.StringIO()).tokens_per_s
+
+
+def training(args: argparse.Namespace) -> dict[str, float]:
+    speed: dict[int, list[float]] = {1: [], 2: []}
+    with tempfile.TemporaryDirectory(prefix="replicas-train-bench-") as tmp:
+        for pair in range(args.train_pairs):
+            for r in (2, 1):
+                speed[r].append(train(Path(tmp) / f"pair{pair}-r{r}", r, args))
+    med = {r: statistics.median(v) for r, v in speed.items()}
+    print(f"training, R=1 (no copies)                {med[1]:9,.0f} tokens/s")
+    print(f"training, R=2 (a copy of every part)     {med[2]:9,.0f} tokens/s")
+    print(f"ratio training while replicating / without: {med[2] / med[1]:.3f} (target >= 0.95)")
+    return {"tokens_s_r1": med[1], "tokens_s_r2": med[2], "ratio": med[2] / med[1]}
+
+
+def main() -> None:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--train-pairs", type=int, default=1, help="R=2/R=1 run pairs (0: none)")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--ckpt-every", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=256, help="model width (state size)")
+    parser.add_argument("--layers", type=int, default=4)
+    args = parser.parse_args()
+    results = {"replication": replication(args, None)}
+    if Path("/dev/shm").is_dir():
+        results["replication_tmpfs"] = replication(args, "/dev/shm")
+    if args.train_pairs:
+        results["training"] = training(args)
+    print(json.dumps({k: {n: round(v, 3) for n, v in r.items()} for k, r in results.items()}))
+
+
+if __name__ == "__main__":
+    main()

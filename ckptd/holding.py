@@ -1,0 +1,279 @@
+"""The store's replicas: which parts of committed checkpoints this node should hold, making
+those copies, recovering them at start, and letting them go by the run's retention.
+
+`ckptd.replicas` has the parts that need no store (placement, the replica tiers, the copying
+thread); this mixin of `CheckpointStore` acts on the store's catalog and tiers under its lock.
+A copy of this node's own part (a replaced machine getting its part back from its peers) lands
+in its own tiers; a copy of another node's part in the replica tiers of that owner.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ckptd.catalog import COMMITTED, Catalog
+from ckptd.cluster import Peer, Peers
+from ckptd.manifest import Manifest
+from ckptd.metrics import Metrics
+from ckptd.names import key_of
+from ckptd.replicas import CopyJob, ReplicaTiers, Throttle, copy_part, effective_replicas, placement
+from ckptd.retention import RetentionPolicy, droppable
+from ckptd.tiers import CheckpointKey
+from ckptd.tiers.memory import MemoryBudget, MemoryTier
+from ckptd.tiers.ssd import SsdTier
+from scaletrain.errors import FailedPrecondition, InvalidArgument
+from scaletrain.v1 import checkpoint_pb2, common_pb2
+
+if TYPE_CHECKING:
+    from ckptd.config import CkptdConfig
+    from ckptd.reads import Reader
+    from ckptd.replicas import Replicator
+
+log = logging.getLogger("ckptd.store")
+
+TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
+ABSENT = checkpoint_pb2.TIER_STATE_ABSENT
+MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S3
+NODE_TIERS = (MEMORY, SSD)
+
+
+class ReplicaHolding:
+    """This node's copies of parts (see the module)."""
+
+    # The store's.
+    node: str
+    config: CkptdConfig
+    peers: Peers
+    catalog: Catalog
+    memory: MemoryTier
+    ssd: SsdTier
+    budget: MemoryBudget
+    metrics: Metrics
+    replicas: ReplicaTiers
+    _lock: threading.RLock
+    _closed: threading.Event
+    _reader: Reader
+    _replicator: Replicator | None
+    _latest_safe: dict[str, int]
+    policy: Callable[[str], RetentionPolicy]
+    _notify: Callable[..., None]
+
+    # -- who holds what --------------------------------------------------------------------------
+
+    def live_zones(self) -> dict[str, str]:
+        """The nodes up now (this one and every reachable named peer) -> their zone."""
+        zones = {self.node: self.peers.config.zone}
+        for peer in self.peers.all():
+            if peer.node and peer.reachable:
+                zones[peer.node] = peer.zone
+        return zones
+
+    def node_count(self) -> int:
+        """The nodes of the cluster as configured (this one and every peer it knows of)."""
+        return 1 + len(self.peers.all())
+
+    def replicas_of(self, run: str) -> int:
+        """R for `run`: what it asked for, else ckptd's default, capped at the nodes there are."""
+        asked = self.policy(run).replicas
+        return (
+            min(asked, self.node_count())
+            if asked
+            else effective_replicas(0, self.peers.config.replicas, self.node_count())
+        )
+
+    def check_replicas(self, asked: int) -> None:
+        """Refuse, at OpenSave, an R that the cluster cannot hold."""
+        effective_replicas(asked, self.peers.config.replicas, self.node_count())
+
+    def holds(self, key: CheckpointKey, owner: str) -> bool:
+        """Whether this node has a committed copy (memory or SSD) of `owner`'s part of `key`."""
+        if owner in ("", self.node):
+            states = [self.catalog.tier_state(key, t) for t in NODE_TIERS]
+        else:
+            states = [self.catalog.replica_state(key, owner, t) for t in NODE_TIERS]
+        return TIER_COMMITTED in states
+
+    def queue_duties(self, zones: dict[str, str] | None = None) -> int:
+        """Queue a copy of every part this node should hold and lacks: of the newest
+        checkpoints of each run (those its SSD keeps), by `placement` over the live nodes.
+        Returns how many were queued."""
+        if self._replicator is None:
+            return 0
+        zones = zones if zones is not None else self.live_zones()
+        queued, oldest = 0, None
+        for run in self.catalog.runs():
+            r = self.replicas_of(run)
+            steps = sorted(self.catalog.run_states(run), reverse=True)
+            keep = self._latest_safe.get(run)
+            recent = steps[: self.policy(run).ssd_last] + ([keep] if keep in steps else [])
+            for step in dict.fromkeys(recent):
+                key = CheckpointKey(run, step)
+                manifest = self.catalog.manifest(key)
+                if manifest is None:
+                    continue
+                for owner in sorted({f.node for f in manifest.files if f.node}):
+                    wants_own = owner == self.node  # a replaced machine: its part comes back
+                    if (wants_own or (r > 1 and self.node in placement(owner, zones, r))) and (
+                        not self.holds(key, owner)
+                    ):
+                        queued += self._replicator.queue(CopyJob(key, owner))
+                        oldest = min(oldest or manifest.committed_at, manifest.committed_at)
+        self.metrics.replication_lag.set(time.time() - oldest if oldest else 0.0)
+        return queued
+
+    def offer_replica(self, ref: checkpoint_pb2.CheckpointRef, owner: str, sender: str) -> bool:
+        """A peer asks this node to copy `owner`'s part of a committed checkpoint; whether a
+        copy was queued (False: it holds one already)."""
+        key = key_of(ref)
+        manifest = self.catalog.manifest(key)
+        if manifest is None:
+            raise FailedPrecondition(
+                f"replica of node {owner}'s part of {key} offered by node {sender or '?'}: node "
+                f"{self.node} does not know {key} as committed; refused"
+            )
+        if not manifest.files_on(owner):
+            raise InvalidArgument(f"checkpoint {key} has no part on node {owner!r}")
+        if self.holds(key, owner) or self._replicator is None:
+            return False
+        return self._replicator.queue(CopyJob(key, owner))
+
+    def offer_replicas(self, manifest: Manifest) -> None:
+        """After a commit (on its coordinator): ask each part's holders to copy it, in the
+        background; a holder that misses the offer picks the copy up at its next sync."""
+        zones = self.live_zones()
+        r = self.replicas_of(manifest.key.run)
+        if r <= 1:
+            return
+        ref = checkpoint_pb2.CheckpointRef(run=manifest.key.run, step=manifest.key.step)
+        offers: dict[str, list[str]] = {}  # holder -> owners
+        for owner in sorted({f.node for f in manifest.files if f.node}):
+            for holder in placement(owner, zones, r):
+                if holder != owner:
+                    offers.setdefault(holder, []).append(owner)
+        for owner in offers.pop(self.node, []):
+            self.offer_replica(ref, owner, self.node)
+        targets = [p for p in self.peers.all() if p.node in offers]
+
+        def offer(peer: Peer) -> None:
+            for owner in offers[peer.node]:
+                request = checkpoint_pb2.OfferReplicaRequest(ref=ref, owner=owner, sender=self.node)
+                peer.cluster().OfferReplica(request, timeout=10.0)
+
+        def send() -> None:
+            for address, answer in self.peers.call(targets, offer).items():
+                if isinstance(answer, BaseException):
+                    log.warning("replica offer for %s to %s failed: %s", manifest.key, address,
+                                answer)  # fmt: skip
+
+        if targets:
+            threading.Thread(target=send, name="ckptd-offers", daemon=True).start()
+
+    # -- making a copy ---------------------------------------------------------------------------
+
+    def copy_job(self, job: CopyJob, throttle: Throttle) -> bool:
+        """Copy `job`'s part from the peers into this node's tiers (the Replicator's work)."""
+        key, owner = job.key, job.owner
+        with self._lock:
+            manifest = self.catalog.manifest(key)
+            if manifest is None or self.holds(key, owner):
+                return True  # deleted meanwhile, or already here
+        files = manifest.files_on(owner)
+        if not files:
+            return True
+        own = owner == self.node
+        ssd = self.ssd if own else self.replicas.ssd(owner)
+        started = time.monotonic()
+        retain = self.budget.total > 0 and self.policy(key.run).memory_last > 0
+        kept, total = copy_part(
+            manifest, files, ssd, self.budget, retain,
+            lambda record, sink: self._reader.stream_from_peers(key, record, sink,
+                                                                self.budget.buffer),
+            throttle, self._closed, self.metrics,
+        )  # fmt: skip
+        memory = self.memory if own else self.replicas.memory(owner)
+        with self._lock:
+            if self.catalog.manifest(key) is None:  # deleted while it was copied
+                ssd.delete(key)
+                if kept is not None:
+                    memory.put(key, kept)
+                    memory.delete(key)  # releases and recycles its buffers
+                return True
+            self._set_copy(key, owner, SSD, total)
+            if kept is not None:
+                memory.put(key, kept)
+                self._set_copy(key, owner, MEMORY, total)
+            self.metrics.bytes.labels("replica", "write").inc(total)
+            for tier in (SSD, MEMORY) if kept is not None else (SSD,):
+                self._notify(key, tier, total, replica_of="" if own else owner)
+            self._apply_retention(key.run)
+        log.info(
+            "copied node %s's part of %s (%d bytes, %.2fs) from its peers", owner, key, total,
+            time.monotonic() - started, extra={"run": key.run, "step": key.step, "bytes": total},
+        )  # fmt: skip
+        return True
+
+    def _set_copy(self, key: CheckpointKey, owner: str, tier: int, nbytes: int) -> None:
+        if owner == self.node:
+            self.catalog.set_tier(key, tier, TIER_COMMITTED, nbytes)
+        else:
+            self.catalog.set_replica(key, owner, tier, TIER_COMMITTED, nbytes)
+
+    # -- start, memory pressure, retention --------------------------------------------------------
+
+    def recover_replicas(self) -> None:
+        """Bring the catalog in line with the replica directories after a restart: a directory
+        with its marker is a committed copy; memory copies did not survive."""
+        for key, owners in self.catalog.replicas().items():
+            for owner in owners:
+                self.catalog.set_replica(key, owner, MEMORY, ABSENT)
+        for owner in self.replicas.owners_on_disk():
+            tier = self.replicas.ssd(owner)
+            tier.clean_leftovers()
+            for save_id in tier.staged_saves():
+                tier.discard_staging(save_id)
+            on_disk = set()
+            for key in tier.list():
+                try:
+                    manifest = tier.manifest(key)
+                except (OSError, ValueError) as exc:
+                    log.error("replica of %s of %s: unreadable marker (%s)", owner, key, exc)
+                    continue
+                on_disk.add(key)
+                record = self.catalog.save_of(key)
+                if record is None or record.state != COMMITTED:
+                    self.catalog.record_commit(manifest, None)
+                nbytes = sum(f.size for f in manifest.files_on(owner))
+                self.catalog.set_replica(key, owner, SSD, TIER_COMMITTED, nbytes)
+            for key, owners in self.catalog.replicas().items():
+                if owner in owners and key not in on_disk:
+                    self.catalog.drop_replicas(key, owner)
+
+    def relieve_replicas(self) -> bool:
+        """Evict the oldest replica held in memory (its SSD copy stays); whether one was."""
+        for owner, tier in self.replicas.memory_tiers().items():
+            for key in tier.list():
+                tier.delete(key)
+                self.catalog.set_replica(key, owner, MEMORY, ABSENT)
+                log.info("evicted the replica of %s's part of %s from memory", owner, key)
+                return True
+        return False
+
+    def retain_replicas(self, run: str, wants: dict[int, set[int]], on_s3: set[int]) -> None:
+        """Drop the replicas of `run` that no tier wants, by the rules of the own copies."""
+        for key, owners in self.catalog.replicas(run).items():
+            for owner, states in owners.items():
+                held = {t: states.get(t) == TIER_COMMITTED for t in NODE_TIERS}
+                held[S3] = key.step in on_s3
+                for tier in droppable(wants.get(key.step, set()), held):
+                    if tier == S3:
+                        continue
+                    if tier == MEMORY:
+                        self.replicas.memory(owner).delete(key)
+                    else:
+                        self.replicas.ssd(owner).delete(key)
+                    self.catalog.set_replica(key, owner, tier, ABSENT)
+                    log.info("retention dropped the replica of %s's part of %s", owner, key)

@@ -1,0 +1,368 @@
+"""The read side of ckptd's data socket: byte ranges of committed files over plain TCP (OpenRead).
+
+Why it exists: a restore is almost all bytes, and grpcio's Python transport carries ReadFile's
+chunks at a fraction of what a loopback socket does (bench/ckptd_restore.py). So the control stays
+on gRPC (authentication, authorization, the request's checks, which fail at OpenRead in one line)
+and only the bytes take the data socket that uploads use (`ckptd.datapath`), as frames of the
+pieces that the store's `iter_range` yields, each already verified against the file's block CRCs.
+Each frame carries its tier, offset, length and a CRC-32C of its bytes, so the client verifies
+every byte it was sent, as it verifies ReadFile's chunks.
+
+Both ends live here, so that the wire format has one definition: `ReadPlane` for ckptd's data
+socket (`ckptd.datapath.DataPlane` hands it the connections that bring a read's ticket), and
+`open_range` and `RangeConnection` for its clients (a trainer's `CkptdClient`, and a ckptd reading
+a peer's part, `ckptd.cluster.read_from_peer`). Nothing here imports the store: the cluster
+module, which the store imports, reads through it too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import grpc
+
+from ckptd.tiers import TIER_NAMES
+from ckptd.wire import crc32c
+from scaletrain.errors import DataLoss, ResourceExhausted, ScaletrainError, Unavailable
+from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2
+
+log = logging.getLogger(__name__)
+
+TICKET_BYTES = 32
+# A frame's head: its kind, the tier (common_pb2.Tier) its data was read from, then its offset,
+# length and the CRC-32C of the data that follows. An error frame's offset is the status code,
+# its data a one-line message (at most MAX_REASON_BYTES). A source frame's data names the node
+# whose copy serves the data frames that follow (empty for S3); it comes first in each span.
+READ_FRAME = struct.Struct("<BBxxqII")
+DATA, ERROR, SOURCE = 0, 1, 2
+MAX_REASON_BYTES = 4096
+# Pieces read ahead of the one being sent, and the threads that read them for all connections.
+READ_AHEAD = 2
+READ_THREADS = 16
+# The domain error of each status code an error frame may carry.
+_ERRORS = {cls.code.value[0]: cls for cls in ScaletrainError.__subclasses__()}
+
+# The store's pieces (`ckptd.reads.Piece`): tier, offset, bytes, node.
+Pieces = Iterator[tuple[int, int, bytes, str]]
+
+
+def source_label(tier: int, node: str) -> str:
+    """Whose copy served bytes, as restores report it: "memory@node0", "SSD@node1", "S3"."""
+    name = TIER_NAMES.get(tier, f"tier {tier}")
+    return name if tier == common_pb2.TIER_S3 or not node else f"{name}@{node}"
+
+
+def describe_sources(sources: Mapping[str, int]) -> str:
+    """Where a restore's bytes came from, in a line: "2.10 MB from memory@node0, 0.50 MB from
+    S3"."""
+    parts = [f"{n / 1e6:.2f} MB from {source}" for source, n in sources.items() if n]
+    return ", ".join(parts) or "nothing read"
+
+
+def timeval(seconds: float) -> bytes:
+    """A `struct timeval` for SO_RCVTIMEO / SO_SNDTIMEO."""
+    return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+
+
+def data_connection(host: str, port: int, timeout_s: float) -> socket.socket:
+    """A connection to a data socket, set up for big frames; raises OSError if none.
+
+    A frame's head is a small write after a big one: without NODELAY, Nagle holds it until the
+    other end's delayed ACK, 40 ms a frame. The socket is blocking with kernel timeouts
+    (SO_SNDTIMEO, SO_RCVTIMEO) so that a whole frame moves in one call (MSG_WAITALL), without
+    taking the GIL back in between.
+    """
+    conn = socket.create_connection((host, port), timeout=timeout_s)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.settimeout(None)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(timeout_s))
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(timeout_s))
+    return conn
+
+
+# -- ckptd's end -----------------------------------------------------------------------------------
+
+# (offset, length) -> the store's verified (tier, offset, bytes) pieces of that span of one file.
+ReadSpan = Callable[[int, int], Pieces]
+Frame = tuple[bytes, bytes]  # a head and the data after it
+
+
+class _ReadTicket:
+    def __init__(self, read: ReadSpan, spans: list[tuple[int, int]], ttl_s: float) -> None:
+        self.read, self.spans = read, spans
+        self.deadline = time.monotonic() + ttl_s
+
+
+def spans_of(offset: int, length: int, piece_bytes: int) -> list[tuple[int, int]]:
+    """[offset, offset+length) cut at multiples of `piece_bytes`, as the store cuts its pieces
+    (so that a peer asked for one span serves it as one piece)."""
+    spans, pos, end = [], offset, offset + length
+    while pos < end:
+        stop = min(end, (pos // piece_bytes + 1) * piece_bytes)
+        spans.append((pos, stop - pos))
+        pos = stop
+    return spans
+
+
+def _frames(read: ReadSpan, offset: int, length: int) -> list[Frame]:
+    """The frames of one span: each piece with its head (its CRC-32C computed here), after a
+    source frame whenever the node whose copy serves it changes."""
+    frames: list[Frame] = []
+    node: str | None = None
+    for tier, at, data, served_by in read(offset, length):
+        if served_by != node:
+            node, raw = served_by, served_by.encode()
+            frames.append((READ_FRAME.pack(SOURCE, tier, at, len(raw), crc32c(raw)), raw))
+        frames.append((READ_FRAME.pack(DATA, tier, at, len(data), crc32c(data)), data))
+    return frames
+
+
+def _error_frame(exc: Exception, peer: object) -> Frame:
+    if isinstance(exc, ScaletrainError):
+        code, message = exc.code.value[0], " ".join(str(exc).split())
+    else:  # a bug or a broken tier: the client still gets one line
+        log.error("serving a read to %s failed", peer, exc_info=exc)
+        code, message = grpc.StatusCode.INTERNAL.value[0], f"ckptd failed: {exc}"
+    raw = message.encode()[:MAX_REASON_BYTES]
+    return READ_FRAME.pack(ERROR, 0, code, len(raw), crc32c(raw)), raw
+
+
+def _send(conn: socket.socket, head: bytes, data: bytes) -> None:
+    """Send a frame in as few calls as the kernel takes it (no copy of its bytes)."""
+    views = [memoryview(head), memoryview(data).cast("B")]
+    while views:
+        sent = conn.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if views:
+            views[0] = views[0][sent:]
+
+
+class ReadPlane:
+    """The read side of a data socket: the ranges OpenRead checked and nobody fetched yet, by
+    ticket (each good for one connection within `ttl_s` of its issue), and the threads that
+    read their pieces.
+
+    A range is read READ_AHEAD pieces ahead of the one being sent, each by a thread of a pool
+    shared by every connection: a peer's round trip, an SSD read and the CRC-32Cs (which release
+    the GIL) of the next pieces overlap the send of this one. Pieces still go out in order.
+    """
+
+    def __init__(self, ttl_s: float, max_tickets: int) -> None:
+        self.ttl_s = ttl_s
+        self._max_tickets = max_tickets
+        self._lock = threading.Lock()
+        self._tickets: dict[bytes, _ReadTicket] = {}
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckptd-read")
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
+
+    def issue(self, read: ReadSpan, spans: list[tuple[int, int]], what: str) -> bytes:
+        """A ticket for the pieces of `spans` (in order), as `read` serves each."""
+        with self._lock:
+            self._drop_expired()
+            if len(self._tickets) >= self._max_tickets:
+                raise ResourceExhausted(
+                    f"{what}: {self._max_tickets} reads already wait for their connection"
+                )
+            ticket = secrets.token_bytes(TICKET_BYTES)
+            self._tickets[ticket] = _ReadTicket(read, spans, self.ttl_s)
+        return ticket
+
+    def claim(self, ticket: bytes) -> _ReadTicket | None:
+        """The read a ticket that is known, unused and in time stands for (it is then used)."""
+        with self._lock:
+            found = self._tickets.pop(ticket, None)
+        if found is None or time.monotonic() > found.deadline:
+            return None
+        return found
+
+    def drop_expired(self) -> None:
+        with self._lock:
+            self._drop_expired()
+
+    def _drop_expired(self) -> None:
+        """Forget (under the lock) the tickets never presented in time."""
+        now = time.monotonic()
+        for ticket in [t for t, found in self._tickets.items() if now > found.deadline]:
+            del self._tickets[ticket]
+
+    def send(self, conn: socket.socket, found: _ReadTicket, peer: object) -> None:
+        """Send the range's frames in order; a piece that fails ends the range with an error
+        frame saying why. A client that hangs up just ends it (and the reading ahead)."""
+        spans = iter(found.spans)
+        ahead: deque[Future[list[Frame]]] = deque()
+        try:
+            while True:
+                room = READ_AHEAD + 1 - len(ahead)
+                for offset, length in itertools.islice(spans, room):
+                    ahead.append(self._pool.submit(_frames, found.read, offset, length))
+                if not ahead:
+                    return
+                try:
+                    frames = ahead.popleft().result()
+                except Exception as exc:
+                    _send(conn, *_error_frame(exc, peer))
+                    return
+                for head, data in frames:
+                    _send(conn, head, data)
+        except OSError as exc:
+            log.info("a read's connection from %s ended early: %s", peer, exc)
+        finally:
+            for future in ahead:
+                future.cancel()
+
+
+# -- a client's end --------------------------------------------------------------------------------
+
+
+class RangeConnection:
+    """One range arriving over a data socket: `pieces()` or `read_into()`, once. Raises DataLoss
+    for a frame that fails its CRC-32C or arrives out of place, the domain error of an error
+    frame, and Unavailable when the connection ends or goes quiet before the range does."""
+
+    def __init__(
+        self, conn: socket.socket, opened: checkpoint_pb2.OpenReadResponse, what: str
+    ) -> None:
+        self._conn, self._what = conn, what
+        self.offset, self.length = opened.offset, opened.length
+        self._pos = opened.offset
+        self.tier = 0  # the tier of the last frame received
+        self.node = ""  # the node whose copy served it
+        # Bytes received per copy that served them (`source_label`).
+        self.served: Counter[str] = Counter()
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> RangeConnection:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _fill(self, view: memoryview) -> None:
+        got = 0
+        try:
+            while got < len(view):
+                n = self._conn.recv_into(view[got:], 0, socket.MSG_WAITALL)
+                if n == 0:
+                    break
+                got += n
+        except OSError:  # a timeout or a reset
+            pass
+        if got < len(view):
+            done = self._pos - self.offset
+            raise Unavailable(
+                f"{self._what}: the data connection ended after {done} of {self.length} bytes"
+            )
+
+    def _head(self) -> int:
+        """The next data frame's head, checked; returns its length (its data follows)."""
+        head = bytearray(READ_FRAME.size)
+        self._fill(memoryview(head))
+        kind, tier, offset, length, crc = READ_FRAME.unpack(head)
+        while kind == SOURCE and length <= MAX_REASON_BYTES:
+            raw = bytearray(length)
+            self._fill(memoryview(raw))
+            if crc32c(raw) != crc:
+                raise DataLoss(f"{self._what}: a source frame arrived damaged")
+            self.node = raw.decode(errors="replace")
+            self._fill(memoryview(head))
+            kind, tier, offset, length, crc = READ_FRAME.unpack(head)
+        if kind == ERROR and length <= MAX_REASON_BYTES:
+            raw = bytearray(length)
+            self._fill(memoryview(raw))
+            message = raw.decode(errors="replace") if crc32c(raw) == crc else "a damaged reason"
+            raise _ERRORS.get(offset, ScaletrainError)(f"{self._what}: {message}")
+        if (
+            kind != DATA
+            or offset != self._pos
+            or not 0 < length <= self.offset + self.length - offset
+        ):
+            raise DataLoss(f"{self._what}: a frame of {length} bytes at {offset} is out of place")
+        self.tier, self._crc = tier, crc
+        return length
+
+    def _check(self, data: bytes | memoryview) -> None:
+        if crc32c(data) != self._crc:
+            raise DataLoss(f"{self._what}: the frame at offset {self._pos} arrived damaged")
+        self._pos += len(data)
+        self.served[source_label(self.tier, self.node)] += len(data)
+
+    def pieces(self) -> Iterator[bytes]:
+        """Yield the range frame by frame, each piece verified, in a buffer of its own."""
+        while self._pos < self.offset + self.length:
+            length = self._head()
+            data = self._conn.recv(length, socket.MSG_WAITALL)  # filled in place, not copied
+            if len(data) < length:
+                rest = bytearray(length - len(data))
+                self._fill(memoryview(rest))
+                data += rest
+            self._check(data)
+            yield data
+
+    def frames_into(
+        self, alloc: Callable[[int], memoryview], verify: bool = True
+    ) -> Iterator[tuple[int, memoryview]]:
+        """Yield (offset, bytes) of each frame, received into a buffer of `alloc(length)` (the
+        memory budget's page-aligned ones, which the SSD writes as they are). Without `verify`
+        the frame's CRC-32C is not checked: for a caller that checks every block against the
+        file's own block CRCs anyway (a replica being made)."""
+        while self._pos < self.offset + self.length:
+            length = self._head()
+            offset, view = self._pos, alloc(length)
+            self._fill(view)
+            if verify:
+                self._check(view)
+            else:
+                self._pos += length
+                self.served[source_label(self.tier, self.node)] += length
+            yield offset, view
+
+    def read_into(self, buffer: bytearray) -> None:
+        """Receive the whole range into `buffer` (of its length), every frame verified."""
+        view = memoryview(buffer)
+        while self._pos < self.offset + self.length:
+            length = self._head()
+            frame = view[self._pos - self.offset :][:length]
+            self._fill(frame)
+            self._check(frame)
+
+
+def open_range(
+    stub: checkpoint_pb2_grpc.CheckpointServiceStub,
+    request: checkpoint_pb2.OpenReadRequest,
+    default_host: str,
+    timeout_s: float,
+    what: str,
+) -> RangeConnection | None:
+    """OpenRead, connect and present the ticket: the range on its way; None when ckptd does not
+    offer its data socket to this caller (UNIMPLEMENTED) or it cannot be reached, and ReadFile
+    must serve it. Other refusals raise grpc.RpcError."""
+    try:
+        opened = stub.OpenRead(request, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        return None
+    try:
+        conn = data_connection(opened.data_host or default_host, opened.data_port, timeout_s)
+    except OSError:
+        return None  # the ticket, never presented, expires on its own
+    try:
+        conn.sendall(opened.ticket)
+    except OSError:
+        conn.close()
+        return None
+    return RangeConnection(conn, opened, what)

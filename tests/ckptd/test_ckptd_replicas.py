@@ -1,0 +1,238 @@
+"""Peer replicas: each node's part of a checkpoint copied to R-1 other nodes, so that a lost node
+is recovered from its peers' copies, with no S3 read, and a damaged copy falls through to the next.
+
+The placement and R rules are pure functions, tested first; the rest runs real ckptd processes on
+loopback (`cluster_testing.Cluster`) with a real SeaweedFS where S3 is involved, and counts S3
+reads with ckptd's own metrics (`ckptd_tier_bytes_total{tier="S3",op="read"}`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from ckptd_testing import ROOT, checkpoint_files, wait_for
+from cluster_testing import (
+    COMMITTED,
+    Cluster,
+    Files,
+    cluster_stub,
+    save,
+    steps_listed,
+    wait_until_every_node_sees_it_on_s3,
+)
+
+from ckptd.config import S3Config
+from ckptd.replicas import effective_replicas, placement
+from ckptd.retention import RetentionPolicy, wanted
+from scaletrain.errors import InvalidArgument
+from scaletrain.v1 import checkpoint_pb2
+
+FAILED = checkpoint_pb2.TIER_STATE_FAILED
+SSD = 2
+
+# -- placement and R, without a network ----------------------------------------------------------
+
+
+def test_copies_go_to_distinct_nodes_after_the_owner_on_a_ring_and_spread_over_owners():
+    nodes = {f"n{i}": "" for i in range(4)}
+    assert placement("n1", nodes, 2) == ["n1", "n2"]
+    assert placement("n3", nodes, 3) == ["n3", "n0", "n1"]
+    holders = [placement(owner, nodes, 2)[1] for owner in sorted(nodes)]
+    assert sorted(holders) == sorted(nodes)  # each node holds one other node's part
+
+
+def test_copies_prefer_failure_domains_the_part_is_not_in_yet():
+    zones = {"a1": "a", "a2": "a", "b1": "b", "b2": "b", "c1": "c"}
+    assert placement("a1", zones, 2) == ["a1", "b1"]
+    assert placement("a1", zones, 3) == ["a1", "b1", "c1"]
+    assert placement("a1", zones, 4) == ["a1", "b1", "c1", "a2"]
+
+
+def test_a_lost_owners_part_is_held_by_the_live_nodes_that_follow_it():
+    live = {"n0": "", "n2": "", "n3": ""}  # n1 is gone
+    assert placement("n1", live, 2) == ["n2", "n3"]
+
+
+def test_r_is_capped_by_default_and_refused_when_asked_beyond_the_nodes():
+    assert effective_replicas(0, 2, 1) == 1  # one node: no replicas, no error
+    assert effective_replicas(0, 2, 4) == 2
+    assert effective_replicas(3, 2, 4) == 3
+    with pytest.raises(InvalidArgument, match="replicas 3 is more than the 2 node"):
+        effective_replicas(3, 2, 2)
+
+
+def test_ssd_keeps_the_newest_node_loss_safe_step_whatever_its_age():
+    policy = RetentionPolicy(memory_last=1, ssd_last=2, s3_every=100)
+    wants = wanted(policy, [10, 20, 30, 40], on_s3=[], has_s3=False, keep=10)
+    assert {s for s, tiers in wants.items() if SSD in tiers} == {10, 30, 40}
+
+
+# -- real processes ------------------------------------------------------------------------------
+
+
+def ckpt(*args: str) -> str:
+    """What `scaletrain ckpt ARGS` prints, after checking that it succeeded."""
+    result = subprocess.run(
+        [sys.executable, "-m", "scaletrain", "ckpt", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def s3_reads(cluster: Cluster, i: int) -> float:
+    """Bytes node i's ckptd has read from S3, from its Prometheus metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics[i]}/metrics").read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith('ckptd_tier_bytes_total{op="read",tier="S3"}'):
+            total += float(line.split()[-1])
+    return total
+
+
+def copies(cluster: Cluster, i: int, step: int) -> tuple[bool, dict[str, list[str]]]:
+    """(node-loss safe?, owner -> the nodes holding a committed copy of its part) as node i
+    sees step `step`."""
+    info = next(c for c in cluster.clients[i].list("run", nodes=True) if c.ref.step == step)
+    held = {}
+    for part in info.parts:
+        if not part.files:
+            continue
+        own = [part.node] if any(t.state == COMMITTED for t in part.tiers if t.tier != 3) else []
+        held[part.node] = sorted(
+            own + [c.node for c in part.replicas if any(t.state == COMMITTED for t in c.tiers)]
+        )
+    return info.node_loss_safe, held
+
+
+def wait_until_safe(cluster: Cluster, step: int, r: int = 2, i: int = 0) -> dict[str, list[str]]:
+    """Wait until node i sees every part of `step` on `r` nodes (so node-loss safe)."""
+
+    def done() -> bool:
+        safe, held = copies(cluster, i, step)
+        return safe and all(len(holders) >= r for holders in held.values())
+
+    wait_for(done, timeout_s=30, what=f"step {step} on {r} nodes each part")
+    return copies(cluster, i, step)[1]
+
+
+@pytest.mark.parametrize(("nodes", "r"), [(2, 2), (4, 3)])
+def test_after_a_save_every_part_is_on_r_distinct_nodes_and_the_step_is_node_loss_safe(
+    nodes: int, r: int, make_cluster
+) -> None:
+    cluster = make_cluster(nodes, None, "--replicas", str(r))
+    world = 4
+    files = checkpoint_files(world_size=world, shard_bytes=300_000, seed=nodes)
+    save(cluster, 10, files, world)
+    held = wait_until_safe(cluster, 10, r)
+    assert sorted(held) == [f"node{i}" for i in range(nodes)]
+    for owner, holders in held.items():
+        assert len(holders) == r and owner in holders, (owner, holders)
+    # Every node says the same, and `latest` can ask for the newest node-loss-safe step.
+    for i in range(nodes):
+        assert copies(cluster, i, 10) == (True, held), f"node {i}"
+        assert cluster.clients[i].get("run", node_loss_safe=True).ref.step == 10
+
+    if nodes == 2:  # what the command line shows of it
+        listed = ckpt("ls", "--ckptd", cluster.addresses[1])
+        assert listed.splitlines()[1].split()[3] == "yes", listed  # the `safe` column
+        shown = json.loads(
+            ckpt("show", "run", "--node-loss-safe", "--ckptd", cluster.addresses[0], "--json")
+        )
+        assert (shown["step"], shown["node_loss_safe"]) == (10, True)
+        assert shown["copies"] == held
+
+    # Bad input: R beyond the nodes at OpenSave; a replica of a step the receiver never saw.
+    with pytest.raises(InvalidArgument, match=rf"replicas {nodes + 1} is more than the {nodes}"):
+        cluster.clients[0].open_save("run", 20, world, replicas=nodes + 1)
+    offer = checkpoint_pb2.OfferReplicaRequest(
+        ref=checkpoint_pb2.CheckpointRef(run="run", step=999), owner="node0", sender="test"
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        cluster_stub(cluster.addresses[1]).OfferReplica(offer, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "does not know run/999 as committed" in refused.value.details()
+
+
+def test_a_lost_node_is_replaced_and_restores_its_part_from_its_peer_with_no_s3_read(
+    make_cluster, s3_config: S3Config
+) -> None:
+    cluster = make_cluster(2, s3_config, metrics=True)
+    files = checkpoint_files(world_size=4, shard_bytes=400_000, seed=5)
+    save(cluster, 10, files, 4)
+    wait_until_safe(cluster, 10)
+    wait_until_every_node_sees_it_on_s3(cluster, 10)  # S3 has it too: reading it is a choice
+
+    cluster.kill(1)
+    shutil.rmtree(cluster.data_dir(1))  # a replaced machine: empty data dir, same name
+    cluster.start(1)
+    wait_for(lambda: steps_listed(cluster.clients[1]) == {10}, what="the new node to learn step 10")
+    assert cluster.clients[1].get("run").ref.step == 10
+    for path, (_, _, data) in files.items():
+        assert cluster.clients[1].read("run", 10, path) == data, path
+    # Its own part comes back to its own SSD from node 0's copy, in the background: R again.
+    wait_for(lambda: copies(cluster, 1, 10) == (True, {"node0": ["node0", "node1"],
+                                                      "node1": ["node0", "node1"]}),
+             timeout_s=30, what="node 1 to hold its part again")  # fmt: skip
+    assert [s3_reads(cluster, i) for i in range(2)] == [0.0, 0.0]
+
+
+def damage(path: Path, offset: int = 1000) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_replica_falls_through_to_the_next_copy_then_to_s3(
+    make_cluster, s3_config: S3Config
+) -> None:
+    # No memory tier: every copy is on SSD, where a test can damage it.
+    cluster = make_cluster(3, s3_config, "--replicas", "3", "--memory-budget-mb", "0", metrics=True)
+    files = checkpoint_files(world_size=3, shard_bytes=500_000, seed=9)
+    save(cluster, 10, files, 3)
+    held = wait_until_safe(cluster, 10, 3)
+    assert held["node1"] == ["node0", "node1", "node2"]
+    wait_until_every_node_sees_it_on_s3(cluster, 10)
+    shard, data = "__1_0.distcp", files["__1_0.distcp"][2]
+    cluster.kill(1)  # node 1's part now lives on in its copies on nodes 0 and 2, and on S3
+
+    damage(cluster.data_dir(0) / "replicas" / "node1" / "run" / "10" / shard)
+    assert cluster.clients[0].read("run", 10, shard) == data  # from node 2's copy
+    assert s3_reads(cluster, 0) == 0.0
+    info = next(c for c in cluster.clients[0].list("run", nodes=True) if c.ref.step == 10)
+    mine = next(c for p in info.parts if p.node == "node1" for c in p.replicas if c.node == "node0")
+    ssd = next(t for t in mine.tiers if t.tier == SSD)
+    assert ssd.state == FAILED and "fails its checksum" in ssd.error
+
+    # Node 0 makes its copy again from node 2's, in the background; then every copy rots.
+    wait_for(lambda: "node0" in copies(cluster, 0, 10)[1]["node1"], what="node 0's copy again")
+    for holder in (0, 2):
+        damage(cluster.data_dir(holder) / "replicas" / "node1" / "run" / "10" / shard)
+    assert cluster.clients[0].read("run", 10, shard) == data  # every copy bad: from S3
+    assert s3_reads(cluster, 0) > 0
+
+
+def test_a_copy_cut_off_by_its_source_is_retried_and_the_step_is_safe_only_once_it_lands(
+    make_cluster,
+) -> None:
+    # Copies at 1 MB/s: a 3 MB part takes seconds, so its source can die in the middle.
+    cluster = make_cluster(2, None, "--replica-mb-s", "1")
+    files: Files = checkpoint_files(world_size=2, shard_bytes=3_000_000, seed=3)
+    save(cluster, 10, files, 2)
+    wait_for(
+        lambda: any((cluster.data_dir(0) / "replicas" / "node1").glob(".incoming/*")),
+        what="node 0 to start copying node 1's part",
+    )
+    cluster.kill(1)
+    assert copies(cluster, 0, 10)[0] is False
+    cluster.start(1)
+    held = wait_until_safe(cluster, 10)
+    assert held == {"node0": ["node0", "node1"], "node1": ["node0", "node1"]}
+    assert cluster.clients[0].read("run", 10, "__1_0.distcp") == files["__1_0.distcp"][2]
