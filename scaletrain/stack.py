@@ -30,6 +30,7 @@ from scaletrain.errors import UserError
 from scaletrain.rpc import wait_until_healthy
 from scaletrain.seaweed import SeaweedS3
 from scaletrain.security import ClientSecurity, EmbeddedCredentials, Role
+from telemetry.client import HOST_ENV
 
 S3_BUCKET = "scaletrain"
 
@@ -455,12 +456,14 @@ class Job:
         with self._lock:
             if self._stopped:
                 return False
+            # Simulated nodes share the machine: each names its ranks' host (telemetry's nodes).
+            host = {HOST_ENV: node_name(node)} if self.stack.nodes > 1 else {}
             proc = subprocess.Popen(
                 self.agent_argv(node, extra_args),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                env=self._env,
+                env=self._env | host,
                 text=True,
                 start_new_session=True,
             )

@@ -27,6 +27,10 @@ from scaletrain.security import ClientSecurity
 from scaletrain.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
 from telemetry.columns import READ, columns_of_values, stamped
 
+# The host a rank registers with (RankInfo.host), where the machine's own name would not do:
+# `scaletrain run --nodes N` puts N simulated nodes on one machine.
+HOST_ENV = "SCALETRAIN_HOST"
+
 _log = logging.getLogger(__name__)
 
 # Codes that resending the same records cannot fix: such records are rejected, not retried.

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +18,7 @@ import torch.distributed as dist
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from scaletrain.v1 import common_pb2, telemetry_pb2
-from telemetry.client import TelemetryClient
+from telemetry.client import HOST_ENV, TelemetryClient
 from trainer.data.loader import LoaderOffset
 from trainer.health.peak import resolve_peak, training_precision
 
@@ -60,6 +62,11 @@ class Reporter:
         rank's parameter bytes after the build, by rank, sent with the run-started event."""
         if self.client is None:
             return
+        # Each rank's host, so telemetry's node views group ranks by machine.
+        hosts: list[str | None] = [rank_host()]
+        if world > 1:
+            hosts = [None] * world
+            dist.all_gather_object(hosts, rank_host())
         if self.rank == 0:
             precision = training_precision(param_dtype, device)
             peak, source = resolve_peak(device, precision, cfg.peak_flops)
@@ -79,6 +86,10 @@ class Reporter:
                     peak_flops_source=source,
                     # Activation checkpointing recomputes every block's forward once.
                     recompute_fraction=1.0 if cfg.parallel.activation_checkpointing else 0.0,
+                    ranks=[
+                        telemetry_pb2.RankInfo(rank=rank, host=host or "", device=device.type)
+                        for rank, host in enumerate(hosts)
+                    ],
                 )
             )
             self.attempt = reply.attempt
@@ -285,3 +296,9 @@ class Reporter:
                 **fields,
             )
         )
+
+
+def rank_host() -> str:
+    """The host this rank reports (telemetry groups ranks into nodes by it): the machine's
+    name, or the simulated node's ($SCALETRAIN_HOST) when several share one machine."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()

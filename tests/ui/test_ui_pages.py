@@ -3,6 +3,7 @@ real training run, on an empty one, and on the problems a user can give it."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -58,8 +59,8 @@ def test_the_health_page_of_a_real_run_shows_every_section(
     # Loss, throughput, nodes x steps, the opened node's ranks x steps, its phase breakdown and
     # straggler scores, checkpoint timeline, time use.
     assert len(app.get("vega_lite_chart")) == 8
-    # Ranks registered without a host are nodes of their own; the slowest is opened first.
-    assert app.selectbox[1].value == f"rank{STRAGGLER_RANK}"
+    # Every rank registered this machine as its host: one node, opened first.
+    assert app.selectbox[1].value == socket.gethostname()
     slowest_now, _, slowest_over_run, _, tiers, offsets, log = (f.value for f in app.dataframe)
     assert slowest_now["rank"].iloc[0] == STRAGGLER_RANK
     assert slowest_over_run["rank"].iloc[0] == STRAGGLER_RANK
@@ -96,8 +97,10 @@ def test_a_node_is_found_by_rank_and_its_heatmap_can_show_any_phase(
 ) -> None:
     app = open_page(monkeypatch, real_run.db_url, RUN_HEALTH, run=real_run.run_id)
     app.text_input[0].input("0").run()
-    assert app.selectbox[1].value == "rank0"
-    assert any(m.value.startswith("**Node rank0**: ranks 0") for m in app.markdown)
+    # Every rank of the one-machine run registered this machine as its host: one node.
+    host = socket.gethostname()
+    assert app.selectbox[1].value == host
+    assert any(m.value.startswith(f"**Node {host}**: ranks 0") for m in app.markdown)
     app.selectbox[2].select("comm_wait_s").run()
     assert not app.exception
     assert len(app.get("vega_lite_chart")) == 8
