@@ -23,7 +23,7 @@ from ckptd.names import key_of
 from ckptd.replicas import CopyJob, ReplicaTiers, Throttle, copy_part, effective_replicas, placement
 from ckptd.retention import RetentionPolicy, droppable
 from ckptd.tiers import CheckpointKey
-from ckptd.tiers.memory import MemoryBudget, MemoryTier
+from ckptd.tiers.memory import MemoryBudget, MemoryTier, release
 from ckptd.tiers.ssd import SsdTier
 from scaletrain.errors import FailedPrecondition, InvalidArgument
 from scaletrain.v1 import checkpoint_pb2, common_pb2
@@ -60,6 +60,7 @@ class ReplicaHolding:
     _replicator: Replicator | None
     _latest_safe: dict[str, int]
     policy: Callable[[str], RetentionPolicy]
+    retains: Callable[[str], bool]
     _notify: Callable[..., None]
 
     # -- who holds what --------------------------------------------------------------------------
@@ -91,11 +92,7 @@ class ReplicaHolding:
 
     def holds(self, key: CheckpointKey, owner: str) -> bool:
         """Whether this node has a committed copy (memory or SSD) of `owner`'s part of `key`."""
-        if owner in ("", self.node):
-            states = [self.catalog.tier_state(key, t) for t in NODE_TIERS]
-        else:
-            states = [self.catalog.replica_state(key, owner, t) for t in NODE_TIERS]
-        return TIER_COMMITTED in states
+        return bool(self._reader.copies_here(key, owner))
 
     def queue_duties(self, zones: dict[str, str] | None = None) -> int:
         """Queue a copy of every part this node should hold and lacks: of the newest
@@ -187,9 +184,8 @@ class ReplicaHolding:
         own = owner == self.node
         ssd = self.ssd if own else self.replicas.ssd(owner)
         started = time.monotonic()
-        retain = self.budget.total > 0 and self.policy(key.run).memory_last > 0
         kept, total = copy_part(
-            manifest, files, ssd, self.budget, retain,
+            manifest, files, ssd, self.budget, self.retains(key.run),
             lambda record, sink: self._reader.stream_from_peers(key, record, sink,
                                                                 self.budget.buffer),
             throttle, self._closed, self.metrics,
@@ -199,8 +195,7 @@ class ReplicaHolding:
             if self.catalog.manifest(key) is None:  # deleted while it was copied
                 ssd.delete(key)
                 if kept is not None:
-                    memory.put(key, kept)
-                    memory.delete(key)  # releases and recycles its buffers
+                    release(kept, self.budget)
                 return True
             self._set_copy(key, owner, SSD, total)
             if kept is not None:

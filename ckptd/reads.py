@@ -26,6 +26,7 @@ from ckptd.cluster import Peer, Peers, open_peer_range, read_from_peer
 from ckptd.manifest import FileRecord
 from ckptd.metrics import Metrics
 from ckptd.names import check_path, key_of
+from ckptd.readpath import spans_of
 from ckptd.replicas import ReplicaTiers
 from ckptd.tiers import TIER_NAMES, BlockCrcs, CheckpointKey, Tier, block_span, first_bad_block
 from ckptd.tiers.memory import MemoryTier
@@ -140,23 +141,22 @@ class Reader:
             committed = (
                 self._catalog.tier_state(key, S3) == TIER_COMMITTED
                 if tier == S3
-                else any(t.tier == tier for t in self._copies_here(key, record))
+                else any(t.tier == tier for t in self.copies_here(key, self._owner(record)))
             )
             if not committed:
                 raise NotFound(f"{key} has no committed copy on {TIER_NAMES[tier]}")
         only = (tier,) if tier else (MEMORY, SSD) if local_only else None
-        if local_only and not self._copies_here(key, record):
+        if local_only and not self.copies_here(key, self._owner(record)):
             raise NotFound(f"node {self._peers.node} holds no copy of {key}/{path}")
         return self._pieces(key, record, offset, end, piece_bytes, only)
 
     def _owner(self, record: FileRecord) -> str:
         return record.node or self._peers.node
 
-    def _copies_here(self, key: CheckpointKey, record: FileRecord) -> list[Tier]:
-        """This node's tiers with a committed copy of `record`'s part: its own memory and SSD
-        for its own part, the replica tiers it holds of another node's."""
-        owner = self._owner(record)
-        if owner == self._peers.node:
+    def copies_here(self, key: CheckpointKey, owner: str) -> list[Tier]:
+        """This node's tiers with a committed copy of `owner`'s part of `key`: its own memory
+        and SSD for its own part ("" is its own too), the replica tiers it holds of another's."""
+        if owner in ("", self._peers.node):
             local = self._local
             return [t for t in local if self._catalog.tier_state(key, t.tier) == TIER_COMMITTED]
         tiers: list[Tier] = [self._replicas.memory(owner), self._replicas.ssd(owner)]
@@ -173,12 +173,9 @@ class Reader:
         piece_bytes: int,
         only: tuple[int, ...] | None,
     ) -> Iterator[Piece]:
-        pos = start
-        while pos < end:
-            stop = min(end, (pos // piece_bytes + 1) * piece_bytes)
-            tier, node, data = self.read_verified(key, record, pos, stop, only)
+        for pos, length in spans_of(start, end - start, piece_bytes):
+            tier, node, data = self.read_verified(key, record, pos, pos + length, only)
             yield Piece(tier, pos, data, node)
-            pos = stop
 
     def read_range(
         self, ref: checkpoint_pb2.CheckpointRef, path: str, offset: int, length: int
@@ -190,7 +187,7 @@ class Reader:
         self, key: CheckpointKey, record: FileRecord, only: tuple[int, ...] | None
     ) -> list[Tier | Peer]:
         order: list[Tier | Peer] = [
-            t for t in self._copies_here(key, record) if only is None or t.tier in only
+            t for t in self.copies_here(key, self._owner(record)) if only is None or t.tier in only
         ]
         if only is None:
             order += self._peer_order(key, record)
@@ -234,13 +231,12 @@ class Reader:
                 problems.append(f"{name}: {exc.code().name}: {exc.details()}")
                 continue
             if fast is None:  # no data socket offered: ReadFile, a piece at a time
-                while pos < record.size:
-                    hi = min(record.size, (pos // READ_PIECE_BYTES + 1) * READ_PIECE_BYTES)
-                    found = self._from_peer(peer, key, record, pos, hi, problems)
+                for lo, length in spans_of(pos, record.size - pos, READ_PIECE_BYTES):
+                    found = self._from_peer(peer, key, record, lo, lo + length, problems)
                     if found is None:
                         break
-                    sink(pos, found[1])
-                    pos = hi
+                    sink(lo, found[1])
+                    pos = lo + length
                 continue
             with fast:
                 frames = fast.frames_into(alloc, verify=False)

@@ -37,7 +37,7 @@ from ckptd.ingest import FileUpload
 from ckptd.manifest import FileRecord, Manifest
 from ckptd.metrics import Metrics
 from ckptd.tiers import BLOCK_BYTES, CheckpointKey
-from ckptd.tiers.memory import MemoryBudget, MemoryFile, MemoryTier
+from ckptd.tiers.memory import MemoryBudget, MemoryFile, MemoryTier, release
 from ckptd.tiers.ssd import SsdTier
 from ckptd.wire import BlockChunk
 from scaletrain.errors import InvalidArgument, ScaletrainError, Unavailable
@@ -307,27 +307,19 @@ def copy_part(
             if kept is not None and kept.size == record.size:
                 memory[record.path] = kept
             elif kept is not None:
-                budget.release(kept.size)
-                budget.recycle(kept.chunks)
+                release({record.path: kept}, budget)
             total += record.size
         ssd.sync_staging(save_id)
         ssd.put(manifest, save_id)
     except BaseException:
         ssd.discard_staging(save_id)
-        _drop(memory, budget)
+        release(memory, budget)
         raise
     if len(memory) != len(files):  # spilled under memory pressure: the copy is on SSD only
-        _drop(memory, budget)
+        release(memory, budget)
         return None, total
     return memory, total
 
 
 def _nothing(_upload: FileUpload) -> None:
     """A replica's file joins its staging dir once all of it is checked (`copy_part`)."""
-
-
-def _drop(memory: dict[str, MemoryFile], budget: MemoryBudget) -> None:
-    for kept in memory.values():
-        budget.release(kept.size)
-        budget.recycle(kept.chunks)
-    memory.clear()

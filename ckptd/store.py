@@ -322,6 +322,10 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
     def policy(self, run: str) -> RetentionPolicy:
         return self.catalog.policy(run) or self.config.retention
 
+    def retains(self, run: str) -> bool:
+        """Whether `run`'s new copies (a save's files, a replica) are kept in memory too."""
+        return self.budget.total > 0 and self.policy(run).memory_last > 0
+
     def open_save(
         self,
         ref: checkpoint_pb2.CheckpointRef,
@@ -378,8 +382,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         self.ssd.staging_dir(save_id).mkdir(parents=True)
         record = self.catalog.save(save_id)
         assert record is not None
-        retain = self.budget.total > 0 and self.policy(key.run).memory_last > 0
-        self._saves[save_id] = _OpenSave(record, retain=retain)
+        self._saves[save_id] = _OpenSave(record, retain=self.retains(key.run))
         return record
 
     def coordination(self, save_id: str) -> Coordination:

@@ -204,8 +204,7 @@ class MemoryTier:
         return True
 
     def _drop(self, files: dict[str, MemoryFile]) -> None:
-        self.budget.release(_size(files))
-        self.budget.recycle(chunk for f in files.values() for chunk in f.chunks)
+        release(files, self.budget)
 
     def list(self) -> list[CheckpointKey]:
         """Checkpoints held, oldest commit first."""
@@ -215,3 +214,9 @@ class MemoryTier:
 
 def _size(files: dict[str, MemoryFile]) -> int:
     return sum(f.size for f in files.values())
+
+
+def release(files: dict[str, MemoryFile], budget: MemoryBudget) -> None:
+    """Give a memory copy's bytes back to `budget` (and its buffers, for reuse)."""
+    budget.release(_size(files))
+    budget.recycle(chunk for f in files.values() for chunk in f.chunks)
