@@ -61,7 +61,9 @@ def line(label: str, nbytes: int, seconds: float) -> str:
 
 
 class CkptdProcess:
-    """ckptd as its own process, as in production (the trainer is another process)."""
+    """ckptd as its own process, as in production (the trainer is another process). Its log
+    goes to `log_path`, beside its data dir: a benchmark may time events by it, which costs the
+    process measured nothing (polling its metrics would take its CPU)."""
 
     def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         argv = [
@@ -69,9 +71,12 @@ class CkptdProcess:
             "--data-dir", str(data_dir), "--log-format", "text", *extra,
         ]  # fmt: skip
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-        self.process = subprocess.Popen(
-            argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-        )
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+        data_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                argv, env=full_env, stdout=subprocess.PIPE, stderr=log, text=True
+            )
         assert self.process.stdout is not None
         first = self.process.stdout.readline()
         if not first.startswith("ckptd listening on "):
@@ -125,9 +130,11 @@ def save_one_shard(store: CheckpointStore, step: int, shard: tuple[list, FileTra
     store.commit(save_id)
 
 
-def _serve_raw_tcp(direction: str, size: int) -> None:
+def _serve_raw_tcp(direction: str, size: int, source_port: int = 0) -> None:
     """The child process of `RawTcp`: accept, then take `size` bytes into a preallocated buffer
-    (and ack) or send `size` bytes in CHUNK_BYTES slices, once per connection, until killed."""
+    (and ack) or send `size` bytes in CHUNK_BYTES slices, once per connection, until killed. A
+    relay sends on the `size` bytes it receives from a source at `source_port`, CHUNK_BYTES at
+    a time through one preallocated buffer."""
     buffer = bytearray(os.urandom(size) if direction == "source" else size)
     view = memoryview(buffer)
     with socket.create_server(("127.0.0.1", 0)) as listener:
@@ -138,6 +145,12 @@ def _serve_raw_tcp(direction: str, size: int) -> None:
                 if direction == "source":
                     for offset in range(0, size, CHUNK_BYTES):
                         conn.sendall(view[offset : offset + CHUNK_BYTES])
+                elif direction == "relay":
+                    with socket.create_connection(("127.0.0.1", source_port)) as source:
+                        for offset in range(0, size, CHUNK_BYTES):
+                            piece = view[: min(CHUNK_BYTES, size - offset)]
+                            _recv_all(source, piece)
+                            conn.sendall(piece)
                 else:
                     _recv_all(conn, view)
                     conn.sendall(b"k")
@@ -156,20 +169,28 @@ class RawTcp:
     """The baseline of the ckptd benchmarks: `size` bytes over a plain loopback TCP connection
     between this process and a child process, as fast as Python moves them (`sendall` of
     CHUNK_BYTES slices, `recv_into` a preallocated buffer). `to_child` sends from here, as a
-    trainer rank sends a save to ckptd; otherwise the child sends, as ckptd serves a restore."""
+    trainer rank sends a save to ckptd; otherwise the child sends, as ckptd serves a restore.
+    With `relay`, the sending child's bytes reach this process through a second child that
+    passes them on, as a peer's bytes reach a trainer through its node's ckptd: the floor of a
+    two-hop path on the same cores, for reference."""
 
-    def __init__(self, size: int, to_child: bool) -> None:
+    def __init__(self, size: int, to_child: bool, relay: bool = False) -> None:
         self._size, self._to_child = size, to_child
-        direction = "sink" if to_child else "source"
-        self._child = subprocess.Popen(
-            [sys.executable, __file__, direction, str(size)],
+        self._children = [self._spawn("sink" if to_child else "source", size)]
+        if relay:
+            self._children.append(self._spawn("relay", size, self._port))
+        self._buffer = memoryview(bytearray(os.urandom(size) if to_child else size))
+
+    def _spawn(self, direction: str, *args: int) -> subprocess.Popen[str]:
+        child = subprocess.Popen(
+            [sys.executable, __file__, direction, *map(str, args)],
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             stdout=subprocess.PIPE,
             text=True,
         )
-        assert self._child.stdout is not None
-        self._port = int(self._child.stdout.readline())
-        self._buffer = memoryview(bytearray(os.urandom(size) if to_child else size))
+        assert child.stdout is not None
+        self._port = int(child.stdout.readline())
+        return child
 
     def transfer(self) -> float:
         """One transfer, in seconds."""
@@ -184,9 +205,10 @@ class RawTcp:
         return time.perf_counter() - started
 
     def close(self) -> None:
-        self._child.kill()
-        self._child.wait()
+        for child in self._children:
+            child.kill()
+            child.wait()
 
 
 if __name__ == "__main__":
-    _serve_raw_tcp(sys.argv[1], int(sys.argv[2]))
+    _serve_raw_tcp(sys.argv[1], *map(int, sys.argv[2:]))

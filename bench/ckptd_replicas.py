@@ -4,11 +4,17 @@ Two measures, each beside its baseline in the same command:
 
 - **Replication throughput.** Two ckptd processes on loopback, peers of each other, copying
   without a rate limit: a save puts a shard of --mib MiB on node 1, and node 0 copies it into
-  its memory tier and SSD (read from node 1 over the data socket, every block CRC-checked, made
-  durable). Timed from the commit's return to node 0's `ckptd_replica_bytes{tier="SSD"}` showing
-  the whole part; beside the raw TCP loopback baseline of the same bytes (`RawTcp`). Measured
-  twice: with the data dirs on this machine's disk, and on tmpfs (/dev/shm), which leaves the
-  disk's write speed out and measures ckptd's own path.
+  its memory tier and SSD (read from node 1 over the data socket, every block CRC-checked).
+  Beside the raw TCP loopback baseline of the same bytes (`RawTcp`), two times from the
+  commit's return: until the copy *counts* (held in node 0's memory, every block checked: the
+  part is on 2 nodes, node-loss safe; the ratio the target names), and until it is also
+  *durable* on node 0's SSD (files and marker fsynced: it survives a restart of node 0 too).
+  Both are read from node 0's log (the timestamps of the lines that say so,
+  `ReplicaHolding.copy_job`), and the SSD copy is checked in its metrics afterwards. Earlier
+  versions polled node 0's /metrics every 2 ms instead: each scrape cost node 0 ~0.7 ms of CPU
+  and this process ~2 ms, about half a core of this 2-core machine taken from the copy timed.
+  Measured twice: with the data dirs on this machine's disk, and on tmpfs (/dev/shm), which
+  leaves the disk's write speed out of the durable time.
 - **Training while replicating.** The same 2-node `scaletrain run` with R=2 (each part copied to
   the other node after every save) and with R=1 (no copies), tokens/s from its summary;
   the runs alternate, one pair after another.
@@ -27,6 +33,7 @@ import statistics
 import tempfile
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 from ckptd_cluster import Nodes
@@ -39,6 +46,7 @@ from scaletrain.v1 import checkpoint_pb2
 SHARD = checkpoint_pb2.FILE_KIND_SHARD
 METADATA = checkpoint_pb2.FILE_KIND_METADATA
 _REPLICA_SSD = re.compile(r'^ckptd_replica_bytes\{tier="SSD"\} (\S+)$', re.M)
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.M)
 
 
 def replica_bytes(port: int) -> float:
@@ -47,8 +55,22 @@ def replica_bytes(port: int) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def replicate_once(nodes: Nodes, metrics_port: int, step: int, shard: bytes) -> float:
-    """Seconds from the commit of a save whose big shard is on node 1 to node 0 holding it."""
+def logged_at(log: Path, message: str, deadline: float) -> float:
+    """The time (time.time()) of the first line of `log` that contains `message`."""
+    while True:
+        text = log.read_text(errors="replace")
+        at = text.find(message)
+        if at >= 0:
+            stamp = _LOG_TIME.findall(text[: text.find("\n", at)])[-1]
+            return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if time.time() > deadline:
+            raise SystemExit(f"node 0 did not log {message!r} within 120 s")
+        time.sleep(0.01)
+
+
+def replicate_once(nodes: Nodes, metrics_port: int, step: int, shard: bytes) -> tuple[float, float]:
+    """Seconds from the commit of a save whose big shard is on node 1 to node 0 holding it in
+    memory (the copy counts), and to its SSD copy being durable."""
     opened = nodes.clients[0].open_save("bench", step, 2)
     for rank, data in ((0, b"s" * 4096), (1, shard)):
         client = nodes.clients[rank]
@@ -57,14 +79,15 @@ def replicate_once(nodes: Nodes, metrics_port: int, step: int, shard: bytes) -> 
     nodes.clients[0].write_file(opened.save_id, ".metadata", 0, METADATA, b"m" * 4096)
     before = replica_bytes(metrics_port)
     nodes.clients[0].commit(opened.save_id)
-    committed = time.perf_counter()
-    while replica_bytes(metrics_port) < before + len(shard):
-        if time.perf_counter() - committed > 120:
-            raise SystemExit("node 0 did not copy node 1's part within 120 s")
-        time.sleep(0.002)
-    seconds = time.perf_counter() - committed
+    committed = time.time()
+    log, deadline = nodes.procs[0].log_path, committed + 120
+    part = f"node node1's part of bench/{step}"
+    held = logged_at(log, f"{part} is held in memory here", deadline) - committed
+    durable = logged_at(log, f"copied {part} ", deadline) - committed
+    if replica_bytes(metrics_port) < before + len(shard):
+        raise SystemExit("node 0 logged the copy but its metrics do not show it on SSD")
     nodes.clients[0].delete("bench", step)  # from every node: keep memory and disk small
-    return seconds
+    return held, durable
 
 
 def replication(args: argparse.Namespace, where: str | None) -> dict[str, float]:
@@ -86,13 +109,22 @@ def replication(args: argparse.Namespace, where: str | None) -> dict[str, float]
         finally:
             raw.close()
             nodes.close()
-    rate = len(shard) / min(copies) / 1e6
+    rate = len(shard) / min(held for held, _ in copies) / 1e6
+    durable = len(shard) / min(durable for _, durable in copies) / 1e6
     raw_rate = len(shard) / min(baseline) / 1e6
     disk = "on tmpfs" if where else "on disk"
     print(f"raw TCP loopback                         {raw_rate:9.0f} MB/s")
-    print(f"replication node 1 -> node 0, {disk:<10} {rate:9.0f} MB/s")
+    print(f"replication node 1 -> node 0, {disk:<10} {rate:9.0f} MB/s  (held in memory: counts)")
+    print(f"  and durable on node 0's SSD {disk:<10} {durable:9.0f} MB/s")
     print(f"ratio replication ({disk}) / raw TCP: {rate / raw_rate:.2f} (target >= 0.5)")
-    return {"replication_mb_s": rate, "raw_tcp_mb_s": raw_rate, "ratio": rate / raw_rate}
+    print(f"ratio durable replication ({disk}) / raw TCP: {durable / raw_rate:.2f}")
+    return {
+        "replication_mb_s": rate,
+        "durable_mb_s": durable,
+        "raw_tcp_mb_s": raw_rate,
+        "ratio": rate / raw_rate,
+        "durable_ratio": durable / raw_rate,
+    }
 
 
 def train(root: Path, replicas: int, args: argparse.Namespace) -> float:

@@ -12,12 +12,20 @@ best of a few each:
    socket (`ckptd.readpath`);
 4. the SSD tier over the fast path (page cache dropped first when this process may do so);
 5. a peer: a second ckptd process, configured as the first one's peer, serves the same shard,
-   which it reads from the first one's memory tier piece by piece (`read_from_peer`, over the
-   first one's data socket).
+   which it reads from the first one's memory tier over the first one's data socket (one
+   connection for the range, `Reader._relay`), checking every block on the way.
+
+Both ckptds run with R = 1 (`--replicas 1`): with the default R = 2 the second one copied the
+shard in the background while the first restores were timed (CPU taken from them), and then
+served its own replica instead of reading the peer's, so that "restore from a peer" measured
+neither a peer read nor an idle machine.
 
 Prints MB/s and each restore's ratio to raw TCP (target >= 0.5 for memory and peer), and the CPU
 seconds per GB that a memory and a peer restore cost each process (from one more run of each):
-all of them share this machine's cores, where on a cluster the two ckptds have their own.
+all of them share this machine's cores, where on a cluster the two ckptds have their own. For
+reference beside the peer restore, also a raw TCP relay: the same bytes from a sender process
+through a second process that passes them on (`RawTcp(relay=True)`), the floor of any two-hop
+path on these two cores; the target's ratio stays the one to one-hop raw TCP.
 Run: `.venv/bin/python bench/ckptd_restore.py [--mib 256] [--runs 3]`.
 """
 
@@ -54,13 +62,14 @@ def drop_page_cache() -> bool:
 
 
 def peers(root: Path, budget_mib: int) -> list[CkptdProcess]:
-    """Two ckptd processes that list each other as peers (node0 and node1)."""
+    """Two ckptd processes that list each other as peers (node0 and node1), making no replicas
+    (see the module)."""
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     return [
         CkptdProcess(
             root / f"node{i}",
             *("--listen", addresses[i], "--node", f"node{i}", "--peers", addresses[1 - i]),
-            *("--memory-budget-mb", str(budget_mib)),
+            *("--memory-budget-mb", str(budget_mib), "--replicas", "1"),
         )
         for i in range(2)
     ]
@@ -71,6 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     data = payload(args.mib)
     tcp = RawTcp(len(data), to_child=False)
+    tcp_relay = RawTcp(len(data), to_child=False, relay=True)
     cold = [False]
     with tempfile.TemporaryDirectory(prefix="ckptd-bench-") as tmp:
         nodes = peers(Path(tmp), args.mib + 64)
@@ -102,9 +112,10 @@ def main() -> None:
                     assert got[0] == len(data)
                     return seconds
 
-                raw, grpc_memory, memory, ssd, from_peer = best_of(
+                raw, raw_relay, grpc_memory, memory, ssd, from_peer = best_of(
                     args.runs,
                     tcp.transfer,
+                    tcp_relay.transfer,
                     lambda: restore(rpc, common_pb2.TIER_MEMORY),
                     lambda: restore(fast, common_pb2.TIER_MEMORY),
                     lambda: restore(fast, common_pb2.TIER_SSD),
@@ -120,11 +131,14 @@ def main() -> None:
                     after = [*map(cpu_seconds, pids), cpu_seconds()]
                     gb = len(data) / 1e9
                     cpu[name] = [(a - b) / gb for a, b in zip(after, before, strict=True)]
+                served = dict(peer.served)
         finally:
             for node in nodes:
                 node.stop()
             tcp.close()
+            tcp_relay.close()
     print(line("raw TCP loopback (process to process)", len(data), raw))
+    print(line("raw TCP loopback through a relay process", len(data), raw_relay))
     print(line("restore from memory, gRPC ReadFile", len(data), grpc_memory))
     print(line("restore from memory, fast path", len(data), memory))
     page = "cold" if cold[0] else "page cache"
@@ -132,9 +146,11 @@ def main() -> None:
     print(line("restore from a peer's memory, fast path", len(data), from_peer))
     print(f"ratio memory fast path/raw: {raw / memory:.2f}  (target >= 0.5)")
     print(f"ratio peer fast path/raw: {raw / from_peer:.2f}  (target >= 0.5)")
+    print(f"ratio peer fast path/raw relay: {raw_relay / from_peer:.2f}  (for reference)")
     print(f"ratio memory ReadFile/raw: {raw / grpc_memory:.2f}  (the old path)")
     print(f"ratio SSD fast path/raw: {raw / ssd:.2f}")
     print(f"ratio memory/SSD: {ssd / memory:.2f}")
+    print(f"a peer restore's bytes came from: {served}")
     for name, (first, second, client) in cpu.items():
         print(
             f"CPU per GB, {name} restore: ckptd node0 {first:.2f} s, node1 {second:.2f} s, "

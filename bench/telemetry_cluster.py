@@ -12,8 +12,13 @@ acknowledged everything, records dropped or rejected, the service's memory (RSS)
 minute and at its peak, every step rolled up, the findings, and the offered rate over the
 baseline's (the share of the database's capacity the cluster uses).
 
+`--unpaced` drops the schedule: the reporters send every step as fast as the service acknowledges
+them (their queues full, waiting for room), so the stored rate is the most the service takes at
+this cluster's shape, and its ratio to the offered rate the headroom over a 2 s step.
+
     nice -n 10 .venv/bin/python bench/telemetry_cluster.py --db postgresql+psycopg://postgres@127.0.0.1:5432/bench_telemetry
     .venv/bin/python bench/telemetry_cluster.py --ranks 512 --duration-s 20   # SQLite, small
+    .venv/bin/python bench/telemetry_cluster.py --duration-s 120 --unpaced --db ...  # headroom
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ from telemetry.store import TelemetryStore
 
 
 class MemoryWatch:
-    """The RSS of a process, sampled every `every_s` seconds in a thread."""
+    """The RSS of a process and the machine's 1-minute load average, sampled every `every_s`
+    seconds in a thread: on a shared machine the load says how much of it the run had."""
 
     def __init__(self, pid: int, every_s: float = 1.0) -> None:
         self.samples: list[tuple[float, int]] = []
+        self.loads: list[float] = []
         self._pid, self._every_s = pid, every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -51,6 +58,7 @@ class MemoryWatch:
                 if line.startswith("VmRSS:"):
                     kib = int(line.split()[1])
                     self.samples.append((time.perf_counter() - self._started, kib * 1024))
+            self.loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
 
     def stop(self) -> None:
         self._stop.set()
@@ -63,6 +71,11 @@ class MemoryWatch:
     def peak_mib(self) -> float:
         return round(max((rss for _, rss in self.samples), default=0) / 2**20, 1)
 
+    def load_range(self) -> str:
+        """The lowest, median and highest 1-minute load average seen."""
+        loads = sorted(self.loads) or [0.0]
+        return f"{loads[0]:.1f} / {loads[len(loads) // 2]:.1f} / {loads[-1]:.1f}"
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -72,6 +85,7 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--processes", type=int, default=4, help="reporter processes")
     parser.add_argument("--baseline-steps", type=int, default=10)
+    parser.add_argument("--unpaced", action="store_true", help="as fast as the service takes it")
     args = parser.parse_args()
     steps = max(1, round(args.duration_s / args.step_s))
     run_id = f"cluster-{args.ranks}-{int(time.time())}"
@@ -87,7 +101,7 @@ def main() -> None:
         with service(url) as (address, pid):
             memory = MemoryWatch(pid)
             cpu = cpu_seconds(pid)
-            result = simulate(address, cluster, processes=args.processes, paced=True)
+            result = simulate(address, cluster, processes=args.processes, paced=not args.unpaced)
             cpu = cpu_seconds(pid) - cpu
             memory.stop()
             with engine.connect() as connection:
@@ -101,12 +115,14 @@ def main() -> None:
         engine.dispose()
     offered = args.ranks / args.step_s
     schedule_s = steps * args.step_s
+    # Unpaced, the run takes as long as the service needs; paced, at least its schedule.
+    elapsed = result.wall_s if args.unpaced else max(result.wall_s, schedule_s)
     report = {
         "database": "postgresql" if args.db else "sqlite",
         "cluster": f"{args.ranks} ranks, {steps} steps of {args.step_s} s ({schedule_s:.0f} s)",
         "offered_records_per_s": round(offered),
-        "stored_records_per_s": round(stored / max(result.wall_s, schedule_s)),
-        "ratio_stored_to_offered": round(stored / max(result.wall_s, schedule_s) / offered, 3),
+        "stored_records_per_s": round(stored / elapsed),
+        "ratio_stored_to_offered": round(stored / elapsed / offered, 3),
         "records_offered": result.records,
         "records_stored": stored,
         "dropped": result.dropped,
@@ -117,6 +133,7 @@ def main() -> None:
         "service_cpu_us_per_record": round(cpu / max(stored, 1) * 1e6, 1),
         "service_rss_mib_after_60s": memory.mib_after(60),
         "service_rss_mib_peak": memory.peak_mib(),
+        "load_average_min_median_max": memory.load_range(),
         "findings": sorted(findings["message"].str.split(" computes").str[0]),
         "baseline_bulk_insert_records_per_s": round(args.ranks * base.steps / base_wall),
         "ratio_offered_to_baseline": round(offered / (args.ranks * base.steps / base_wall), 3),

@@ -79,7 +79,7 @@ def fill(url: str, cluster: Cluster) -> float:
         ]
         summary = summarise(RUN_ID, 0, step, rows, nodes)
         with engine.begin() as connection:
-            insert_steps(connection, rows)
+            insert_steps(connection, [rows])
             write(connection, [summary])
         if step % 100 == 0:
             print(f"filled {step}/{cluster.steps} steps", flush=True)

@@ -33,7 +33,7 @@ import time
 
 from ckptd.manifest import FileRecord
 from ckptd.names import key_of
-from ckptd.readpath import TICKET_BYTES, Pieces, ReadPlane, spans_of, timeval
+from ckptd.readpath import TICKET_BYTES, Pieces, ReadPlane, timeval
 from ckptd.reads import READ_PIECE_BYTES
 from ckptd.store import CheckpointStore
 from ckptd.tiers import BLOCK_BYTES
@@ -142,7 +142,6 @@ class DataPlane:
         self._closed.set()
         self._thread.join()
         self._listener.close()
-        self._reads.close()
 
     # -- the gRPC side ---------------------------------------------------------------------------
 
@@ -176,14 +175,14 @@ class DataPlane:
                 piece_bytes=READ_PIECE_BYTES,
                 tier=request.tier,
                 local_only=request.local_only,
+                lend=True,  # the ReadPlane gives each piece back once it is sent
             )
 
         read(request.offset, request.length)  # checks the request, reads nothing
         record = self._store.catalog.file(key_of(request.ref), request.path)
         assert record is not None  # iter_range found it
         offset, length = request.offset, request.length or record.size - request.offset
-        spans = spans_of(offset, length, READ_PIECE_BYTES)
-        return self._reads.issue(read, spans, request.path), offset, length
+        return self._reads.issue(read, offset, length, request.path), offset, length
 
     def run_of(self, ticket: bytes) -> list[str]:
         """The run a ticket's upload writes to (to authorize FinishUpload); none if unknown."""

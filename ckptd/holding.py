@@ -23,7 +23,7 @@ from ckptd.names import key_of
 from ckptd.replicas import CopyJob, ReplicaTiers, Throttle, copy_part, effective_replicas, placement
 from ckptd.retention import RetentionPolicy, droppable
 from ckptd.tiers import CheckpointKey
-from ckptd.tiers.memory import MemoryBudget, MemoryTier, release
+from ckptd.tiers.memory import MemoryBudget, MemoryFile, MemoryTier
 from ckptd.tiers.ssd import SsdTier
 from scaletrain.errors import FailedPrecondition, InvalidArgument
 from scaletrain.v1 import checkpoint_pb2, common_pb2
@@ -172,7 +172,15 @@ class ReplicaHolding:
     # -- making a copy ---------------------------------------------------------------------------
 
     def copy_job(self, job: CopyJob, throttle: Throttle) -> bool:
-        """Copy `job`'s part from the peers into this node's tiers (the Replicator's work)."""
+        """Copy `job`'s part from the peers into this node's tiers (the Replicator's work).
+
+        The copy counts in two steps, each in the catalog and to telemetry as soon as it is
+        true: in memory once every byte of the part is here and checked against the manifest's
+        block CRCs (a second node holds the part: losing either node leaves a good copy, so the
+        step may be node-loss safe; a restart of this node loses this copy, and says so at
+        start, `recover_replicas`), then on SSD once the files and the checkpoint's marker are
+        durable (the copy survives a restart of this node too). A part that does not fit in the
+        memory budget counts only at the second step."""
         key, owner = job.key, job.owner
         with self._lock:
             manifest = self.catalog.manifest(key)
@@ -183,27 +191,50 @@ class ReplicaHolding:
             return True
         own = owner == self.node
         ssd = self.ssd if own else self.replicas.ssd(owner)
-        started = time.monotonic()
-        kept, total = copy_part(
-            manifest, files, ssd, self.budget, self.retains(key.run),
-            lambda record, sink: self._reader.stream_from_peers(key, record, sink,
-                                                                self.budget.buffer),
-            throttle, self._closed, self.metrics,
-        )  # fmt: skip
         memory = self.memory if own else self.replicas.memory(owner)
+        replica_of = "" if own else owner
+        started = time.monotonic()
+        # Ends the pin on the memory copy's buffers, which its SSD writer reads until done.
+        unpin: list[Callable[[], None]] = []
+
+        def held(kept: dict[str, MemoryFile], total: int) -> bool:
+            with self._lock:
+                if self.catalog.manifest(key) is None:  # deleted while it was copied
+                    return False
+                self._set_copy(key, owner, MEMORY, total)
+                memory.put(key, kept)  # the last step that could fail: the copy is ours now
+                unpin.append(memory.pin(key))  # evicted before it is on disk: not recycled yet
+                self._notify(key, MEMORY, total, replica_of=replica_of)
+            log.info(
+                "node %s's part of %s is held in memory here (%d bytes, %.2fs); writing it to SSD",
+                owner, key, total, time.monotonic() - started,
+                extra={"run": key.run, "step": key.step, "bytes": total},
+            )  # fmt: skip
+            return True
+
+        try:
+            total = copy_part(
+                manifest, files, ssd, self.budget, self.retains(key.run),
+                lambda record, sink: self._reader.stream_from_peers(key, record, sink,
+                                                                    self.budget.buffer),
+                throttle, self._closed, self.metrics, held,
+            )  # fmt: skip
+        except BaseException:
+            with self._lock:
+                if memory.delete(key):  # counted in memory, then its SSD copy failed
+                    self._set_copy(key, owner, MEMORY, 0, ABSENT)
+            raise
+        finally:
+            for give_back in unpin:
+                give_back()
         with self._lock:
             if self.catalog.manifest(key) is None:  # deleted while it was copied
                 ssd.delete(key)
-                if kept is not None:
-                    release(kept, self.budget)
+                memory.delete(key)
                 return True
             self._set_copy(key, owner, SSD, total)
-            if kept is not None:
-                memory.put(key, kept)
-                self._set_copy(key, owner, MEMORY, total)
             self.metrics.bytes.labels("replica", "write").inc(total)
-            for tier in (SSD, MEMORY) if kept is not None else (SSD,):
-                self._notify(key, tier, total, replica_of="" if own else owner)
+            self._notify(key, SSD, total, replica_of=replica_of)
             self._apply_retention(key.run)
         log.info(
             "copied node %s's part of %s (%d bytes, %.2fs) from its peers", owner, key, total,
@@ -211,11 +242,13 @@ class ReplicaHolding:
         )  # fmt: skip
         return True
 
-    def _set_copy(self, key: CheckpointKey, owner: str, tier: int, nbytes: int) -> None:
+    def _set_copy(
+        self, key: CheckpointKey, owner: str, tier: int, nbytes: int, state: int = TIER_COMMITTED
+    ) -> None:
         if owner == self.node:
-            self.catalog.set_tier(key, tier, TIER_COMMITTED, nbytes)
+            self.catalog.set_tier(key, tier, state, nbytes)
         else:
-            self.catalog.set_replica(key, owner, tier, TIER_COMMITTED, nbytes)
+            self.catalog.set_replica(key, owner, tier, state, nbytes)
 
     # -- start, memory pressure, retention --------------------------------------------------------
 

@@ -2,10 +2,12 @@
 
 The receiving thread (gRPC's, or the data socket's) checks each chunk's size and place in the
 file, reserves its bytes in the memory budget (waiting when the budget is full: backpressure)
-and hands the chunk to two threads that work side by side: a verifier checks its CRC-32Cs and
-keeps the per-block CRCs, and a writer appends it to a temporary SSD file and keeps it for the
-memory tier. CRC and file writes release the GIL, so receiving, checking and writing overlap. A
-chunk's memory is released once it is verified and written (unless the memory tier keeps it).
+and hands the chunk to two threads that work side by side: a verifier checks its CRC-32Cs, keeps
+the per-block CRCs and keeps the chunk for the memory tier, and a writer appends it to a
+temporary SSD file. CRC and file writes release the GIL, so receiving, checking and writing
+overlap. A chunk's memory is released once it is verified and written (unless the memory tier
+keeps it). The memory copy is complete once the verifier is (`finish`), however far behind the
+disk is: a replica counts as held in memory before its SSD copy is durable (`ckptd.replicas`).
 
 The WriteFile (FinishUpload) reply waits for the verifier, not for the disk: every chunk
 arrived as the client checksummed it, and the trailer's size and file checksum (the CRC-32C of
@@ -73,7 +75,7 @@ class FileUpload:
         self._inflight = 0  # reserved bytes not yet verified and written
         self._verified_to = 0  # the verifier is done with bytes [0, _verified_to)
         # Chunks on disk whose memory waits for the verifier: (end, bytes, kept).
-        self._unsettled: deque[tuple[int, Data, bool]] = deque()
+        self._unsettled: deque[tuple[int, Data, list[bool]]] = deque()
         self._memory: MemoryFile | None = MemoryFile() if retain else None
         # Kept chunks spilled while the pipeline still ran: recycled when it ends.
         self._spilled: list[MemoryFile] = []
@@ -81,8 +83,11 @@ class FileUpload:
         self._error: ScaletrainError | None = None
         self._cancelled = False
         self._crcs = BlockCrcs()
-        self._to_verify: queue.SimpleQueue[Chunk | BlockChunk | None] = queue.SimpleQueue()
-        self._to_disk: queue.SimpleQueue[tuple[int, Data] | None] = queue.SimpleQueue()
+        # A chunk, its bytes, and whether the memory copy kept them (set by the verifier).
+        self._to_verify: queue.SimpleQueue[tuple[Chunk | BlockChunk, Data, list[bool]] | None]
+        self._to_verify = queue.SimpleQueue()
+        self._to_disk: queue.SimpleQueue[tuple[int, Data, list[bool]] | None]
+        self._to_disk = queue.SimpleQueue()
         self._written = threading.Event()
         self._verifier = threading.Thread(target=self._verify_loop, daemon=True)
         self._writer = threading.Thread(target=self._write_loop, daemon=True)
@@ -116,8 +121,9 @@ class FileUpload:
         self.touched = time.monotonic()
         if isinstance(chunk, checkpoint_pb2.FileChunk):
             chunk = Chunk(chunk.offset, memoryview(data), chunk.crc32c)
-        self._to_verify.put(chunk)
-        self._to_disk.put((chunk.offset, data))
+        kept = [False]
+        self._to_verify.put((chunk, data, kept))
+        self._to_disk.put((chunk.offset, data, kept))
 
     @property
     def size(self) -> int:
@@ -214,10 +220,14 @@ class FileUpload:
             raise self._error
 
     def _verify_loop(self) -> None:
-        while (chunk := self._to_verify.get()) is not None:
+        while (item := self._to_verify.get()) is not None:
+            chunk, data, kept = item
             if not self._cancelled and self._error is None:
                 self._verify(chunk)
             with self._lock:
+                if self._memory is not None and self._error is None and not self._cancelled:
+                    self._memory.append(data)
+                    kept[0] = True
                 self._verified_to = chunk.offset + len(chunk.data)
             self._settle()
 
@@ -261,7 +271,7 @@ class FileUpload:
             while self._unsettled and (final or self._unsettled[0][0] <= done_to):
                 _end, data, kept = self._unsettled.popleft()
                 self._inflight -= len(data)
-                if not kept:
+                if not kept[0]:
                     released.append(data)
         if released:
             self._budget.release(sum(len(data) for data in released))
@@ -270,17 +280,12 @@ class FileUpload:
     def _write_loop(self) -> None:
         started = time.perf_counter()
         while (item := self._to_disk.get()) is not None:
-            offset, data = item
-            kept = False
+            offset, data, kept = item
             if not self._cancelled and self._error is None:
                 try:
                     self.incoming.write(data)
                 except OSError as exc:
                     self._fail(Unavailable(f"{self.path}: ckptd cannot write to its SSD: {exc}"))
-                with self._lock:
-                    if self._memory is not None and self._error is None:
-                        self._memory.append(data)
-                        kept = True
             with self._lock:
                 self._unsettled.append((offset + len(data), data, kept))
             self._settle()

@@ -5,8 +5,11 @@ chunks at a fraction of what a loopback socket does (bench/ckptd_restore.py). So
 on gRPC (authentication, authorization, the request's checks, which fail at OpenRead in one line)
 and only the bytes take the data socket that uploads use (`ckptd.datapath`), as frames of the
 pieces that the store's `iter_range` yields, each already verified against the file's block CRCs.
-Each frame carries its tier, offset, length and a CRC-32C of its bytes, so the client verifies
-every byte it was sent, as it verifies ReadFile's chunks.
+Each frame carries its tier and offset and the CRC-32C of each BLOCK_BYTES block of its bytes:
+the very CRCs the file was stored with (`BLOCKS`), so ckptd computes no CRC of its own to send
+and the client checks every byte against what the writer sent, end to end. A frame that does not
+start and end on block boundaries (the ends of an unaligned range) carries one CRC-32C of its
+bytes instead (`DATA`).
 
 Both ends live here, so that the wire format has one definition: `ReadPlane` for ckptd's data
 socket (`ckptd.datapath.DataPlane` hands it the connections that bring a read's ticket), and
@@ -17,20 +20,20 @@ module, which the store imports, reads through it too.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import queue
 import secrets
 import socket
 import struct
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import grpc
 
-from ckptd.tiers import TIER_NAMES
+from ckptd.tiers import BLOCK_BYTES, TIER_NAMES
 from ckptd.wire import crc32c
 from scaletrain.errors import DataLoss, ResourceExhausted, ScaletrainError, Unavailable
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2
@@ -39,20 +42,39 @@ log = logging.getLogger(__name__)
 
 TICKET_BYTES = 32
 # A frame's head: its kind, the tier (common_pb2.Tier) its data was read from, then its offset,
-# length and the CRC-32C of the data that follows. An error frame's offset is the status code,
-# its data a one-line message (at most MAX_REASON_BYTES). A source frame's data names the node
-# whose copy serves the data frames that follow (empty for S3); it comes first in each span.
+# length and a CRC-32C. A data frame's CRC is that of the data that follows; a blocks frame's is
+# that of the block CRCs (one little-endian uint32 per BLOCK_BYTES block of its data, the last
+# block possibly short) that follow the head, before the data; its offset is on a block
+# boundary. An error frame's offset is the status code, its data a one-line message (at most
+# MAX_REASON_BYTES). A source frame's data names the node whose copy serves the frames that
+# follow (empty for S3); it comes first, and again whenever that node changes.
 READ_FRAME = struct.Struct("<BBxxqII")
-DATA, ERROR, SOURCE = 0, 1, 2
+DATA, ERROR, SOURCE, BLOCKS = 0, 1, 2, 3
 MAX_REASON_BYTES = 4096
-# Pieces read ahead of the one being sent, and the threads that read them for all connections.
+# Pieces read ahead of the one being sent, per connection.
 READ_AHEAD = 2
-READ_THREADS = 16
 # The domain error of each status code an error frame may carry.
 _ERRORS = {cls.code.value[0]: cls for cls in ScaletrainError.__subclasses__()}
 
-# The store's pieces (`ckptd.reads.Piece`): tier, offset, bytes, node.
-Pieces = Iterator[tuple[int, int, bytes, str]]
+
+class Piece(NamedTuple):
+    """Bytes of a file as a read serves them, and whose copy served them: the tier, and the node
+    whose memory or SSD it was (its own part or a replica it holds; "" for S3).
+
+    `block_crcs` are the file's stored CRC-32Cs of the blocks `data` covers when it starts on a
+    block boundary and ends on one or at the file's end (else empty). `done`, when set, must be
+    called once nothing reads `data` any more: the piece lends memory (`MemoryTier.read_view`,
+    a receive buffer of the memory budget) that is reused after that call, not before."""
+
+    tier: int
+    offset: int
+    data: bytes | memoryview
+    node: str
+    block_crcs: bytes = b""
+    done: Callable[[], None] | None = None
+
+
+Pieces = Iterator[Piece]
 
 
 def source_label(tier: int, node: str) -> str:
@@ -91,14 +113,23 @@ def data_connection(host: str, port: int, timeout_s: float) -> socket.socket:
 
 # -- ckptd's end -----------------------------------------------------------------------------------
 
-# (offset, length) -> the store's verified (tier, offset, bytes) pieces of that span of one file.
+# (offset, length) -> the store's verified pieces of that range of one file.
 ReadSpan = Callable[[int, int], Pieces]
-Frame = tuple[bytes, bytes]  # a head and the data after it
+
+
+class Frame(NamedTuple):
+    """A frame as it goes out: its head, the block CRCs (empty but for BLOCKS), its data, and
+    the call that gives its data back once sent (`Piece.done`)."""
+
+    head: bytes
+    crcs: bytes
+    data: bytes | memoryview
+    done: Callable[[], None] | None = None
 
 
 class _ReadTicket:
-    def __init__(self, read: ReadSpan, spans: list[tuple[int, int]], ttl_s: float) -> None:
-        self.read, self.spans = read, spans
+    def __init__(self, read: ReadSpan, offset: int, length: int, ttl_s: float) -> None:
+        self.read, self.offset, self.length = read, offset, length
         self.deadline = time.monotonic() + ttl_s
 
 
@@ -113,17 +144,20 @@ def spans_of(offset: int, length: int, piece_bytes: int) -> list[tuple[int, int]
     return spans
 
 
-def _frames(read: ReadSpan, offset: int, length: int) -> list[Frame]:
-    """The frames of one span: each piece with its head (its CRC-32C computed here), after a
-    source frame whenever the node whose copy serves it changes."""
-    frames: list[Frame] = []
-    node: str | None = None
-    for tier, at, data, served_by in read(offset, length):
-        if served_by != node:
-            node, raw = served_by, served_by.encode()
-            frames.append((READ_FRAME.pack(SOURCE, tier, at, len(raw), crc32c(raw)), raw))
-        frames.append((READ_FRAME.pack(DATA, tier, at, len(data), crc32c(data)), data))
-    return frames
+def data_frame(piece: Piece) -> Frame:
+    """A piece as a BLOCKS frame with its stored block CRCs, else (an unaligned one) as a DATA
+    frame with a CRC-32C computed here."""
+    if piece.block_crcs:
+        head = READ_FRAME.pack(
+            BLOCKS, piece.tier, piece.offset, len(piece.data), crc32c(piece.block_crcs)
+        )
+        return Frame(head, piece.block_crcs, piece.data, piece.done)
+    head = READ_FRAME.pack(DATA, piece.tier, piece.offset, len(piece.data), crc32c(piece.data))
+    return Frame(head, b"", piece.data, piece.done)
+
+
+def _small_frame(kind: int, tier: int, offset: int, raw: bytes) -> Frame:
+    return Frame(READ_FRAME.pack(kind, tier, offset, len(raw), crc32c(raw)), b"", raw)
 
 
 def _error_frame(exc: Exception, peer: object) -> Frame:
@@ -132,13 +166,13 @@ def _error_frame(exc: Exception, peer: object) -> Frame:
     else:  # a bug or a broken tier: the client still gets one line
         log.error("serving a read to %s failed", peer, exc_info=exc)
         code, message = grpc.StatusCode.INTERNAL.value[0], f"ckptd failed: {exc}"
-    raw = message.encode()[:MAX_REASON_BYTES]
-    return READ_FRAME.pack(ERROR, 0, code, len(raw), crc32c(raw)), raw
+    return _small_frame(ERROR, 0, code, message.encode()[:MAX_REASON_BYTES])
 
 
-def _send(conn: socket.socket, head: bytes, data: bytes) -> None:
+def _send(conn: socket.socket, frame: Frame) -> None:
     """Send a frame in as few calls as the kernel takes it (no copy of its bytes)."""
-    views = [memoryview(head), memoryview(data).cast("B")]
+    views = [memoryview(b) for b in (frame.head, frame.crcs) if b]
+    views.append(memoryview(frame.data).cast("B"))
     while views:
         sent = conn.sendmsg(views)
         while views and sent >= len(views[0]):
@@ -149,12 +183,13 @@ def _send(conn: socket.socket, head: bytes, data: bytes) -> None:
 
 class ReadPlane:
     """The read side of a data socket: the ranges OpenRead checked and nobody fetched yet, by
-    ticket (each good for one connection within `ttl_s` of its issue), and the threads that
-    read their pieces.
+    ticket (each good for one connection within `ttl_s` of its issue).
 
-    A range is read READ_AHEAD pieces ahead of the one being sent, each by a thread of a pool
-    shared by every connection: a peer's round trip, an SSD read and the CRC-32Cs (which release
-    the GIL) of the next pieces overlap the send of this one. Pieces still go out in order.
+    A range is read by a thread of its own READ_AHEAD pieces ahead of the one being sent (one
+    walk over the range, so that a range a peer serves comes over one connection to it, not one
+    per piece): a peer's bytes, an SSD read and the CRC-32Cs (which release the GIL) of the next
+    pieces overlap the send of this one. Pieces go out in order, and each piece's memory is
+    given back as soon as it is sent.
     """
 
     def __init__(self, ttl_s: float, max_tickets: int) -> None:
@@ -162,13 +197,9 @@ class ReadPlane:
         self._max_tickets = max_tickets
         self._lock = threading.Lock()
         self._tickets: dict[bytes, _ReadTicket] = {}
-        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckptd-read")
 
-    def close(self) -> None:
-        self._pool.shutdown(cancel_futures=True)
-
-    def issue(self, read: ReadSpan, spans: list[tuple[int, int]], what: str) -> bytes:
-        """A ticket for the pieces of `spans` (in order), as `read` serves each."""
+    def issue(self, read: ReadSpan, offset: int, length: int, what: str) -> bytes:
+        """A ticket for the pieces of [offset, offset+length), as `read` serves them."""
         with self._lock:
             self._drop_expired()
             if len(self._tickets) >= self._max_tickets:
@@ -176,7 +207,7 @@ class ReadPlane:
                     f"{what}: {self._max_tickets} reads already wait for their connection"
                 )
             ticket = secrets.token_bytes(TICKET_BYTES)
-            self._tickets[ticket] = _ReadTicket(read, spans, self.ttl_s)
+            self._tickets[ticket] = _ReadTicket(read, offset, length, self.ttl_s)
         return ticket
 
     def claim(self, ticket: bytes) -> _ReadTicket | None:
@@ -200,27 +231,59 @@ class ReadPlane:
     def send(self, conn: socket.socket, found: _ReadTicket, peer: object) -> None:
         """Send the range's frames in order; a piece that fails ends the range with an error
         frame saying why. A client that hangs up just ends it (and the reading ahead)."""
-        spans = iter(found.spans)
-        ahead: deque[Future[list[Frame]]] = deque()
+        frames: queue.Queue[Frame | None] = queue.Queue(READ_AHEAD)
+        stop = threading.Event()
+        reader = threading.Thread(
+            target=_read_ahead, args=(found, frames, stop, peer), name="ckptd-read", daemon=True
+        )
+        reader.start()
         try:
-            while True:
-                room = READ_AHEAD + 1 - len(ahead)
-                for offset, length in itertools.islice(spans, room):
-                    ahead.append(self._pool.submit(_frames, found.read, offset, length))
-                if not ahead:
-                    return
+            while (frame := frames.get()) is not None:
                 try:
-                    frames = ahead.popleft().result()
-                except Exception as exc:
-                    _send(conn, *_error_frame(exc, peer))
-                    return
-                for head, data in frames:
-                    _send(conn, head, data)
+                    _send(conn, frame)
+                finally:
+                    if frame.done is not None:
+                        frame.done()
         except OSError as exc:
             log.info("a read's connection from %s ended early: %s", peer, exc)
         finally:
-            for future in ahead:
-                future.cancel()
+            stop.set()
+            reader.join()  # done at its next piece: it puts nothing once stopped
+            while not frames.empty():
+                left = frames.get_nowait()
+                if left is not None and left.done is not None:
+                    left.done()
+
+
+def _read_ahead(
+    found: _ReadTicket, frames: queue.Queue[Frame | None], stop: threading.Event, peer: object
+) -> None:
+    """Put the range's frames into `frames` (then None), until `stop`; a source frame before
+    each change of the node whose copy serves them, an error frame at the first failure."""
+
+    def put(frame: Frame | None) -> bool:
+        while not stop.is_set():
+            try:
+                frames.put(frame, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        if frame is not None and frame.done is not None:
+            frame.done()
+        return False
+
+    node: str | None = None
+    try:
+        for piece in found.read(found.offset, found.length):
+            if piece.node != node:
+                node = piece.node
+                if not put(_small_frame(SOURCE, piece.tier, piece.offset, node.encode())):
+                    return
+            if not put(data_frame(piece)):
+                return
+    except Exception as exc:
+        put(_error_frame(exc, peer))
+    put(None)
 
 
 # -- a client's end --------------------------------------------------------------------------------
@@ -239,6 +302,8 @@ class RangeConnection:
         self._pos = opened.offset
         self.tier = 0  # the tier of the last frame received
         self.node = ""  # the node whose copy served it
+        self._crc = 0  # the last frame's CRC-32C, and its block CRCs (BLOCKS frames)
+        self._block_crcs: tuple[int, ...] | None = None
         # Bytes received per copy that served them (`source_label`).
         self.served: Counter[str] = Counter()
 
@@ -268,7 +333,8 @@ class RangeConnection:
             )
 
     def _head(self) -> int:
-        """The next data frame's head, checked; returns its length (its data follows)."""
+        """The next data frame's head (and its block CRCs), checked; returns its length (its
+        data follows)."""
         head = bytearray(READ_FRAME.size)
         self._fill(memoryview(head))
         kind, tier, offset, length, crc = READ_FRAME.unpack(head)
@@ -286,20 +352,36 @@ class RangeConnection:
             message = raw.decode(errors="replace") if crc32c(raw) == crc else "a damaged reason"
             raise _ERRORS.get(offset, ScaletrainError)(f"{self._what}: {message}")
         if (
-            kind != DATA
+            kind not in (DATA, BLOCKS)
             or offset != self._pos
             or not 0 < length <= self.offset + self.length - offset
+            or (kind == BLOCKS and offset % BLOCK_BYTES)
         ):
             raise DataLoss(f"{self._what}: a frame of {length} bytes at {offset} is out of place")
-        self.tier, self._crc = tier, crc
+        self.tier, self._crc, self._block_crcs = tier, crc, None
+        if kind == BLOCKS:
+            raw = bytearray(4 * -(-length // BLOCK_BYTES))
+            self._fill(memoryview(raw))
+            if crc32c(raw) != crc:
+                raise DataLoss(f"{self._what}: the frame at offset {offset} arrived damaged")
+            self._block_crcs = struct.unpack(f"<{len(raw) // 4}I", raw)
         return length
 
     def _check(self, data: bytes | memoryview, verify: bool = True) -> None:
-        """Take a frame's bytes: checked against its CRC-32C unless not `verify`."""
-        if verify and crc32c(data) != self._crc:
+        """Take a frame's bytes: checked against its block CRCs (or its one CRC-32C) unless not
+        `verify`."""
+        if verify and not self._intact(memoryview(data)):
             raise DataLoss(f"{self._what}: the frame at offset {self._pos} arrived damaged")
         self._pos += len(data)
         self.served[source_label(self.tier, self.node)] += len(data)
+
+    def _intact(self, data: memoryview) -> bool:
+        if self._block_crcs is None:
+            return crc32c(data) == self._crc
+        return all(
+            crc32c(data[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES]) == expected
+            for i, expected in enumerate(self._block_crcs)
+        )
 
     def pieces(self) -> Iterator[bytes]:
         """Yield the range frame by frame, each piece verified, in a buffer of its own."""
@@ -318,8 +400,8 @@ class RangeConnection:
     ) -> Iterator[tuple[int, memoryview]]:
         """Yield (offset, bytes) of each frame, received into a buffer of `alloc(length)` (the
         memory budget's page-aligned ones, which the SSD writes as they are). Without `verify`
-        the frame's CRC-32C is not checked: for a caller that checks every block against the
-        file's own block CRCs anyway (a replica being made)."""
+        the frame's CRC-32Cs are not checked: for a caller that checks every block against the
+        block CRCs of its own manifest anyway (a replica being made, a piece relayed)."""
         while self._pos < self.offset + self.length:
             length = self._head()
             offset, view = self._pos, alloc(length)

@@ -15,20 +15,28 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import grpc
 
 from ckptd.catalog import COMMITTED, Catalog
-from ckptd.cluster import Peer, Peers, open_peer_range, read_from_peer
+from ckptd.cluster import Peer, Peers, PeerUnreachable, open_peer_range, read_from_peer
 from ckptd.manifest import FileRecord
 from ckptd.metrics import Metrics
 from ckptd.names import check_path, key_of
-from ckptd.readpath import spans_of
+from ckptd.readpath import Piece, spans_of
 from ckptd.replicas import ReplicaTiers
-from ckptd.tiers import TIER_NAMES, BlockCrcs, CheckpointKey, Tier, block_span, first_bad_block
+from ckptd.tiers import (
+    BLOCK_BYTES,
+    TIER_NAMES,
+    BlockCrcs,
+    CheckpointKey,
+    Tier,
+    block_span,
+    first_bad_block,
+)
 from ckptd.tiers.memory import MemoryTier
 from ckptd.tiers.s3 import S3Tier
 from ckptd.tiers.ssd import SsdTier
@@ -48,22 +56,12 @@ log = logging.getLogger("ckptd.store")
 READ_PIECE_BYTES = 4 << 20
 
 
-class Piece(NamedTuple):
-    """Bytes of a file as a read serves them, and whose copy served them: the tier, and the node
-    whose memory or SSD it was (its own part or a replica it holds; "" for S3)."""
-
-    tier: int
-    offset: int
-    data: bytes
-    node: str
-
-
 TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
 FAILED = checkpoint_pb2.TIER_STATE_FAILED
 MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S3
 
 
-def _damage(data: bytes, lo: int, hi: int, record: FileRecord) -> str | None:
+def _damage(data: bytes | memoryview, lo: int, hi: int, record: FileRecord) -> str | None:
     """What is wrong with bytes [lo, hi) of `record` as read from a tier, or None if they verify."""
     if len(data) != hi - lo:
         return f"{record.path} is short ({len(data)} of {hi - lo} bytes at offset {lo})"
@@ -71,6 +69,27 @@ def _damage(data: bytes, lo: int, hi: int, record: FileRecord) -> str | None:
     if bad is not None:
         return f"{record.path} fails its checksum in block {bad}"
     return None
+
+
+def _piece(
+    record: FileRecord,
+    tier: int,
+    start: int,
+    end: int,
+    lo: int,
+    data: bytes | memoryview,
+    node: str,
+    done: Callable[[], None] | None = None,
+) -> Piece:
+    """Bytes [start, end) of `record` out of `data`, verified bytes read from `lo` (a block
+    boundary), with their stored block CRCs when they start on a block and end on one or at the
+    file's end."""
+    if (start, end) != (lo, lo + len(data)):
+        data = data[start - lo : end - lo]
+    crcs = b""
+    if start % BLOCK_BYTES == 0 and (end % BLOCK_BYTES == 0 or end == record.size):
+        crcs = record.block_crcs[4 * (start // BLOCK_BYTES) : 4 * -(-end // BLOCK_BYTES)]
+    return Piece(tier, start, data, node, crcs, done)
 
 
 class Reader:
@@ -112,6 +131,7 @@ class Reader:
         piece_bytes: int,
         tier: int,
         local_only: bool = False,
+        lend: bool = False,
     ) -> Iterator[Piece]:
         """Yield the pieces of [offset, offset+length) of a committed file.
 
@@ -119,6 +139,10 @@ class Reader:
         this node's memory and SSD (its own part, or its replica of the file's part), else a
         peer's, then S3; only from `tier` if given, only from this node's tiers with
         `local_only`. Bad names and ranges raise here, before the first piece.
+
+        With `lend`, for a caller that calls each piece's `done` (the data socket): pieces from
+        memory are views, not copies, and a file this node holds no copy of streams from one
+        peer over one connection (not one per piece) into the budget's reused buffers.
         """
         key = key_of(ref)
         check_path(path)
@@ -148,7 +172,7 @@ class Reader:
         only = (tier,) if tier else (MEMORY, SSD) if local_only else None
         if local_only and not self.copies_here(key, self._owner(record)):
             raise NotFound(f"node {self._peers.node} holds no copy of {key}/{path}")
-        return self._pieces(key, record, offset, end, piece_bytes, only)
+        return self._pieces(key, record, offset, end, piece_bytes, only, lend)
 
     def _owner(self, record: FileRecord) -> str:
         return record.node or self._peers.node
@@ -172,10 +196,113 @@ class Reader:
         end: int,
         piece_bytes: int,
         only: tuple[int, ...] | None,
+        lend: bool,
     ) -> Iterator[Piece]:
-        for pos, length in spans_of(start, end - start, piece_bytes):
-            tier, node, data = self.read_verified(key, record, pos, pos + length, only)
-            yield Piece(tier, pos, data, node)
+        spans = deque(spans_of(start, end - start, piece_bytes))
+        relayed = lend and only is None and piece_bytes == READ_PIECE_BYTES
+        if relayed and not self.copies_here(key, self._owner(record)):
+            yield from self._relay(key, record, spans)
+        for pos, length in spans:  # all of them, or what the relay left
+            yield self._piece(key, record, pos, pos + length, only, lend)
+
+    def _piece(
+        self,
+        key: CheckpointKey,
+        record: FileRecord,
+        start: int,
+        end: int,
+        only: tuple[int, ...] | None,
+        lend: bool = False,
+    ) -> Piece:
+        """Bytes [start, end) of `record` from the fastest tier (of `only`) whose copy verifies,
+        with that tier and the node whose copy it was; a damaged copy is marked FAILED on the
+        way. With `lend`, a memory copy's bytes are a view (see `iter_range`)."""
+        lo, hi = block_span(start, end - start, record.size)
+        problems = []
+        for tier in self._read_order(key, record, only):
+            if isinstance(tier, Peer):
+                found = self._from_peer(tier, key, record, lo, hi, problems)
+                if found is not None:
+                    served, data = found
+                    return _piece(record, served, start, end, lo, data, tier.node)
+                continue
+            name = TIER_NAMES[tier.tier]
+            began = time.perf_counter()
+            done = None
+            try:
+                if lend and isinstance(tier, MemoryTier):
+                    data, done = tier.read_view(key, record.path, lo, hi - lo)
+                else:
+                    data = tier.read_range(key, record.path, lo, hi - lo)
+            except FileNotFoundError:
+                damage: str | None = f"{record.path} is missing"
+            except Exception as exc:  # an unreachable tier: try the next one
+                self._metrics.failed(tier.tier, "read")
+                problems.append(f"{name}: {' '.join(str(exc).split())[:200]}")
+                log.warning("reading %s/%s from %s failed: %s", key, record.path, name, exc)
+                continue
+            else:
+                damage = _damage(data, lo, hi, record)
+                if damage is None:
+                    self._metrics.bytes.labels(name, "read").inc(len(data))
+                    self._metrics.seconds.labels(name, "read").observe(time.perf_counter() - began)
+                    node = "" if tier.tier == S3 else self._peers.node
+                    return _piece(record, tier.tier, start, end, lo, data, node, done)
+                if done is not None:
+                    done()
+            problems.append(f"{name}: {damage}")
+            self._metrics.failed(tier.tier, "verify")
+            log.error(
+                "%s copy of %s is damaged (%s); trying the next tier", name, key, damage,
+                extra={"run": key.run, "step": key.step, "tier": name},
+            )  # fmt: skip
+            self._failed(key, record, tier, damage)
+        raise DataLoss(
+            f"no verified copy of bytes {start}-{end} of {key}/{record.path}: "
+            + ("; ".join(problems) or "no tier holds it")
+        )
+
+    def _relay(
+        self, key: CheckpointKey, record: FileRecord, spans: deque[tuple[int, int]]
+    ) -> Iterator[Piece]:
+        """The pieces of `spans` (taken off it as they are served) streamed from the first peer
+        that opens their range: one OpenRead and one connection for the whole range, where a
+        piece at a time would pay both per piece. Each frame lands in a receive buffer of the
+        budget (given back by its piece's `done`) and is checked against the block CRCs of this
+        node's manifest. At the first problem it stops, and the piece-at-a-time path (every
+        copy in order, S3 last) serves what is left."""
+        lo = spans[0][0] // BLOCK_BYTES * BLOCK_BYTES
+        hi = block_span(*spans[-1], record.size)[1]
+        budget = self._memory.budget
+        what = f"read {key}/{record.path}"
+        for peer in self._peer_order(key, record):
+            try:
+                fast = open_peer_range(peer, key, record.path, lo, hi - lo, what)
+            except (grpc.RpcError, PeerUnreachable):
+                continue  # no copy there, or not up: the next peer
+            if fast is None:
+                return  # no data socket offered: ReadFile, a piece at a time
+            with fast:
+                try:
+                    for offset, data in fast.frames_into(budget.buffer, verify=False):
+                        end = offset + len(data)
+                        if _damage(data, offset, end, record) is not None or not (
+                            offset <= spans[0][0] and spans[0][0] + spans[0][1] <= end
+                        ):
+                            budget.recycle([data])
+                            return  # a damaged frame, or not cut as this read's pieces
+                        self._metrics.bytes.labels("peer", "read").inc(len(data))
+                        self._source[(key, self._owner(record))] = peer.node
+                        start, length = spans.popleft()
+                        yield _piece(
+                            record, fast.tier, start, start + length, offset, data, peer.node,
+                            lambda data=data: budget.recycle([data]),
+                        )  # fmt: skip
+                        if not spans:
+                            return
+                except ScaletrainError as exc:
+                    log.warning("relaying %s from node %s stopped: %s", what, peer.node, exc)
+            return
 
     def read_range(
         self, ref: checkpoint_pb2.CheckpointRef, path: str, offset: int, length: int
@@ -266,50 +393,10 @@ class Reader:
         only: tuple[int, ...] | None = None,
     ) -> tuple[int, str, bytes]:
         """Bytes [start, end) of `record` from the fastest tier (of `only`) whose copy verifies,
-        with that tier and the node whose copy it was; a damaged copy is marked FAILED on the
-        way."""
-        lo, hi = block_span(start, end - start, record.size)
-        problems = []
-        for tier in self._read_order(key, record, only):
-            if isinstance(tier, Peer):
-                found = self._from_peer(tier, key, record, lo, hi, problems)
-                if found is not None:
-                    served, data = found
-                    if (start, end) != (lo, hi):
-                        data = data[start - lo : end - lo]
-                    return served, tier.node, data
-                continue
-            name = TIER_NAMES[tier.tier]
-            began = time.perf_counter()
-            try:
-                data = tier.read_range(key, record.path, lo, hi - lo)
-            except FileNotFoundError:
-                damage: str | None = f"{record.path} is missing"
-            except Exception as exc:  # an unreachable tier: try the next one
-                self._metrics.failed(tier.tier, "read")
-                problems.append(f"{name}: {' '.join(str(exc).split())[:200]}")
-                log.warning("reading %s/%s from %s failed: %s", key, record.path, name, exc)
-                continue
-            else:
-                damage = _damage(data, lo, hi, record)
-                if damage is None:
-                    self._metrics.bytes.labels(name, "read").inc(len(data))
-                    self._metrics.seconds.labels(name, "read").observe(time.perf_counter() - began)
-                    node = "" if tier.tier == S3 else self._peers.node
-                    if start == lo and end == hi:
-                        return tier.tier, node, data
-                    return tier.tier, node, data[start - lo : end - lo]
-            problems.append(f"{name}: {damage}")
-            self._metrics.failed(tier.tier, "verify")
-            log.error(
-                "%s copy of %s is damaged (%s); trying the next tier", name, key, damage,
-                extra={"run": key.run, "step": key.step, "tier": name},
-            )  # fmt: skip
-            self._failed(key, record, tier, damage)
-        raise DataLoss(
-            f"no verified copy of bytes {start}-{end} of {key}/{record.path}: "
-            + ("; ".join(problems) or "no tier holds it")
-        )
+        with that tier and the node whose copy it was (`_piece`)."""
+        piece = self._piece(key, record, start, end, only)
+        assert isinstance(piece.data, bytes)  # lent only on request
+        return piece.tier, piece.node, piece.data
 
     def _from_peer(
         self,

@@ -14,8 +14,12 @@ lost node's place pulls its own part back the same way. There are no divisibilit
 number of nodes >= R works, and the layout of the job does not matter (parts are files).
 
 The bytes come from the part's own node if it is up, else from any other copy, over the peers'
-read path (`Reader.read_from_peers`), never from S3; every piece is checked against the block
+read path (`Reader.stream_from_peers`), never from S3; every piece is checked against the block
 CRC-32Cs of the checkpoint's manifest on arrival, and again on every later read, like any copy.
+A copy counts (`ReplicaHolding.copy_job`) in memory as soon as every block of it is here and
+checked: the part is then on two live nodes, so the loss of either leaves a verified copy
+(node-loss safe); it counts on SSD once its files and marker are durable, which a restart of
+this node survives too (a restart forgets the memory copy, and the catalog says so at start).
 A failed copy is retried with a growing pause; until it lands the step is not node-loss safe.
 
 Data-parallel replicas (HSDP) that already hold identical bytes are not counted toward R: DCP
@@ -258,27 +262,34 @@ def copy_part(
     throttle: Throttle,
     stop: threading.Event,
     metrics: Metrics,
-) -> tuple[dict[str, MemoryFile] | None, int]:
-    """Copy `files` of `manifest` onto `ssd` (committed there, with the checkpoint's marker),
-    and with `retain` into memory too while the budget has room; returns (the memory copy or
-    None, the bytes copied).
+    held: Callable[[dict[str, MemoryFile], int], bool],
+) -> int:
+    """Copy `files` of `manifest` into memory (with `retain`, while the budget has room) and onto
+    `ssd` (committed there, with the checkpoint's marker); returns the bytes copied.
 
     `stream(record, sink)` hands every byte of a file to `sink(offset, data)` in order (from a
     peer). Each file goes through the pipeline a save's files take (`ckptd.ingest.FileUpload`):
     every block is checked against the manifest's block CRC-32Cs as it arrives, written around
-    the page cache from the budget's aligned buffers, fsynced. A failure raises, and nothing
-    partial stays behind.
+    the page cache from the budget's aligned buffers, fsynced.
+
+    Once every byte is checked, and before the disk is done: `held(memory copy, bytes)` takes
+    the whole memory copy (it then belongs to the caller, who counts it as a copy held in this
+    node's memory) and says whether it did; when it did not (or raised), or some file spilled,
+    the memory is given back here. The SSD copy is committed after that, once durable. A
+    failure raises (after `held` too: the caller then drops the memory copy it took), and
+    nothing partial stays on disk.
     """
     save_id = f"replica-{uuid.uuid4().hex}"
     ssd.staging_dir(save_id).mkdir(parents=True, exist_ok=True)
     memory: dict[str, MemoryFile] = {}
-    total = 0
+    uploads: list[FileUpload] = []
     try:
         for record in files:
             header = checkpoint_pb2.FileHeader(
                 save_id=save_id, path=record.path, rank=record.rank, kind=record.kind
             )
             upload = FileUpload(header, ssd.incoming_file(), budget, retain, _nothing, metrics)
+            uploads.append(upload)
             crcs = struct.unpack(f"<{len(record.block_crcs) // 4}I", record.block_crcs)
 
             def sink(
@@ -294,31 +305,34 @@ def copy_part(
                 blocks = crcs[first : first + -(-len(data) // BLOCK_BYTES)]
                 upload.write(BlockChunk(offset, memoryview(data), blocks))
 
-            try:
-                stream(record, sink)
-                upload.finish(checkpoint_pb2.FileTrailer(size=record.size, crc32c=record.crc32c))
-            except BaseException:
-                upload.cancel()
-                raise
+            stream(record, sink)
+            upload.finish(checkpoint_pb2.FileTrailer(size=record.size, crc32c=record.crc32c))
             upload.end_input()
+            kept = upload.take_memory()  # complete: the verifier is done with the file
+            if kept is not None:
+                memory[record.path] = kept
+        total = sum(record.size for record in files)
+        whole = len(memory) == len(files) and all(
+            memory[record.path].size == record.size for record in files
+        )
+        if whole and held(memory, total):
+            memory = {}  # the caller's now
+        for upload, record in zip(uploads, files, strict=True):
             upload.wait_written()
             ssd.stage(upload.incoming, save_id, record.path)
-            kept = upload.take_memory()
-            if kept is not None and kept.size == record.size:
-                memory[record.path] = kept
-            elif kept is not None:
-                release({record.path: kept}, budget)
-            total += record.size
+        # Spilled under memory pressure, or refused: the copy is on SSD only. Given back only
+        # now, as the writers read these buffers until the files are written.
+        release(memory, budget)
+        memory = {}
         ssd.sync_staging(save_id)
         ssd.put(manifest, save_id)
     except BaseException:
+        for upload in uploads:
+            upload.cancel()
         ssd.discard_staging(save_id)
         release(memory, budget)
         raise
-    if len(memory) != len(files):  # spilled under memory pressure: the copy is on SSD only
-        release(memory, budget)
-        return None, total
-    return memory, total
+    return total
 
 
 def _nothing(_upload: FileUpload) -> None:

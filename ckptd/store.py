@@ -786,10 +786,13 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         piece_bytes: int = READ_PIECE_BYTES,
         tier: int = 0,
         local_only: bool = False,
+        lend: bool = False,
     ) -> Iterator[Piece]:
         """Yield the pieces of a committed file, each with the copy that served it
         (`Reader.iter_range`)."""
-        return self._reader.iter_range(ref, path, offset, length, piece_bytes, tier, local_only)
+        return self._reader.iter_range(
+            ref, path, offset, length, piece_bytes, tier, local_only, lend
+        )
 
     def read_range(
         self, ref: checkpoint_pb2.CheckpointRef, path: str, offset: int = 0, length: int = 0

@@ -2,6 +2,7 @@
 
     scaletrain run        the embedded stack and a training job, then a summary
     scaletrain chaos      the same under a schedule of injected faults, then a report
+    scaletrain plan       a job's parameters, memory per rank, FLOPs, bubble and MFU, no GPU
     scaletrain ckptd      the checkpoint daemon
     scaletrain telemetry  the telemetry service
     scaletrain ui         the run-health UI
@@ -26,45 +27,11 @@ from typing import NoReturn
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from scaletrain.errors import ScaletrainError, UserError
-from trainer import health
+from trainer import options
+from trainer.data.prepare import add_arguments as prepare_args
 from trainer.health.faults import FaultPlan
 
 DEFAULT_WORKDIR = Path(".scaletrain")
-
-# `scaletrain run` options handed to the trainer unchanged (model, data and parallel layout).
-TRAINER_FLAGS: dict[str, type] = {
-    "--seq-len": int,
-    "--global-batch": int,
-    "--dim": int,
-    "--n-layers": int,
-    "--n-heads": int,
-    "--n-kv-heads": int,
-    "--dp-replicate": int,
-    "--dp-shard": int,
-    "--tp": int,
-    "--pp": int,
-    "--cp": int,
-    "--ep": int,
-    "--pp-schedule": str,
-    "--pp-microbatches": int,
-    "--pp-stages-per-rank": int,
-    "--mixed-precision": bool,
-    "--activation-checkpointing": bool,
-    "--compile": bool,
-    "--n-experts": int,
-    "--top-k": int,
-    "--shared-experts": int,
-    "--capacity-factor": float,
-    "--moe-balance": str,
-    "--expert-groups": int,
-    "--topk-groups": int,
-    "--ckpt-policy": str,
-    "--replicas": int,
-    "--log-every": int,
-    "--fp8": str,
-    "--fp8-all-gather": bool,
-    "--fp8-count-every": int,
-}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,10 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     _workdir_arg(run)
     run.add_argument("--ranks", type=int, default=4, help="training processes (default 4)")
     _nodes_arg(run)
-    run.add_argument("--steps", type=int, default=300)
-    run.add_argument("--ckpt-every", type=int, default=100)
-    run.add_argument("--run-id", help="name of the run (default: a new one)")
-    run.add_argument("--resume", action="store_true", help="continue the last run of --workdir")
+    _launcher_args(run, RUN_DEFAULTS)
+    run.add_argument(
+        "--run-id", default=argparse.SUPPRESS, help="name of the run (default: a new one)"
+    )
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="continue the last run of --workdir",
+    )
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.add_argument(
         "--max-restarts",
@@ -105,8 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _workdir_arg(drill)
     drill.add_argument("--ranks", type=int, default=4, help="training processes (default 4)")
     _nodes_arg(drill)
-    drill.add_argument("--steps", type=int, default=400)
-    drill.add_argument("--ckpt-every", type=int, default=5)
+    _launcher_args(drill, CHAOS_DEFAULTS)
     drill.add_argument(
         "--schedule",
         help="KIND@STEP[:SECONDS],... with KIND one of kill-rank, stop-rank, kill-ckptd, stop-s3, "
@@ -116,7 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     drill.add_argument(
         "--max-restarts", type=int, help="default: one per fault that needs a restart, plus 2"
     )
-    drill.add_argument("--seed", type=int, default=0, help="picks the ranks the faults strike")
+    drill.add_argument(
+        "--seed",
+        dest="fault_seed",
+        type=int,
+        default=0,
+        help="picks the ranks the faults strike (the trainer's seed: in --config)",
+    )
     drill.add_argument(
         "--ssd-mb",
         type=int,
@@ -125,7 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(--keep-ssd 5) and those that pile up while S3 is down (default 256)",
     )
     drill.add_argument("--json", action="store_true", help="print the report as JSON")
-    _trainer_options(drill)
+    _trainer_options(drill, exclude=CHAOS_SHADOWED)
+
+    planner = sub.add_parser(
+        "plan", help="a job's parameters, per-rank memory, FLOPs, bubble and MFU, without a GPU"
+    )
+    planner.add_argument("--gpus", type=int, default=8, help="ranks of the job (default 8)")
+    planner.add_argument(
+        "--gpu", default="h200", help="GPU whose dense peak MFU divides by (default h200)"
+    )
+    planner.add_argument(
+        "--tokens-per-s", type=float, help="the target throughput whose MFU to show"
+    )
+    _launcher_args(planner, RUN_DEFAULTS)
+    _trainer_options(planner)
 
     ckptd = sub.add_parser("ckptd", help="serve the checkpoint daemon")
     ckptd.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT")
@@ -209,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="serve Prometheus metrics of the runs here (default: $SCALETRAIN_METRICS_LISTEN)",
     )
+    tel.add_argument(
+        "--keep-steps",
+        metavar="N",
+        help="keep per-rank rows of each run's latest N steps; rollups are kept for the whole run "
+        "(default: $SCALETRAIN_TELEMETRY_KEEP_STEPS, or 1000)",
+    )
 
     _security_args(tel)
 
@@ -217,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--db", help="database URL (overrides --workdir)")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=8501)
+
+    data = sub.add_parser("data", help="prepare a corpus as token shards for --data")
+    data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
+    prepare_args(
+        data_sub.add_parser("prepare", help="tokenize text, .jsonl or Parquet into token shards")
+    )
 
     ckpt = sub.add_parser("ckpt", help="list, show, verify, export and remove checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
@@ -257,17 +260,32 @@ def build_parser() -> argparse.ArgumentParser:
     return root
 
 
-def _trainer_options(parser: argparse.ArgumentParser) -> None:
-    trainer = parser.add_argument_group(
-        "trainer options, passed through (see `python -m trainer --help`); the layout is checked "
-        "before anything starts"
+# The launchers' own defaults of trainer options they set themselves (a config file overrides them).
+RUN_DEFAULTS: dict[str, options.Value] = {"steps": 300, "ckpt_every": 100}
+CHAOS_DEFAULTS: dict[str, options.Value] = {"steps": 400, "ckpt_every": 5}
+# Trainer options a launcher's own flag of the same name shadows (chaos --seed picks the ranks
+# faults strike); its --config file still sets them.
+CHAOS_SHADOWED = ("seed",)
+
+
+def _launcher_args(parser: argparse.ArgumentParser, defaults: dict[str, options.Value]) -> None:
+    """--steps and --ckpt-every, which a launcher hands the trainer itself."""
+    for dest, value in defaults.items():
+        o = options.BY_DEST[dest]
+        parser.add_argument(
+            o.flag, type=int, default=argparse.SUPPRESS, help=f"{o.help} (default {value})"
+        )
+
+
+def _trainer_options(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """Every trainer option a launcher passes through (but `exclude`, which the launcher's own
+    flags shadow: a config file still reaches them), and --config / --print-config."""
+    options.add_arguments(parser, launcher=True, exclude=exclude)
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved job config (TOML) and start nothing",
     )
-    for flag, kind in TRAINER_FLAGS.items():
-        if kind is bool:
-            trainer.add_argument(flag, action="store_true", default=None)
-        else:
-            trainer.add_argument(flag, type=kind)
-    health.add_arguments(parser)
 
 
 def _security_args(parser: argparse.ArgumentParser) -> None:
@@ -327,6 +345,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _run(args)
     if args.command == "chaos":
         return _chaos(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "ckptd":
         return _ckptd(args)
     if args.command == "telemetry":
@@ -335,60 +355,66 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _ui(args)
     if args.command in ("certs", "token"):
         return _credentials(args)
+    if args.command == "data":
+        return _data(args)
     return _ckpt(args)
 
 
-def _trainer_args(args: argparse.Namespace) -> list[str]:
-    """The trainer's command-line options among `args`, checked now, in one line, rather than
-    after the whole stack has started."""
-    trainer_args: list[str] = []
-    for flag, kind in TRAINER_FLAGS.items():
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            trainer_args += [flag] if kind is bool else [flag, str(value)]
-    for flag in health.VALUE_FLAGS:
-        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
-        if value is not None:
-            trainer_args += [flag, str(value)]
-    if args.fp8 is not None:
-        from trainer.fp8.recipes import RECIPE_CHOICES
+def _data(args: argparse.Namespace) -> int:
+    """`data prepare`: its progress on stderr, what it made on stdout."""
+    from trainer.data.prepare import options_from, prepare, summary
 
-        if args.fp8 not in RECIPE_CHOICES:
-            raise UserError(
-                f"--fp8 {args.fp8!r} is not a recipe; valid: {', '.join(RECIPE_CHOICES)}"
-            )
-    faults = {
-        flag: getattr(args, flag.removeprefix("--").replace("-", "_"))
-        for flag in health.FAULT_FLAGS
-    }
-    FaultPlan.parse(*faults.values())
-    for flag, values in faults.items():
-        trainer_args += [x for value in values for x in (flag, value)]
-    return trainer_args
+    manifest = prepare(options_from(args), progress=sys.stderr)
+    print(f"[data] {args.out}: {summary(manifest)}")
+    return 0
+
+
+def _job(args: argparse.Namespace, defaults: dict[str, options.Value]) -> dict[str, options.Value]:
+    """The trainer options of this command line and its --config file, resolved and checked now,
+    in one line, rather than after the whole stack has started."""
+    job = options.resolve(options.given(args), args.config, defaults)
+    FaultPlan.parse(*(job[d] for d in options.FAULT_METAVARS))
+    return job
 
 
 def _run(args: argparse.Namespace) -> int:
     from scaletrain.embedded import RunOptions, run
     from scaletrain.stack import Workdir
 
-    options = RunOptions(
+    job = _job(args, RUN_DEFAULTS)
+    if args.print_config:
+        print(options.to_toml(job), end="")
+        return 0
+    run_options = RunOptions(
         workdir=Workdir(args.workdir),
         ranks=args.ranks,
         nodes=args.nodes,
-        steps=args.steps,
-        ckpt_every=args.ckpt_every,
-        run_id=args.run_id,
-        resume=args.resume,
-        trainer_args=_trainer_args(args),
+        steps=int(job["steps"]),
+        ckpt_every=int(job["ckpt_every"]),
+        run_id=str(job["run_id"]) or None,
+        resume=bool(job["resume"]),
+        trainer_args=options.to_argv(options.passed_on(job)),
         max_restarts=args.max_restarts,
         secure=args.secure,
     )
     # With --json, stdout carries only the summary: progress goes to stderr.
-    summary = run(options, sys.stderr if args.json else sys.stdout)
+    summary = run(run_options, sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))
     else:
         _print_summary(summary)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from scaletrain.plan import plan, render
+
+    job = _job(args, RUN_DEFAULTS)
+    if args.print_config:
+        print(options.to_toml(job), end="")
+        return 0
+    print(render(plan(job | {"run_id": job["run_id"] or "plan"}, args.gpus, args.gpu,
+                      args.tokens_per_s)))  # fmt: skip
     return 0
 
 
@@ -432,19 +458,23 @@ def _chaos(args: argparse.Namespace) -> int:
     from scaletrain.chaos import ChaosOptions, chaos, default_schedule, parse_schedule
     from scaletrain.stack import Workdir
 
-    options = ChaosOptions(
+    job = _job(args, CHAOS_DEFAULTS)
+    if args.print_config:
+        print(options.to_toml(job), end="")
+        return 0
+    chaos_options = ChaosOptions(
         workdir=Workdir(args.workdir),
         schedule=parse_schedule(args.schedule or default_schedule(args.nodes)),
         ranks=args.ranks,
         nodes=args.nodes,
-        steps=args.steps,
-        ckpt_every=args.ckpt_every,
-        trainer_args=_trainer_args(args),
+        steps=int(job["steps"]),
+        ckpt_every=int(job["ckpt_every"]),
+        trainer_args=options.to_argv(options.passed_on(job)),
         max_restarts=args.max_restarts,
-        seed=args.seed,
+        seed=args.fault_seed,
         ssd_mb=args.ssd_mb,
     )
-    report = chaos(options, sys.stderr if args.json else sys.stdout)
+    report = chaos(chaos_options, sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -539,13 +569,22 @@ def _ckptd(args: argparse.Namespace) -> int:
 
 def _telemetry(args: argparse.Namespace) -> int:
     from scaletrain.security import ServerSecurity, database_url
-    from telemetry.config import TelemetryConfig
+    from telemetry.config import TelemetryConfig, retention_policy
     from telemetry.server import serve
 
     db = database_url(args.db, default="sqlite:///telemetry.db")
     metrics = args.metrics or os.environ.get("SCALETRAIN_METRICS_LISTEN") or None
     security = ServerSecurity.from_env(allow_plaintext=args.allow_plaintext)
-    serve(TelemetryConfig(db_url=db, listen=args.listen, metrics_listen=metrics, security=security))
+    retention = retention_policy(args.keep_steps)
+    serve(
+        TelemetryConfig(
+            db_url=db,
+            listen=args.listen,
+            metrics_listen=metrics,
+            security=security,
+            retention=retention,
+        )
+    )
     return 0
 
 

@@ -156,6 +156,8 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
             file=out,
             flush=True,
         )
+        reader = stack.client_security(Role.READER, run_id)
+        saved_before = _newest_step(stack.ckptd_address, run_id, reader)
         code = stack.train(run_id, options.ranks, trainer_args, out, options.max_restarts)
         if code != 0:
             logs = [workdir.trainer_log(node) for node in range(options.nodes)]
@@ -163,10 +165,9 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
                 f"training failed (exit code {code}): {_first_error(logs)}; "
                 f"see {', '.join(map(str, logs))}"
             )
-        reader = stack.client_security(Role.READER, run_id)
         copies = options.nodes > 1 and flag_value(options.trainer_args, "--replicas") != "1"
         checkpoints = _wait_for_tiers(
-            stack.ckptd_address, run_id, options.upload_wait_s, reader, copies
+            stack.ckptd_address, run_id, options.upload_wait_s, saved_before, reader, copies
         )
     return _summary(workdir, run_id, checkpoints, time.monotonic() - started)
 
@@ -200,25 +201,38 @@ def flag_value(args: list[str], name: str) -> str | None:
     return values[-1] if values else None
 
 
+def _newest_step(address: str, run_id: str, security: ClientSecurity | None) -> int:
+    """The step of the run's newest committed checkpoint (0: none yet)."""
+    with CkptdClient(address, security) as client:
+        return max((c.ref.step for c in client.list(run_id)), default=0)
+
+
 def _wait_for_tiers(
     address: str,
     run_id: str,
     timeout_s: float,
+    saved_before: int = 0,
     security: ClientSecurity | None = None,
     copies: bool = False,
 ) -> list[checkpoint_pb2.CheckpointInfo]:
     """The run's checkpoints with every node's part, once the newest is committed on the
     durable tiers of every node (SSD, and S3 whole), and with `copies` node-loss safe too (or
-    the time is up). Not memory: a resumed run that saved nothing finds its newest checkpoint
-    on SSD only (the memory tier died with the ckptd that held it), and nothing brings it back."""
+    the time is up). Not memory: the memory tier died with the ckptd that held it.
+
+    Only a checkpoint this run saved (newer than `saved_before`) is waited for: an older one
+    has nothing in flight, and a run resumed on fewer nodes may never see it whole on SSD (the
+    part of a node it does not run is on that node's disk), so waiting would only run out the
+    clock."""
     deadline = time.monotonic() + timeout_s
     durable = {TIER_NAMES[common_pb2.TIER_SSD], TIER_NAMES[common_pb2.TIER_S3]}
     with CkptdClient(address, security) as client:
         while True:
             checkpoints = client.list(run_id, nodes=True)
             newest = max(checkpoints, key=lambda c: c.ref.step, default=None)
-            if newest is None or (
-                durable <= set(whole_tiers(newest)) and (newest.node_loss_safe or not copies)
+            if (
+                newest is None
+                or newest.ref.step <= saved_before
+                or (durable <= set(whole_tiers(newest)) and (newest.node_loss_safe or not copies))
             ):
                 return checkpoints
             if time.monotonic() > deadline:

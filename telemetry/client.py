@@ -2,9 +2,14 @@
 
 Reporting must never slow training down or stop it: `report_step` and `report_event` only append
 to a bounded in-process queue, and a background thread sends what is queued in batches. While the
-service is down the thread keeps the records and retries with backoff; when the queue is full the
-oldest records are dropped and counted, so memory stays bounded however long the outage lasts.
-Every report is idempotent on the service side, so resending after an unclear failure is safe.
+service is down or slow the thread keeps the records and retries with backoff, so memory stays
+bounded however long the outage lasts. What a full queue does is the caller's choice
+(`when_full`): a trainer's client drops the oldest records, counting them (every later record
+carries the count, so the database says what never arrived) and logging it, because a stalled
+step costs more than a lost record; a client that must lose nothing (a load generator, a
+backfill) waits for room instead, which pushes the service's pace back onto the caller.
+Every report is idempotent on the service side (a record is identified by its run, step, rank and
+attempt, and a resent one is skipped), so resending after an unclear failure is safe.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -47,8 +52,11 @@ _PERMANENT = frozenset(
         grpc.StatusCode.DATA_LOSS,
     }
 )
-# Deadline of one background report call.
+# Deadline of one background report call: a base, plus time for every record it carries, so that
+# a service storing a few thousand records a second still acknowledges a catch-up call of tens of
+# thousands in time (a fixed 10 s was missed under load, and each miss resent the whole call).
 _SEND_TIMEOUT_S = 10.0
+_SEND_TIMEOUT_PER_RECORD_S = 0.002
 # Batches per client stream: enough to catch up quickly after an outage, small enough to retry.
 BATCHES_PER_CALL = 16
 _BACKOFF_MIN_S = 0.05
@@ -56,6 +64,8 @@ _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
 
 M = TypeVar("M", bound=Message)
+# What a full queue does to a new record: evict the oldest (counted and logged), or wait for room.
+WhenFull = Literal["drop_oldest", "wait"]
 
 
 class _Outbox(Generic[M]):
@@ -68,6 +78,7 @@ class _Outbox(Generic[M]):
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self.full = False
         self.items: deque[tuple[int, M]] = deque()
         self.next_seq = 0
         self.dropped = 0
@@ -90,6 +101,9 @@ class _Outbox(Generic[M]):
         self._in_flight_through = taken[-1][0] if taken else -1
         return [record for _, record in taken]
 
+    def has_room(self) -> bool:
+        return len(self.items) < self.capacity
+
     def settle(self, delivered: bool) -> None:
         """Retire the records of the last `take` when they were delivered (or rejected)."""
         if delivered:
@@ -110,6 +124,10 @@ class TelemetryClient:
 
     `report_step` and `report_event` return at once; `flush` waits for delivery. Use as a context
     manager, or call `close`, so the last records are sent before the process exits.
+
+    With `when_full="wait"`, a report finding `max_queue` records unacknowledged waits until the
+    service acknowledged some, instead of dropping the oldest: nothing is ever lost, and a caller
+    faster than the service is slowed to its pace.
     """
 
     def __init__(
@@ -120,12 +138,16 @@ class TelemetryClient:
         batch_size: int = 256,
         flush_interval_s: float = 0.5,
         security: ClientSecurity | None = None,
+        when_full: WhenFull = "drop_oldest",
     ) -> None:
         if max_queue < 1 or batch_size < 1 or not flush_interval_s > 0:
             raise ValueError(
                 f"max_queue ({max_queue}), batch_size ({batch_size}) and flush_interval_s "
                 f"({flush_interval_s}) must be positive"
             )
+        if when_full not in ("drop_oldest", "wait"):
+            raise ValueError(f"when_full must be 'drop_oldest' or 'wait', got {when_full!r}")
+        self._when_full = when_full
         self._address = address
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
@@ -260,7 +282,18 @@ class TelemetryClient:
         with self._cond:
             if self._closed:
                 raise RuntimeError("telemetry client is closed")
+            if self._when_full == "wait" and not outbox.has_room():
+                # The sender sends at once what a full queue holds, and wakes us when acknowledged.
+                outbox.full = True
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: outbox.has_room() or self._closed)
+                outbox.full = False
+                if self._closed:
+                    raise RuntimeError("telemetry client was closed while a report waited")
+            dropped = outbox.dropped
             outbox.put(queued)
+            if outbox.dropped != dropped:
+                self._note_dropped(outbox.dropped)
             if len(outbox.items) >= self._batch_size:
                 self._cond.notify_all()
 
@@ -323,7 +356,7 @@ class TelemetryClient:
         if self._stop.is_set():
             return True
         steps, events = len(self._steps.items), len(self._events.items)
-        if self._flush_waiters and (steps or events):
+        if (self._flush_waiters or self._steps.full or self._events.full) and (steps or events):
             return True
         return max(steps, events) >= self._batch_size
 
@@ -360,12 +393,12 @@ class TelemetryClient:
             telemetry_pb2.StepBatch(columns=columns_of_values(records[start : start + size]))
             for start in range(0, len(records), size)
         )
-        self._stub.ReportSteps(batches, timeout=_SEND_TIMEOUT_S)
+        self._stub.ReportSteps(batches, timeout=_send_timeout(len(records)))
 
     def _send_events(self, events: list[telemetry_pb2.Event]) -> None:
         for start in range(0, len(events), self._batch_size):
             batch = telemetry_pb2.EventBatch(events=events[start : start + self._batch_size])
-            self._stub.ReportEvents(batch, timeout=_SEND_TIMEOUT_S)
+            self._stub.ReportEvents(batch, timeout=_send_timeout(len(batch.events)))
 
     def _note_unreachable(self, error: str) -> None:
         with self._cond:
@@ -385,6 +418,17 @@ class TelemetryClient:
         if rejected & (rejected - 1) == 0:
             _log.warning("telemetry: rejected record (%d so far): %s", rejected, error)
 
+    def _note_dropped(self, dropped: int) -> None:
+        """Log the 1st, 2nd, 4th, 8th... record dropped from the full queue (called locked)."""
+        if dropped & (dropped - 1) == 0:
+            _log.warning(
+                "telemetry: queue full (%d records unacknowledged by %s): dropped the oldest "
+                "record (%d so far); later records carry the count",
+                len(self._steps.items) + len(self._events.items),
+                self._address,
+                self._steps.dropped + self._events.dropped,
+            )
+
     def _note_delivered(self) -> None:
         with self._cond:
             recovered = self._unreachable
@@ -392,6 +436,10 @@ class TelemetryClient:
             self._last_error = None
         if recovered:
             _log.info("telemetry: reports to %s get through again", self._address)
+
+
+def _send_timeout(records: int) -> float:
+    return _SEND_TIMEOUT_S + records * _SEND_TIMEOUT_PER_RECORD_S
 
 
 def rank_step(

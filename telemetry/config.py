@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+from scaletrain.errors import UserError
 from scaletrain.security import ServerSecurity, redact_url
 from telemetry.retention import RetentionPolicy
+
+# Where a deployment (the Helm chart, a systemd unit) sets the per-rank-row window without flags.
+KEEP_STEPS_ENV = "SCALETRAIN_TELEMETRY_KEEP_STEPS"
 
 
 @dataclass(frozen=True)
@@ -17,8 +22,9 @@ class TelemetryConfig:
     Port 0 in `listen` picks a free port; `RunningTelemetry.address` tells which one.
     `metrics_listen` (HOST:PORT) serves Prometheus metrics of the runs over HTTP; None: no endpoint.
     `retention` says how many recent steps keep their per-rank rows (rollups are kept for the
-    whole run). `db_url` may hold a password: it is never logged, and the command line reads it
-    from the environment or a file, never from its arguments.
+    whole run; `retention_policy` reads the window from the command line or the environment).
+    `db_url` may hold a password: it is never logged, and the command line reads it from the
+    environment or a file, never from its arguments.
     """
 
     db_url: str
@@ -34,3 +40,27 @@ class TelemetryConfig:
             f"metrics_listen={self.metrics_listen!r}, security={self.security!r}, "
             f"retention={self.retention!r})"
         )
+
+
+def retention_policy(keep_steps: str | None) -> RetentionPolicy:
+    """The retention `scaletrain telemetry --keep-steps N` asks for; without the flag, what
+    $SCALETRAIN_TELEMETRY_KEEP_STEPS says; without either, the default (RetentionPolicy).
+
+    Raises UserError (one line naming the flag or variable) for anything but a whole number >= 1:
+    a window of 0 steps would delete rows the moment their step is rolled up.
+    """
+    source, value = "--keep-steps", keep_steps
+    if value is None:
+        source, value = f"${KEEP_STEPS_ENV}", os.environ.get(KEEP_STEPS_ENV)
+    if value is None or value == "":
+        return RetentionPolicy()
+    try:
+        steps = int(value)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise UserError(
+            f"{source} must be a whole number of steps >= 1 (per-rank rows kept per run), "
+            f"got {value!r}"
+        )
+    return RetentionPolicy(keep_steps=steps)

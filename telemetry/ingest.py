@@ -3,8 +3,9 @@ fastest idempotent insert.
 
 Rank-step records are nearly all that telemetry stores (one per rank per step, thousands per second
 on a large job), so they skip SQLAlchemy's per-row parameter processing, which alone costs more than
-the database's own work: SQLite gets one `executemany` of tuples, PostgreSQL a `COPY` into a
-temporary table and one `INSERT ... SELECT ... ON CONFLICT DO NOTHING`. The rows keep the storage
+the database's own work: SQLite gets one `executemany` of tuples, PostgreSQL one binary `COPY`
+(through a temporary table and `INSERT ... SELECT ... ON CONFLICT DO NOTHING` only when a resent
+record is among them). The rows keep the storage
 conventions of `telemetry.models` exactly (naive UTC text times on SQLite, NaN stored as NULL), so
 the ORM and the queries read them back as if SQLAlchemy had written them; the store's tests check
 that on both databases. Columns (`telemetry.columns`, what the client sends) are checked and
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar
 
+import psycopg
 from sqlalchemy import Connection
 
 from scaletrain.errors import InvalidArgument
@@ -49,6 +51,8 @@ PHASE = {phase: STEP_COLUMNS.index(f"{phase}_s") for phase in PHASES}
 # Seconds of 0001-01-01 and 9999-12-31T23:59:59 since the epoch: the range a datetime can hold.
 _MIN_SECONDS, _MAX_SECONDS = -62_135_596_800, 253_402_300_799
 _TEMP_TABLE = "rank_steps_incoming"
+# The identifying columns (run_id, step, rank, attempt) lead every row.
+_KEY_WIDTH = 4
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _NAIVE_EPOCH = _EPOCH.replace(tzinfo=None)
@@ -201,43 +205,86 @@ def _now(time_format: TimeFormat) -> Any:
     return time_format(now // 1_000_000, now % 1_000_000)
 
 
-def insert_steps(connection: Connection, rows: Sequence[tuple[Any, ...]]) -> int:
-    """Insert rows (from `step_values` with the dialect's time format) in the connection's open
-    transaction, skipping those whose (run, step, rank, attempt) is stored already. Returns how
-    many were new."""
-    if not rows:
-        return 0
+def insert_steps(connection: Connection, batches: Sequence[Sequence[tuple[Any, ...]]]) -> list[int]:
+    """Insert the rows of several batches (from `step_values` with the dialect's time format) in
+    the connection's open transaction, skipping those whose (run, step, rank, attempt) is stored
+    already (a resent batch). Returns per batch how many of its rows were new."""
+    if not any(batches):
+        return [0 for _ in batches]
     columns = ", ".join(f'"{column}"' for column in STEP_COLUMNS)
     raw = connection.connection.driver_connection
     if connection.dialect.name == "sqlite":
         placeholders = ", ".join("?" * len(STEP_COLUMNS))
         cursor = raw.cursor()
         try:
-            cursor.executemany(
-                f"INSERT INTO rank_steps ({columns}) VALUES ({placeholders}) "
-                "ON CONFLICT DO NOTHING",
-                rows,
-            )
-            return cursor.rowcount
+            accepted = []
+            for rows in batches:
+                cursor.executemany(
+                    f"INSERT INTO rank_steps ({columns}) VALUES ({placeholders}) "
+                    "ON CONFLICT DO NOTHING",
+                    rows,
+                )
+                accepted.append(max(cursor.rowcount, 0))
+            return accepted
         finally:
             cursor.close()
     with raw.cursor() as cursor:
-        # A temporary table per connection, emptied at every commit: COPY cannot skip conflicts,
-        # the INSERT from it can.
-        cursor.execute(
-            f"CREATE TEMP TABLE IF NOT EXISTS {_TEMP_TABLE} "
-            "(LIKE rank_steps INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
-        )
-        with cursor.copy(f"COPY {_TEMP_TABLE} ({columns}) FROM STDIN") as copy:
+        return _copy_steps(cursor, columns, batches)
+
+
+def _copy_steps(
+    cursor: Any, columns: str, batches: Sequence[Sequence[tuple[Any, ...]]]
+) -> list[int]:
+    """PostgreSQL: one binary COPY of every row straight into rank_steps, the common case where
+    none is stored yet: the database writes each row once instead of twice (a temporary table,
+    then the table), and formatting a row costs the service about 1 µs instead of a text COPY's
+    11-15 µs (measured at 16,384 ranks). A resent row makes that COPY fail on the primary key;
+    then, back at the savepoint, the rows go through a temporary table and one
+    `INSERT ... SELECT ... ON CONFLICT DO NOTHING`, whose RETURNING says which were new."""
+    cursor.execute(
+        "SELECT array_agg(atttypid::int ORDER BY array_position(%s::text[], attname::text)) "
+        "FROM pg_attribute WHERE attrelid = 'rank_steps'::regclass AND attname = ANY(%s)",
+        (list(STEP_COLUMNS), list(STEP_COLUMNS)),
+    )
+    (types,) = cursor.fetchone()
+    cursor.execute("SAVEPOINT rank_steps_copy")
+    try:
+        _copy_rows(cursor, f"rank_steps ({columns})", types, batches)
+    except psycopg.errors.UniqueViolation:
+        cursor.execute("ROLLBACK TO SAVEPOINT rank_steps_copy")
+    else:
+        cursor.execute("RELEASE SAVEPOINT rank_steps_copy")
+        return [len(rows) for rows in batches]
+    # A temporary table per connection, emptied at every commit: COPY cannot skip conflicts, the
+    # INSERT from it can.
+    cursor.execute(
+        f"CREATE TEMP TABLE IF NOT EXISTS {_TEMP_TABLE} "
+        "(LIKE rank_steps INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
+    )
+    _copy_rows(cursor, f"{_TEMP_TABLE} ({columns})", types, batches)
+    cursor.execute(
+        f"INSERT INTO rank_steps ({columns}) SELECT {columns} FROM {_TEMP_TABLE} "
+        "ON CONFLICT DO NOTHING RETURNING run_id, step, rank, attempt"
+    )
+    new = set(cursor.fetchall())
+    cursor.execute(f"DELETE FROM {_TEMP_TABLE}")
+    accepted = []
+    for rows in batches:
+        # A row twice in the group (two copies of one batch) is new for the first batch only.
+        fresh = {key for key in (row[:_KEY_WIDTH] for row in rows) if key in new}
+        new -= fresh
+        accepted.append(len(fresh))
+    return accepted
+
+
+def _copy_rows(
+    cursor: Any, target: str, types: list[int], batches: Sequence[Sequence[tuple[Any, ...]]]
+) -> None:
+    with cursor.copy(f"COPY {target} FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types(types)
+        for rows in batches:
             for row in rows:
                 copy.write_row(row)
-        cursor.execute(
-            f"INSERT INTO rank_steps ({columns}) SELECT {columns} FROM {_TEMP_TABLE} "
-            "ON CONFLICT DO NOTHING"
-        )
-        accepted = cursor.rowcount
-        cursor.execute(f"DELETE FROM {_TEMP_TABLE}")
-        return accepted
 
 
 def _raise_problem(index: int, record: telemetry_pb2.RankStep) -> None:

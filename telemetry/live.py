@@ -44,10 +44,12 @@ from telemetry.rollup import NodeMap, StepSummary, as_datetime, summarise
 
 # A stored rank-step record as a row tuple (telemetry.ingest.STEP_COLUMNS).
 Row = tuple[Any, ...]
-# Steps of a run awaiting their last rank, at most: after an outage each rank's client sends its
-# backlog at once, so one rank can be thousands of steps ahead of another for a while. Beyond this
-# many, the oldest are dropped (records lost to a full client queue never arrive).
-_MAX_PENDING_STEPS = 20_000
+# Rows of a run's steps awaiting their last rank, at most (about 900 bytes each in memory: some
+# 360 MB): after an outage each rank's client sends its backlog at once, so one rank can be
+# thousands of steps ahead of another for a while. Beyond this many, the oldest pending step is
+# given up, to be rolled up from the database like any incomplete step: memory stays bounded
+# whatever the world size and however far the ranks drift apart.
+_MAX_PENDING_ROWS = 400_000
 
 
 @dataclass
@@ -122,6 +124,7 @@ class _RunState:
     nodes: NodeMap
     detector: StragglerDetector
     pending: dict[tuple[int, int], dict[int, Row]] = field(default_factory=dict)
+    pending_rows: int = 0
     # (attempt, step) of the latest complete step: records of it or earlier are resent copies.
     done: tuple[int, int] = (-1, -1)
     # The rows of that step, per rank: the per-rank figures are made from them when asked for.
@@ -178,13 +181,14 @@ class LiveRuns:
                 ranks = state.pending.get(key)
                 if ranks is None:
                     ranks = state.pending[key] = {}
-                    if len(state.pending) > _MAX_PENDING_STEPS:
-                        oldest = next(iter(state.pending))
-                        del state.pending[oldest]
-                        observed.incomplete.append((run_id, *oldest))
+                state.pending_rows += row[RANK] not in ranks
                 ranks[row[RANK]] = row
                 if len(ranks) == state.view.world_size:
                     self._complete(state, key, observed)
+                elif state.pending_rows > max(_MAX_PENDING_ROWS, 2 * state.view.world_size):
+                    oldest = next(iter(state.pending))
+                    _forget(state, oldest)
+                    observed.incomplete.append((run_id, *oldest))
         return observed
 
     def observe_events(self, events: Sequence[telemetry_pb2.Event]) -> None:
@@ -235,12 +239,12 @@ class LiveRuns:
     def _complete(self, state: _RunState, key: tuple[int, int], observed: Observed) -> None:
         """Roll up and score the complete step `key`, update the run's figures, and give up on
         the older pending steps (incomplete)."""
-        rows = state.pending.pop(key)
+        rows = _forget(state, key)
         run_id = state.view.run_id
         # Steps arrive in order from each rank, so the pending ones are (nearly) in insertion order:
         # the incomplete steps older than this one are at the front.
         for older in list(itertools.takewhile(lambda pending: pending < key, state.pending)):
-            del state.pending[older]
+            _forget(state, older)
             observed.incomplete.append((run_id, *older))
         attempt, step = key
         if attempt != state.done[0]:
@@ -357,3 +361,10 @@ def _ranges(ranks: list[int]) -> str:
         run = [rank for _, rank in group]
         parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
     return ", ".join(parts)
+
+
+def _forget(state: _RunState, key: tuple[int, int]) -> dict[int, Row]:
+    """Take the pending rows of step `key` out of the run's state."""
+    rows = state.pending.pop(key)
+    state.pending_rows -= len(rows)
+    return rows

@@ -114,7 +114,7 @@ def summarise(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a column with no value: NULL
         low, high = np.nanmin(metrics, axis=0), np.nanmax(metrics, axis=0)
-        middle, p99 = np.nanpercentile(metrics, [50, 99], axis=0)
+        middle, p99 = _median_and_p99(metrics)
         loss_mean = np.nanmean(metrics[:, _LOSS])
         median_work = np.nanmedian(work)
     statistics = np.stack([low, middle, p99, high], axis=1).reshape(-1)
@@ -137,6 +137,20 @@ def summarise(
         },
     }
     return StepSummary(rollup, _node_rows(run_id, attempt, step, work, median_work, nodes), work)
+
+
+def _median_and_p99(metrics: np.ndarray) -> np.ndarray:
+    """The median and p99 of each column, leaving NaN (not measured) out.
+
+    `np.nanpercentile` goes a column at a time in Python (7 ms of a step of 8 ranks, most of the
+    service's work per record at that size); `np.percentile` does every column at once and gives
+    NaN where a column has one, so only those columns take the slow path.
+    """
+    result = np.percentile(metrics, [50, 99], axis=0)
+    gaps = np.isnan(result).any(axis=0)
+    if gaps.any():
+        result[:, gaps] = np.nanpercentile(metrics[:, gaps], [50, 99], axis=0)
+    return result
 
 
 def _slowest(work: np.ndarray, nodes: NodeMap) -> list[list[Any]]:

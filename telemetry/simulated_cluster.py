@@ -242,9 +242,12 @@ def _report(
 ) -> None:
     """One reporter process: ranks first..last-1 of every step, then a flush; puts a summary."""
     ranks = range(first, last)
-    # Room for a minute of this process's records: an outage shorter than that loses nothing.
+    # Room for a minute of this process's records; a full queue makes the reporter wait (and fall
+    # behind its schedule, which `max_late_s` shows) rather than lose a record.
     per_minute = len(ranks) * max(1, math.ceil(60 / cluster.step_s))
-    client = TelemetryClient(address, max_queue=max(per_minute, 4 * len(ranks)), batch_size=1024)
+    client = TelemetryClient(
+        address, max_queue=max(per_minute, 4 * len(ranks)), batch_size=1024, when_full="wait"
+    )
     cpu, late, count, problem = time.process_time(), 0.0, 0, ""
     try:
         for step in range(1, cluster.steps + 1):

@@ -184,7 +184,7 @@ class TelemetryStore:
             return [(0, 0, batch_rows) for batch_rows in rows]
         with self._transaction() as session:
             connection = session.connection()
-            accepted = [insert_steps(connection, batch_rows) for batch_rows in rows]
+            accepted = insert_steps(connection, rows)
         return [
             (new, len(batch_rows) - new, batch_rows)
             for new, batch_rows in zip(accepted, rows, strict=True)

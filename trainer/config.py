@@ -1,84 +1,98 @@
-"""The trainer's configuration: one dataclass, parsed from the command line."""
+"""The trainer's configuration: one dataclass, built from the options of trainer.options (the
+command line over a job config file)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
-from trainer import health
-from trainer.fp8 import DEFAULT_KEEP_HIGH_PRECISION, RECIPE_CHOICES, make_recipe
+from trainer import health, options
+from trainer.fp8 import make_recipe
 from trainer.fp8.fsdp import check_all_gather
 from trainer.health.faults import FaultPlan
 from trainer.health.watchdog import WatchdogPolicy
 from trainer.model.llama import ModelArgs
-from trainer.model.moe import BALANCE_MODES, MoEArgs
-from trainer.parallel.pipeline import SCHEDULES
+from trainer.model.moe import MoEArgs
+
+
+def _default(dest: str) -> Any:
+    """The default of option `dest`: declared once, in trainer.options."""
+    return options.BY_DEST[dest].default
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the job is laid out over its ranks (trainer/parallel/dims.py checks it fits)."""
 
-    dp_replicate: int = 1
-    # -1 takes every rank the other degrees leave.
-    dp_shard: int = -1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    # Borrowed from dp_shard x cp: must divide it.
-    ep: int = 1
-    pp_schedule: str = "1F1B"
-    # 0: one micro-batch per sequence of the local batch.
-    pp_microbatches: int = 0
-    # 0: the schedule's own (1 for GPipe and 1F1B, 2 for the others).
-    pp_stages_per_rank: int = 0
-    # bf16 parameters and compute, fp32 gradient reductions and optimizer state.
+    dp_replicate: int = _default("dp_replicate")
+    dp_shard: int = _default("dp_shard")  # -1 takes every rank the other degrees leave
+    tp: int = _default("tp")
+    pp: int = _default("pp")
+    cp: int = _default("cp")
+    ep: int = _default("ep")  # borrowed from dp_shard x cp: must divide it
+    pp_schedule: str = _default("pp_schedule")
+    pp_microbatches: int = _default("pp_microbatches")
+    pp_stages_per_rank: int = _default("pp_stages_per_rank")
     mixed_precision: bool = False
     activation_checkpointing: bool = False
-    # torch.compile each transformer block (trainer/parallel/compile.py).
-    compile: bool = False
+    compile: bool = False  # trainer/parallel/compile.py
 
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """What one run does; `from_args` builds it from trainer.options, where each field's meaning
+    and default are declared (fields of the same name)."""
+
     run_id: str
     ckptd: str | None = None
     telemetry: str | None = None
-    steps: int = 300
-    ckpt_every: int = 100
-    # What a save requested while the previous one still streams does: "wait" or "skip".
-    ckpt_policy: str = "wait"
-    # Copies of each node's part of a checkpoint on distinct nodes (R); 0: ckptd's default.
-    replicas: int = 0
+    steps: int = _default("steps")
+    ckpt_every: int = _default("ckpt_every")
+    ckpt_policy: str = _default("ckpt_policy")
+    replicas: int = _default("replicas")
     resume: bool = False
-    seed: int = 1234
-    seq_len: int = 128
-    global_batch: int = 16
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    max_grad_norm: float = 1.0
+    allow_config_change: bool = False
+    seed: int = _default("seed")
+    seq_len: int = _default("seq_len")
+    global_batch: int = _default("global_batch")
+    grad_accum_steps: int = _default("grad_accum_steps")
+    lr: float = _default("lr")
+    beta1: float = _default("beta1")
+    beta2: float = _default("beta2")
+    eps: float = _default("eps")
+    weight_decay: float = _default("weight_decay")
+    no_decay: tuple[str, ...] = _default("no_decay")
+    max_grad_norm: float = _default("max_grad_norm")
+    warmup_steps: int = _default("warmup_steps")
+    decay: str = _default("decay")
+    min_lr_ratio: float = _default("min_lr_ratio")
+    decay_steps: int = _default("decay_steps")
+    decay_fraction: float = _default("decay_fraction")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    corpus_bytes: int = 4 << 20
-    log_every: int = 10
-    # FP8 linears: a recipe of trainer.fp8 or "none", the linears kept in high precision by
-    # name, and KEY=VALUE changes to the recipe (formats, amax history, margin).
-    fp8: str = "none"
-    fp8_keep_high_precision: tuple[str, ...] = DEFAULT_KEEP_HIGH_PRECISION
+    data: str = _default("data")
+    corpus_bytes: int = _default("corpus_bytes")
+    log_every: int = _default("log_every")
+    fp8: str = _default("fp8")
+    fp8_keep_high_precision: tuple[str, ...] = _default("fp8_keep_high_precision")
     fp8_options: tuple[str, ...] = ()
-    fp8_all_gather: bool = False  # FSDP2 all-gathers the FP8 linears' weights in FP8
-    fp8_count_every: int = 10  # steps between those that count FP8 saturation and underflow
+    fp8_all_gather: bool = False
+    fp8_count_every: int = _default("fp8_count_every")
+    # Refuse a linear whose shape does not fit the recipe instead of keeping it high precision.
+    fp8_strict: bool = False
     model: ModelArgs = field(default_factory=ModelArgs)
-    # What the step guard does with a suspicious step (see trainer.health.guard).
-    health_policy: str = "rollback"
+    health_policy: str = _default("health_policy")
     # Dense peak FLOP/s of one device for MFU; None: the datasheet table, or calibration on CPU.
     peak_flops: float | None = None
     faults: FaultPlan = field(default_factory=FaultPlan)
     # Every collective fails after this long instead of waiting forever (set explicitly: torch's
     # default differs between backends and versions).
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = _default("collective_timeout_s")
     watchdog: WatchdogPolicy = field(default_factory=WatchdogPolicy)
+    # Every option's resolved value (trainer.options), kept in telemetry and in every checkpoint;
+    # empty when built directly rather than from options.
+    job: dict[str, options.Value] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -123,164 +137,60 @@ class TrainConfig:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The trainer's command line: every option of trainer.options, and --config."""
     p = argparse.ArgumentParser(
         prog="python -m trainer",
-        description="Train a Llama-style model with FSDP2; run it under torchrun.",
+        description="Train a Llama-style model with FSDP2; run it under torchrun. Options come "
+        "from a job config file (--config) and the command line, which overrides the file.",
     )
-    p.add_argument("--run-id", required=True, help="name of the run (checkpoints and telemetry)")
-    p.add_argument("--ckptd", help="HOST:PORT of ckptd; without it no checkpoint is saved")
-    p.add_argument("--telemetry", help="HOST:PORT of the telemetry service")
-    p.add_argument("--steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--ckpt-every", type=int, default=TrainConfig.ckpt_every)
-    p.add_argument(
-        "--ckpt-policy",
-        default=TrainConfig.ckpt_policy,
-        choices=("wait", "skip"),
-        help="a save requested while the previous one streams: wait for it, or skip this one",
-    )
-    p.add_argument(
-        "--replicas",
-        type=int,
-        default=TrainConfig.replicas,
-        help="copies of each node's part of a checkpoint, on distinct nodes (R; 1: none; "
-        "default: ckptd's, 2 where there are 2 nodes or more)",
-    )
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    p.add_argument("--seed", type=int, default=TrainConfig.seed)
-    p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
-    p.add_argument("--global-batch", type=int, default=TrainConfig.global_batch)
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
-    p.add_argument("--log-every", type=int, default=TrainConfig.log_every)
-    model = p.add_argument_group("model")
-    model.add_argument("--dim", type=int, default=ModelArgs.dim)
-    model.add_argument("--n-layers", type=int, default=ModelArgs.n_layers)
-    model.add_argument("--n-heads", type=int, default=ModelArgs.n_heads)
-    model.add_argument("--n-kv-heads", type=int, default=ModelArgs.n_kv_heads)
-    moe = p.add_argument_group("mixture of experts (every block, when --n-experts > 0)")
-    moe.add_argument("--n-experts", type=int, default=0)
-    moe.add_argument("--top-k", type=int, default=MoEArgs.top_k)
-    moe.add_argument("--shared-experts", type=int, default=MoEArgs.n_shared)
-    moe.add_argument("--capacity-factor", type=float, default=MoEArgs.capacity_factor,
-                     help="0: never drop tokens")  # fmt: skip
-    moe.add_argument("--moe-balance", default=MoEArgs.balance, choices=BALANCE_MODES)
-    moe.add_argument("--expert-groups", type=int, default=MoEArgs.n_groups,
-                     help="groups of consecutive experts (e.g. one per node)")  # fmt: skip
-    moe.add_argument("--topk-groups", type=int, default=MoEArgs.topk_groups,
-                     help="each token's experts come from at most this many groups")  # fmt: skip
-    par = p.add_argument_group("parallelism (world = dp_replicate*dp_shard*cp*tp*pp)")
-    defaults = ParallelConfig()
-    for flag in ("dp-replicate", "dp-shard", "tp", "pp", "cp", "ep"):
-        par.add_argument(f"--{flag}", type=int, default=getattr(defaults, flag.replace("-", "_")))
-    par.add_argument("--pp-schedule", default=defaults.pp_schedule, choices=list(SCHEDULES))
-    par.add_argument("--pp-microbatches", type=int, default=defaults.pp_microbatches)
-    par.add_argument("--pp-stages-per-rank", type=int, default=defaults.pp_stages_per_rank)
-    par.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 reduce")
-    par.add_argument("--activation-checkpointing", action="store_true")
-    par.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile each transformer block (FP8 needs it for its speed: its casts fuse); "
-        "the first steps compile",
-    )
-    health.add_arguments(p)
-    p.add_argument(
-        "--fp8", default=TrainConfig.fp8, choices=RECIPE_CHOICES, help="FP8 recipe of the linears"
-    )
-    p.add_argument(
-        "--fp8-keep-high-precision",
-        type=lambda names: tuple(n for n in names.split(",") if n),
-        default=TrainConfig.fp8_keep_high_precision,
-        metavar="NAME,...",
-        help="linears kept out of FP8, matched by dotted name parts "
-        f"(default: {','.join(DEFAULT_KEEP_HIGH_PRECISION)})",
-    )
-    p.add_argument(
-        "--fp8-option",
-        dest="fp8_options",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="change the recipe: forward_format, backward_format (e4m3|e5m2), amax_history_len, "
-        "amax_compute (max|most_recent), margin, power_of_two_scales",
-    )
-    p.add_argument(
-        "--fp8-all-gather",
-        action="store_true",
-        help="FSDP all-gathers the FP8 linears' weights in FP8 (not with mxfp8)",
-    )
-    p.add_argument(
-        "--fp8-count-every",
-        type=int,
-        default=TrainConfig.fp8_count_every,
-        metavar="N",
-        help="count saturated and underflowed FP8 values on steps 1, 1+N, 1+2N, ... only (1: "
-        "every step; counting costs a pass over each cast; default "
-        f"{TrainConfig.fp8_count_every})",
-    )
+    options.add_arguments(p)
     return p
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:
-    """Build the config; raises ValueError with a message naming the bad option."""
+    """Build the config from the command line and its --config file; raises ValueError with a
+    message naming the bad option or key."""
+    return from_values(options.resolve(options.given(args), getattr(args, "config", None)))
+
+
+def from_values(v: dict[str, options.Value]) -> TrainConfig:
+    """The TrainConfig of resolved option values (trainer.options.resolve)."""
     moe = None
-    if args.n_experts:
+    if v["n_experts"]:
         moe = MoEArgs(
-            n_experts=args.n_experts,
-            top_k=args.top_k,
-            n_shared=args.shared_experts,
-            capacity_factor=args.capacity_factor,
-            balance=args.moe_balance,
-            n_groups=args.expert_groups,
-            topk_groups=args.topk_groups,
+            n_experts=v["n_experts"],
+            top_k=v["top_k"],
+            hidden=v["moe_hidden"],
+            n_shared=v["shared_experts"],
+            capacity_factor=v["capacity_factor"],
+            balance=v["moe_balance"],
+            n_groups=v["expert_groups"],
+            topk_groups=v["topk_groups"],
         )
     model = ModelArgs(
-        dim=args.dim,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        n_kv_heads=args.n_kv_heads,
+        dim=v["dim"],
+        n_layers=v["n_layers"],
+        n_heads=v["n_heads"],
+        n_kv_heads=v["n_kv_heads"],
+        vocab_size=v["vocab_size"],
+        ffn_multiple_of=v["multiple_of"],
+        ffn_dim_multiplier=v["ffn_dim_multiplier"] or None,
+        max_seq_len=v["max_seq_len"],
+        rope_theta=v["rope_theta"],
+        norm_eps=v["norm_eps"],
         moe=moe,
     )
-    # Every ParallelConfig field has the flag of the same name.
-    fields = dataclasses.fields(ParallelConfig)
-    parallel = ParallelConfig(**{f.name: getattr(args, f.name) for f in fields})
+    # Every ParallelConfig field, and every plain TrainConfig field, is the option of its name.
+    parallel = ParallelConfig(**{f.name: v[f.name] for f in dataclasses.fields(ParallelConfig)})
+    plain = {f.name: v[f.name] for f in dataclasses.fields(TrainConfig) if f.name in v}
+    # An empty address or a zero peak is the file's way of saying none.
+    unset = {name: v[name] or None for name in ("ckptd", "telemetry", "peak_flops")}
     return TrainConfig(
-        run_id=args.run_id,
-        ckptd=args.ckptd,
-        telemetry=args.telemetry,
-        steps=args.steps,
-        ckpt_every=args.ckpt_every,
-        ckpt_policy=args.ckpt_policy,
-        replicas=args.replicas,
-        resume=args.resume,
-        seed=args.seed,
-        seq_len=args.seq_len,
-        global_batch=args.global_batch,
-        lr=args.lr,
+        **plain | unset | {"model": model},
         parallel=parallel,
-        log_every=args.log_every,
-        fp8=args.fp8,
-        fp8_keep_high_precision=args.fp8_keep_high_precision,
-        fp8_options=tuple(args.fp8_options),
-        fp8_all_gather=args.fp8_all_gather,
-        fp8_count_every=args.fp8_count_every,
-        model=model,
-        health_policy=args.health_policy or TrainConfig.health_policy,
-        peak_flops=args.peak_flops,
         faults=FaultPlan.parse(
-            args.inject_sdc, args.inject_straggler, args.inject_loss_spike, args.inject_bad_device
+            v["inject_sdc"], v["inject_straggler"], v["inject_loss_spike"], v["inject_bad_device"]
         ),
-        collective_timeout_s=TrainConfig.collective_timeout_s
-        if args.collective_timeout_s is None
-        else args.collective_timeout_s,
-        watchdog=WatchdogPolicy(
-            **{
-                name: getattr(args, arg)
-                for name, arg in (
-                    ("min_s", "watchdog_min_s"),
-                    ("factor", "watchdog_factor"),
-                    ("heartbeat_s", "heartbeat_s"),
-                )
-                if getattr(args, arg) is not None
-            }
-        ),
+        watchdog=WatchdogPolicy(v["watchdog_min_s"], v["watchdog_factor"], v["heartbeat_s"]),
+        job=v,
     )

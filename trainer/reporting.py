@@ -55,11 +55,13 @@ class Reporter:
         param_dtype: torch.dtype,
         launched_at: Timestamp,
         param_bytes: list[int],
+        fp8_unfit: list[str] | None = None,
     ) -> None:
         """Register the run from rank 0 (with what MFU needs: precision, dense peak) and share its
         attempt with every rank; call it on every rank. `launched_at` is when the job started,
         which is where the run's wall time (and start-up badput) begins. `param_bytes`: each
-        rank's parameter bytes after the build, by rank, sent with the run-started event."""
+        rank's parameter bytes after the build, by rank, sent with the run-started event, as are the
+        linears FP8 left in high precision because the recipe cannot split them (`fp8_unfit`)."""
         if self.client is None:
             return
         # Each rank's host, so telemetry's node views group ranks by machine.
@@ -70,6 +72,7 @@ class Reporter:
         if self.rank == 0:
             precision = training_precision(param_dtype, device)
             peak, source = resolve_peak(device, precision, cfg.peak_flops)
+            # The resolved job config (trainer.options) under "job", beside the dataclass.
             config = cfg.to_json_dict() | {"corpus_sha256": corpus_sha256}
             reply = self.client.register_run(
                 telemetry_pb2.RegisterRunRequest(
@@ -97,7 +100,10 @@ class Reporter:
                 telemetry_pb2.EVENT_KIND_RUN_STARTED,
                 0,
                 "run started" if not cfg.resume else "run resumed",
-                attributes={"param_bytes_per_rank": json.dumps(param_bytes)},
+                attributes={
+                    "param_bytes_per_rank": json.dumps(param_bytes),
+                    "fp8_unfit_linears": json.dumps(fp8_unfit or []),
+                },
             )
         if world > 1:
             shared = [self.attempt]
@@ -117,6 +123,16 @@ class Reporter:
                     "restored_from": json.dumps(restored_from),
                 },
             )
+
+    def config_changed(self, step: int, changes: list[str]) -> None:
+        """The run resumed at `step` with options that alter results changed, as allowed by
+        --allow-config-change: an alert event that lists them."""
+        self._event(
+            telemetry_pb2.EVENT_KIND_ALERT,
+            step,
+            f"resumed at step {step} with a changed config: {'; '.join(changes)}",
+            attributes={"config_changes": json.dumps(changes)},
+        )
 
     def step(
         self,

@@ -9,7 +9,6 @@ guard, which replays the step when it looks corrupted), report the step's record
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import socket
@@ -23,6 +22,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ckptd.readpath import describe_sources
 from scaletrain.errors import NotFound, ScaletrainError, UserError
+from trainer import options
 from trainer.checkpoint.checkpointer import (
     Checkpointer,
     SaveDone,
@@ -31,14 +31,14 @@ from trainer.checkpoint.checkpointer import (
 )
 from trainer.checkpoint.digest import probe_logits_sha256, state_sha256
 from trainer.config import TrainConfig
-from trainer.data.corpus import stdlib_corpus
-from trainer.data.loader import DeterministicLoader, LoaderOffset
+from trainer.data.loader import DeterministicLoader, LoaderOffset, open_source
 from trainer.fp8 import Fp8Training
 from trainer.health.guard import StepGuard, replica_groups
 from trainer.health.inject import FaultInjector
 from trainer.health.preflight import check_ranks
 from trainer.health.watchdog import REPORT_WAIT_S, PeerBoard, Watchdog
 from trainer.model.llama import Transformer
+from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel.dims import MESH_DIMS, ParallelMesh, validate_layout
 from trainer.parallel.parallelize import ParallelModel, build_model
 from trainer.reporting import Reporter
@@ -101,18 +101,6 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def lr_lambda(warmup: int, total: int):
-    """Linear warm-up, then cosine decay to 10% of the peak."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
 def build(
     cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, rank: int
 ) -> tuple[ParallelModel, Fp8Training | None, int, list[int]]:
@@ -148,20 +136,18 @@ def train(cfg: TrainConfig) -> None:
 
     parallel, fp8, n_params, param_bytes = build(cfg, mesh, device, rank)
     model = parallel.model
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
 
-    corpus = stdlib_corpus(cfg.corpus_bytes)
+    source = open_source(cfg.data, cfg.corpus_bytes)
     loader = DeterministicLoader(
-        corpus, cfg.seq_len, cfg.global_batch, mesh.dp_rank, dims.dp_size, seed=cfg.seed
+        source, cfg.seq_len, cfg.global_batch, mesh.dp_rank, dims.dp_size, seed=cfg.seed
     )
     reporter = Reporter(cfg.telemetry, cfg.run_id, rank)
     reporter.register_run(
-        cfg, world, dims.layout(), n_params, _hardware(device), corpus.sha256,
+        cfg, world, dims.layout(), n_params, _hardware(device), source.sha256,
         device=device, param_dtype=next(model.parameters()).dtype, launched_at=launched_at,
-        param_bytes=param_bytes,
+        param_bytes=param_bytes, fp8_unfit=fp8.unfit if fp8 is not None else None,
     )  # fmt: skip
     _flush_on_termination(reporter)
     faults = FaultInjector(cfg.faults, rank, cfg.model.vocab_size, device)
@@ -182,6 +168,7 @@ def train(cfg: TrainConfig) -> None:
             fp8=fp8,
             replicas=cfg.replicas,
             timeout=timeout,
+            config=options.to_toml(cfg.job) if cfg.job else "",
         )
         if cfg.ckptd
         else None
@@ -209,6 +196,7 @@ def train(cfg: TrainConfig) -> None:
         if fp8_paths is not None:
             print(f"[trainer] {fp8_paths}", flush=True)
     tokens_per_step = cfg.global_batch * cfg.seq_len
+    accum = cfg.grad_accum_steps
     # Each rank reports its share, so the tokens of all ranks add up to the global batch's.
     local_tokens = tokens_per_step // world
     global_loss = float("nan")
@@ -225,14 +213,21 @@ def train(cfg: TrainConfig) -> None:
 
         for attempt in guard.attempts(step, phases):  # once; twice if the step is replayed
             t = time.perf_counter()
-            watchdog.enter(step, "forward")
-            # Under pipeline parallelism forward runs the whole schedule, backward included.
-            loss = parallel.forward(inputs, targets)
-            phases.forward, t = _lap(t)
-            watchdog.enter(step, "backward")
-            parallel.backward(loss)
+            phases.forward = phases.backward = 0.0
+            # Gradient accumulation: FSDP reduces gradients in the last micro-batch's backward.
+            losses = []
+            for micro_inputs, micro_targets in parallel.micro_batches(inputs, targets, accum):
+                watchdog.enter(step, "forward")
+                # Under pipeline parallelism forward runs the whole schedule, backward included.
+                losses.append(parallel.forward(micro_inputs, micro_targets))
+                elapsed, t = _lap(t)
+                phases.forward += elapsed
+                watchdog.enter(step, "backward")
+                parallel.backward(losses[-1], accum)
+                elapsed, t = _lap(t)
+                phases.backward += elapsed
+            loss = parallel.mean_of(losses)
             attempt.gradients_ready()
-            phases.backward, t = _lap(t)
             watchdog.enter(step, "optimizer")
             grad_norm = parallel.clip_grad_norm_(cfg.max_grad_norm)
             optimizer.step()
@@ -386,6 +381,7 @@ def resume(
             print(f"[trainer] run {cfg.run_id}: no checkpoint yet, starting over", flush=True)
         return 0
     train_state = checkpointer.load(step)
+    check_config(cfg, step, train_state.get("config", ""), reporter, rank)
     expected = loader.offset()
     recorded = reporter.resume_offsets(step)
     if recorded is not None and (recorded or required):
@@ -405,6 +401,28 @@ def resume(
             flush=True,
         )
     return int(train_state["step"])
+
+
+def check_config(
+    cfg: TrainConfig, step: int, saved_toml: str, reporter: Reporter, rank: int
+) -> None:
+    """Refuse to resume with options that alter results changed since the checkpoint (model
+    shape, seed, data, optimizer, schedule), listing them; with --allow-config-change, go on and
+    record the changes in telemetry. A checkpoint saved without its config is not compared."""
+    if not saved_toml or not cfg.job:
+        return
+    changed = options.differences(options.from_toml(saved_toml), cfg.job)
+    if not changed:
+        return
+    listed = "; ".join(changed)
+    if not cfg.allow_config_change:
+        raise UserError(
+            f"refusing to resume run {cfg.run_id} at step {step}: the job config changed in "
+            f"ways that alter results: {listed} (--allow-config-change accepts them)"
+        )
+    if rank == 0:
+        print(f"[trainer] resuming with a changed config (--allow-config-change): {listed}")
+        reporter.config_changed(step, changed)
 
 
 def _latest_step(cfg: TrainConfig, rank: int) -> tuple[int, str]:

@@ -20,6 +20,7 @@ page-aligned, so the SSD tier writes them around the page cache (`IncomingFile`)
 from __future__ import annotations
 
 import bisect
+import functools
 import mmap
 import threading
 from collections import OrderedDict
@@ -157,6 +158,17 @@ class MemoryFile:
             i += 1
         return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
 
+    def view(self, offset: int, length: int) -> memoryview | None:
+        """Bytes [offset, offset+length) as a view of the chunk that holds them all; None when
+        they span chunks (or the file ends before them)."""
+        if length <= 0 or offset + length > self.size:
+            return None
+        i = bisect.bisect_right(self._starts, offset) - 1
+        chunk, start = self._chunks[i], self._starts[i]
+        if offset + length > start + len(chunk):
+            return None
+        return memoryview(chunk).cast("B")[offset - start : offset + length - start]
+
 
 class MemoryTier:
     """Committed checkpoints held in process memory; their bytes are already in the budget."""
@@ -168,6 +180,10 @@ class MemoryTier:
         self._lock = threading.Lock()
         # Insertion order is commit order: the first entry is the oldest.
         self._checkpoints: OrderedDict[CheckpointKey, dict[str, MemoryFile]] = OrderedDict()
+        # Views lent (`read_view`) and not yet given back, per checkpoint's files (by id), and
+        # the files dropped while some were out: their buffers are recycled by the last return.
+        self._lent: dict[int, int] = {}
+        self._retired: dict[int, dict[str, MemoryFile]] = {}
 
     @property
     def used_bytes(self) -> int:
@@ -195,6 +211,50 @@ class MemoryTier:
             # and its buffers can receive other chunks.
             return files[path].read(offset, length)
 
+    def read_view(
+        self, key: CheckpointKey, path: str, offset: int, length: int
+    ) -> tuple[bytes | memoryview, Callable[[], None] | None]:
+        """Like `read_range`, without the copy where the range lies in one chunk (a data socket
+        upload's 4 MiB frames hold a read's 4 MiB pieces exactly): a view into it, and the call
+        that gives it back, which the caller makes once nothing reads the view any more.
+
+        Why a loan and not a copy: copying a piece into fresh memory costs more CPU than sending
+        it. The loan keeps the chunk's buffer from being recycled (`MemoryBudget.recycle`) into
+        another upload while it is out: a checkpoint dropped meanwhile gives its bytes back to
+        the budget at once (the views still out, a few pieces per connection, are briefly over
+        it) and its buffers to the budget's spares only when the last view comes back. A view
+        never given back costs only that reuse, never a wrong byte."""
+        with self._lock:
+            files = self._checkpoints.get(key)
+            if files is None or path not in files:
+                raise FileNotFoundError(f"{key}/{path} is not in memory")
+            view = files[path].view(offset, length)
+            if view is None:
+                return files[path].read(offset, length), None
+            return view, self._lend(files)
+
+    def pin(self, key: CheckpointKey) -> Callable[[], None]:
+        """Keep the buffers of `key`'s files from being recycled until the call returned (as a
+        view lent by `read_view` does): for a copy put here while its SSD writer still reads
+        them (`ckptd.holding`)."""
+        with self._lock:
+            return self._lend(self._checkpoints[key])
+
+    def _lend(self, files: dict[str, MemoryFile]) -> Callable[[], None]:
+        """Count one more loan of `files` (under the lock); returns the call that ends it."""
+        self._lent[id(files)] = self._lent.get(id(files), 0) + 1
+        return functools.partial(self._give_back, files)
+
+    def _give_back(self, files: dict[str, MemoryFile]) -> None:
+        with self._lock:
+            left = self._lent.pop(id(files)) - 1
+            if left:
+                self._lent[id(files)] = left
+                return
+            retired = self._retired.pop(id(files), None)
+        if retired is not None:
+            self.budget.recycle(chunk for f in retired.values() for chunk in f.chunks)
+
     def delete(self, key: CheckpointKey) -> bool:
         with self._lock:
             files = self._checkpoints.pop(key, None)
@@ -204,7 +264,14 @@ class MemoryTier:
         return True
 
     def _drop(self, files: dict[str, MemoryFile]) -> None:
-        release(files, self.budget)
+        with self._lock:
+            lent = id(files) in self._lent
+            if lent:
+                self._retired[id(files)] = files
+        if not lent:
+            release(files, self.budget)
+            return
+        self.budget.release(_size(files))
 
     def list(self) -> list[CheckpointKey]:
         """Checkpoints held, oldest commit first."""

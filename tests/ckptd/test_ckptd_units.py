@@ -12,8 +12,15 @@ import pytest
 from ckptd.config import CkptdConfig, S3Config
 from ckptd.manifest import data_crc32c, file_crc32c
 from ckptd.names import check_path, check_run
-from ckptd.tiers import BLOCK_BYTES, BlockCrcs, block_crcs_of, block_span, first_bad_block
-from ckptd.tiers.memory import MemoryBudget
+from ckptd.tiers import (
+    BLOCK_BYTES,
+    BlockCrcs,
+    CheckpointKey,
+    block_crcs_of,
+    block_span,
+    first_bad_block,
+)
+from ckptd.tiers.memory import MemoryBudget, MemoryFile, MemoryTier
 from ckptd.tiers.ssd import IncomingFile
 from ckptd.wire import Chunk, crc32c, decode_write_request, encode_write_request
 from scaletrain.errors import InvalidArgument
@@ -146,6 +153,30 @@ def test_receive_buffers_are_reused_by_size_within_the_memory_budget_and_give_wa
     assert budget.buffer(CHUNK_BYTES).obj is kept.obj
     assert budget.buffer(CHUNK_BYTES).obj is not other.obj
     assert isinstance(budget.buffer(100).obj, bytearray)  # a tail under a page is not pooled
+
+
+def test_a_memory_read_lent_as_a_view_keeps_its_buffer_from_new_uploads_until_given_back() -> None:
+    budget = MemoryBudget(4 * CHUNK_BYTES)
+    tier, key = MemoryTier(budget), CheckpointKey("run", 1)
+    chunk = budget.buffer(CHUNK_BYTES)
+    chunk[:] = os.urandom(CHUNK_BYTES)
+    budget.reserve(CHUNK_BYTES + 4, holding=lambda: 0)  # the file's bytes, as a save's are
+    file = MemoryFile()
+    file.append(chunk)
+    file.append(b"tail")
+    tier.put(key, {"f": file})
+
+    view, give_back = tier.read_view(key, "f", BLOCK_BYTES, BLOCK_BYTES)
+    assert give_back is not None and view.obj is chunk.obj  # no copy
+    assert view == chunk[BLOCK_BYTES : 2 * BLOCK_BYTES]
+    across, none = tier.read_view(key, "f", CHUNK_BYTES - 2, 6)  # spans two chunks: a copy
+    assert (across, none) == (bytes(chunk[-2:]) + b"tail", None)
+
+    tier.delete(key)  # while the view is out: its bytes leave the budget, its buffer stays
+    assert budget.used == 0
+    assert budget.buffer(CHUNK_BYTES).obj is not chunk.obj
+    give_back()  # the last view back: now the buffer may receive another chunk
+    assert budget.buffer(CHUNK_BYTES).obj is chunk.obj
 
 
 @pytest.mark.parametrize("where", ["disk", "tmpfs"])

@@ -918,6 +918,14 @@ def test_service_monitors_scrape_the_metrics_ports_of_ckptd_and_telemetry(case: 
     assert flag(container(workload(docs, "telemetry"))["args"], "--metrics") == "0.0.0.0:9102"
 
 
+def test_telemetry_keeps_per_rank_rows_for_the_window_the_values_set(chart) -> None:
+    default = container(workload(parse(render_raw(chart, {})), "telemetry"))
+    assert flag(default["args"], "--keep-steps") == "1000"
+    values = {"telemetry": {"retention": {"keepSteps": 250_000}}}
+    chosen = container(workload(parse(render_raw(chart, values)), "telemetry"))
+    assert flag(chosen["args"], "--keep-steps") == "250000"
+
+
 def test_disabled_components_render_nothing(chart) -> None:
     values = {"trainer": {"enabled": False}, "ui": {"enabled": False}, "ckptd": {"enabled": False}}
     docs = parse(render_raw(chart, values))
@@ -1051,6 +1059,11 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
             helm.HelmRenderError,
             "trainer.enabled needs ckptd.enabled or trainer.ckptdAddress",
         ),
+        (
+            {"telemetry": {"retention": {"keepSteps": 0}}},
+            helm.HelmValuesError,
+            "/telemetry/retention/keepSteps",
+        ),
     ],
     ids=[
         "negative-telemetry-replicas",
@@ -1075,6 +1088,7 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
         "no-database",
         "two-databases",
         "trainer-without-ckptd",
+        "telemetry-keeping-no-steps",
     ],
 )
 def test_bad_values_are_rejected_with_a_message_naming_them(

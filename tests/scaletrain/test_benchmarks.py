@@ -49,6 +49,12 @@ def test_each_checkpoint_benchmark_runs_and_prints_its_ratio(
     assert prints in run_bench(script, *args)
 
 
+def test_the_data_benchmark_prepares_a_corpus_and_prints_both_ratios() -> None:
+    printed = run_bench("data_prepare.py", "--mib", "1", "--vocab", "600", "--runs", "1",
+                        "--windows", "200")  # fmt: skip
+    assert "prepare / encode_batch" in printed and "window reads / memmap" in printed
+
+
 def test_the_model_build_memory_benchmark_runs_both_paths_and_prints_their_ratio() -> None:
     printed = run_bench(
         "model_build_memory.py", "--ranks", "2", "--dim", "64", "--layers", "2", "--heads", "4",

@@ -92,3 +92,15 @@ def test_expert_parallelism_needs_ranks_it_can_borrow(tmp_path: Path):
         "--workdir", str(tmp_path / "w"),
     )  # fmt: skip
     assert_one_line_error(result, "ep 4 does not divide dp_shard x cp = 2")
+
+
+def test_a_config_file_that_is_not_there_is_one_line_and_starts_nothing(tmp_path: Path):
+    result = scaletrain(
+        "run", "--config", str(tmp_path / "job.toml"), "--workdir", str(tmp_path / "w")
+    )
+    assert_one_line_error(result, "--config", "job.toml: cannot read it")
+    assert not (tmp_path / "w").exists()
+
+
+def test_plan_of_an_unknown_preset_lists_the_presets():
+    assert_one_line_error(scaletrain("plan", "--model", "llama9"), "llama9", "llama3-8b")

@@ -11,6 +11,7 @@ import pytest
 
 from scaletrain.errors import NotFound
 from scaletrain.v1 import telemetry_pb2
+from telemetry import live as live_module
 from telemetry import mfu
 from telemetry.client import rank_step
 from telemetry.detect import (
@@ -157,24 +158,33 @@ def test_mfu_and_hfu_match_a_hand_computation() -> None:
     assert math.isnan(mfu.utilization(model, 24_000, 8, 0.0))
 
 
-def test_live_runs_complete_every_step_when_one_ranks_backlog_arrives_before_the_others() -> None:
+def backlog_rows(rank: int, compute: float, steps: int = 500) -> list[tuple[object, ...]]:
+    """One rank's rows of steps 1..steps, as its client sends its backlog after an outage."""
+    return [
+        step_values(0, rank_step("r", step, rank, loss=1.0, tokens=10,
+                                 times={"step": 1.0, "compute": compute}))
+        for step in range(1, steps + 1)
+    ]  # fmt: skip
+
+
+def live_runs(world_size: int) -> LiveRuns:
     def unknown(run_id: str) -> Run:
         raise NotFound(run_id)
 
-    live = LiveRuns(unknown, lambda run_id: NodeMap.of_hosts(3, {}), StragglerPolicy(patience=3))
-    live.registered(telemetry_pb2.RegisterRunRequest(run_id="r", world_size=3), attempt=0)
+    live = LiveRuns(
+        unknown, lambda run_id: NodeMap.of_hosts(world_size, {}), StragglerPolicy(patience=3)
+    )
+    live.registered(telemetry_pb2.RegisterRunRequest(run_id="r", world_size=world_size), attempt=0)
+    return live
 
-    def rows(rank: int, compute: float) -> list[tuple[object, ...]]:
-        return [
-            step_values(0, rank_step("r", step, rank, loss=1.0, tokens=10,
-                                     times={"step": 1.0, "compute": compute}))
-            for step in range(1, 501)
-        ]  # fmt: skip
+
+def test_live_runs_complete_every_step_when_one_ranks_backlog_arrives_before_the_others() -> None:
+    live = live_runs(3)
 
     # After an outage each client sends its whole backlog: rank 0's 500 steps arrive first.
-    first = [live.observe_steps(rows(rank, 0.1)) for rank in (0, 1)]
+    first = [live.observe_steps(backlog_rows(rank, 0.1)) for rank in (0, 1)]
     assert [(o.flags, o.summaries, o.incomplete) for o in first] == [([], [], [])] * 2
-    observed = live.observe_steps(rows(2, 0.3))
+    observed = live.observe_steps(backlog_rows(2, 0.3))
     assert [(flag.step, flag.rank) for flag in observed.flags] == [(3, 2)]
     assert "rank 2 on rank2 computes 3.0x slower" in observed.flags[0].message
     # Every step was rolled up as it completed, none left incomplete.
@@ -185,3 +195,22 @@ def test_live_runs_complete_every_step_when_one_ranks_backlog_arrives_before_the
     assert view.ranks[2].scores is not None and view.ranks[2].scores.relative == pytest.approx(
         1 / 3
     )
+
+
+def test_live_runs_hold_a_bounded_number_of_rows_and_leave_the_oldest_steps_to_the_database(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(live_module, "_MAX_PENDING_ROWS", 100)
+    live = live_runs(3)
+    observed = []
+    for rank in range(3):
+        observed.append(live.observe_steps(backlog_rows(rank, 0.1, steps=250)))
+        pending = live._runs["r"].pending
+        assert live._runs["r"].pending_rows == sum(map(len, pending.values())) <= 100
+    # Rank 0 ran 250 steps ahead of the others: past the bound its oldest steps were given up, to
+    # be rolled up from the stored rows like any incomplete step.
+    assert observed[0].incomplete == [("r", 0, step) for step in range(1, 151)]
+    rolled_up = {summary.rollup["step"] for o in observed for summary in o.summaries}
+    left_to_the_database = {step for o in observed for _, _, step in o.incomplete}
+    still_pending = {step for _, step in live._runs["r"].pending}
+    assert rolled_up | left_to_the_database | still_pending == set(range(1, 251))

@@ -4,14 +4,21 @@ reads; a database from before rollups keeps every row and gets its rollups from 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 from alembic import command
 from sqlalchemy import Engine, func, select
 
+from scaletrain.errors import UserError
 from scaletrain.v1 import telemetry_pb2
 from telemetry.client import event, rank_step
+from telemetry.config import KEEP_STEPS_ENV, retention_policy
 from telemetry.db import alembic_config, migrate
 from telemetry.efficiency import goodput
 from telemetry.models import Event, NodeStep, Rank, RankStep, Run, StepRollup
@@ -102,3 +109,49 @@ def test_a_database_from_before_rollups_keeps_every_row_and_gets_rollups_from_th
     assert TelemetryStore(engine).roll_up() == 30
     assert stored_steps(engine, StepRollup) == set(range(1, 31))
     assert goodput(engine, "run-1").productive_s > 0
+
+
+def test_the_per_rank_window_comes_from_the_flag_then_the_environment_then_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(KEEP_STEPS_ENV, raising=False)
+    assert retention_policy(None) == RetentionPolicy()
+    monkeypatch.setenv(KEEP_STEPS_ENV, "20000")
+    assert retention_policy(None).keep_steps == 20_000
+    assert retention_policy("50").keep_steps == 50
+
+
+@pytest.mark.parametrize(
+    ("flag", "environment", "named"),
+    [
+        ("0", None, "--keep-steps"),
+        ("ten", None, "--keep-steps"),
+        (None, "-5", f"${KEEP_STEPS_ENV}"),
+    ],
+    ids=["zero-flag", "word-flag", "negative-variable"],
+)
+def test_a_bad_retention_window_is_refused_naming_the_flag_or_the_variable(
+    monkeypatch: pytest.MonkeyPatch, flag: str | None, environment: str | None, named: str
+) -> None:
+    monkeypatch.delenv(KEEP_STEPS_ENV, raising=False)
+    if environment is not None:
+        monkeypatch.setenv(KEEP_STEPS_ENV, environment)
+    with pytest.raises(UserError, match=r"whole number of steps >= 1") as refused:
+        retention_policy(flag)
+    assert str(refused.value).startswith(named)
+
+
+def test_the_service_command_stops_on_a_bad_retention_window_with_one_line(
+    tmp_path: Path,
+) -> None:
+    env = {key: value for key, value in os.environ.items() if key != KEEP_STEPS_ENV}
+    database = tmp_path / "telemetry.db"
+    result = subprocess.run(
+        [sys.executable, "-m", "scaletrain", "telemetry", "--listen", "127.0.0.1:0",
+         "--db", f"sqlite:///{database}", "--keep-steps", "0"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    (line,) = result.stderr.strip().splitlines()
+    assert "--keep-steps must be a whole number of steps >= 1" in line and "'0'" in line
+    assert not database.exists()

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -167,8 +168,20 @@ def test_the_client_keeps_records_while_the_service_is_down_and_delivers_them_af
         restarted.stop(grace=0)
 
 
+def start_registered(db_url: str, port: int) -> RunningTelemetry:
+    """The service on `port`, with run-1 registered behind the back of a client waiting for it:
+    the client's sender may deliver before any register call of its own would."""
+    engine = connect(db_url)
+    migrate(engine)
+    TelemetryStore(engine).register_run(
+        telemetry_pb2.RegisterRunRequest(run_id="run-1", world_size=RANKS)
+    )
+    engine.dispose()
+    return start(TelemetryConfig(db_url=db_url, listen=f"127.0.0.1:{port}"))
+
+
 def test_reporting_never_blocks_and_a_full_queue_drops_the_oldest_records_counting_them(
-    db_url: str,
+    db_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     port = free_port()
     client = TelemetryClient(f"127.0.0.1:{port}", max_queue=10, flush_interval_s=0.05)
@@ -182,15 +195,9 @@ def test_reporting_never_blocks_and_a_full_queue_drops_the_oldest_records_counti
     while client.dropped < 15 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert client.dropped == 15
+    assert "queue full" in caplog.text and "dropped the oldest record" in caplog.text
 
-    # Registered behind the client's back: its sender may deliver before any register call would.
-    engine = connect(db_url)
-    migrate(engine)
-    TelemetryStore(engine).register_run(
-        telemetry_pb2.RegisterRunRequest(run_id="run-1", world_size=RANKS)
-    )
-    engine.dispose()
-    service = start(TelemetryConfig(db_url=db_url, listen=f"127.0.0.1:{port}"))
+    service = start_registered(db_url, port)
     try:
         assert client.flush(timeout_s=20)
         assert sorted(stored_records(db_url)) == [(step, 0) for step in range(15, 25)]
@@ -308,3 +315,30 @@ def test_a_metrics_address_that_is_taken_is_refused_with_one_line(db_url: str) -
         port = taken.getsockname()[1]
         with pytest.raises(UserError, match=f"cannot serve metrics on 127.0.0.1:{port}: "):
             start(TelemetryConfig(db_url=db_url, metrics_listen=f"127.0.0.1:{port}"))
+
+
+def test_a_client_that_must_lose_nothing_waits_for_room_until_the_service_takes_its_records(
+    db_url: str,
+) -> None:
+    port = free_port()
+    client = TelemetryClient(
+        f"127.0.0.1:{port}", max_queue=10, flush_interval_s=0.05, when_full="wait"
+    )
+    reported = threading.Thread(
+        target=lambda: [client.report_step(step_record(step, 0)) for step in range(25)]
+    )
+    reported.start()
+    reported.join(timeout=1.0)
+    assert reported.is_alive(), "a full queue made the report wait"
+    assert (client.pending, client.dropped) == (10, 0)
+
+    service = start_registered(db_url, port)
+    try:
+        reported.join(timeout=30)
+        assert not reported.is_alive()
+        assert client.flush(timeout_s=20)
+        assert client.dropped == 0
+        assert sorted(stored_records(db_url)) == [(step, 0) for step in range(25)]
+    finally:
+        client.close(timeout_s=5)
+        service.stop(grace=0)

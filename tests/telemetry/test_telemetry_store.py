@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from scaletrain.errors import InvalidArgument, NotFound
 from scaletrain.v1 import common_pb2, telemetry_pb2
 from telemetry.client import event, rank_step
+from telemetry.columns import columns_of
 from telemetry.models import Event, Rank, RankStep, Run
 from telemetry.store import TelemetryStore
 
@@ -76,6 +77,22 @@ def test_step_records_are_stored_once_and_resent_ones_count_as_duplicates(
     assert store.add_steps(records(range(3), attempt=1)) == (12, 0)
     with Session(engine) as session:
         assert session.scalar(select(func.count()).select_from(RankStep)) == 44
+
+
+def test_batches_stored_together_each_count_their_own_new_records_when_some_are_resent(
+    store: TelemetryStore, engine: Engine, run_request: RegisterRun
+) -> None:
+    store.register_run(run_request())
+    store.add_steps(records(range(5)))
+
+    def batch(steps: range) -> telemetry_pb2.StepBatch:
+        return telemetry_pb2.StepBatch(columns=columns_of(records(steps)))
+
+    # The second batch resends part of what is stored, the last is the second sent twice at once.
+    results = store.add_step_batches([batch(range(3, 8)), batch(range(8, 10)), batch(range(3, 8))])
+    assert [(new, repeated) for new, repeated, _ in results] == [(12, 8), (8, 0), (0, 20)]
+    with Session(engine) as session:
+        assert session.scalar(select(func.count()).select_from(RankStep)) == 40
 
 
 def test_a_nan_loss_is_stored_and_read_back_as_nan(

@@ -27,7 +27,7 @@ from trainer.fp8.fsdp import Fp8Weight
 from trainer.fp8.quantize import Quantized
 from trainer.fp8.recipes import RECIPES
 from trainer.model.llama import ModelArgs, Transformer
-from trainer.train import lr_lambda
+from trainer.optim import build_optimizer, build_scheduler
 
 
 def varied(rows: int = 256, cols: int = 512, seed: int = 0) -> torch.Tensor:
@@ -87,11 +87,9 @@ class TinyTrainer:
 
     def __init__(self, model: nn.Module, steps: int, dp_rank: int = 0, dp_size: int = 1) -> None:
         self.model = model
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95)
-        )
-        schedule = lr_lambda(TrainConfig.warmup_steps, steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        cfg = TrainConfig(run_id="tiny", steps=steps)
+        self.optimizer = build_optimizer(model, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
         self.loader = DeterministicLoader(
             corpus(), SEQ_LEN, GLOBAL_BATCH, dp_rank=dp_rank, dp_size=dp_size, seed=1234
         )

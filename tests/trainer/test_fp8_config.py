@@ -49,9 +49,9 @@ def test_scaletrain_run_refuses_an_unknown_recipe_in_one_line_before_starting(tm
         text=True,
         timeout=120,
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip() == (
-        "scaletrain run: error: --fp8 'fp4' is not a recipe; valid: none, tensorwise-delayed, "
-        "tensorwise, blockwise, mxfp8"
+        "scaletrain run: error: argument --fp8: invalid choice: 'fp4' (choose from 'none', "
+        "'tensorwise-delayed', 'tensorwise', 'blockwise', 'mxfp8') (see scaletrain run --help)"
     )
     assert not (tmp_path / "logs").exists()

@@ -81,15 +81,29 @@ def test_names_match_whole_dotted_parts_in_a_row():
     assert not matches("layers.13.attention.wq", "layers.1")
 
 
-def test_a_layer_that_does_not_split_into_blocks_is_named_and_the_model_left_unchanged():
+def test_strict_fp8_names_a_layer_that_does_not_split_into_blocks_and_leaves_the_model():
     model = Transformer(ModelArgs(dim=128, n_heads=4, n_kv_heads=2))  # wk: 64 x 128
     with pytest.raises(
         ValueError,
         match=r"fp8 blockwise: layers\.0\.attention\.wk weight: a 64x128 matrix does not split "
         r"into 128x128 blocks .*--fp8-keep-high-precision layers\.0\.attention\.wk",
     ):
-        convert_to_fp8(model, make_recipe("blockwise"))
+        convert_to_fp8(model, make_recipe("blockwise"), strict=True)
     assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def test_linears_whose_shape_does_not_fit_the_recipe_stay_high_precision_and_are_listed():
+    # wk, wv: 64 x 128; the feed-forward's hidden size 352 is no multiple of 128 either.
+    model = Transformer(ModelArgs(dim=128, n_heads=4, n_kv_heads=2))
+    fp8 = convert_to_fp8(model, make_recipe("blockwise"))
+    unfit_parts = ("attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w2",
+                   "feed_forward.w3")  # fmt: skip
+    unfit = [f"layers.{i}.{part}" for i in range(4) for part in unfit_parts]
+    assert fp8.unfit == unfit
+    for name in unfit:
+        assert type(model.get_submodule(name)) is torch.nn.Linear
+    assert isinstance(model.get_submodule("layers.0.attention.wq"), Fp8Linear)
+    assert "layers.3.attention.wv" in fp8.describe(torch.device("cpu"), torch.float32)
 
 
 def test_training_on_a_token_count_that_does_not_split_into_blocks_names_the_layer():

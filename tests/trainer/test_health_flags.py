@@ -38,7 +38,7 @@ def test_the_trainer_reads_its_health_options_into_its_config() -> None:
     ("options", "problem"),
     [
         (["--inject-straggler", "rank=1"], "--inject-straggler 'rank=1': missing delay"),
-        (["--peak-flops", "-5"], "--peak-flops must be a positive FLOP/s figure"),
+        (["--peak-flops", "-5"], "--peak-flops (telemetry.peak_flops): -5.0 is not allowed"),
     ],
 )
 def test_a_bad_health_option_stops_the_trainer_with_one_line(

@@ -95,8 +95,11 @@ class Checkpointer:
         replicas: int = 0,
         fp8: Fp8Training | None = None,
         timeout: timedelta | None = None,
+        config: str = "",
     ) -> None:
         self.address, self.run_id = address, run_id
+        # The run's resolved job config (TOML), saved in every checkpoint for resume to compare.
+        self.config = config
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.loader = scheduler, loader
         self.policy = policy
@@ -121,6 +124,7 @@ class Checkpointer:
                 "step": step,
                 "loader": self.loader.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
+                "config": self.config,
             },
             "rng": {rng.key(self.rank): rng.capture()},
         }
@@ -206,6 +210,8 @@ class Checkpointer:
             if f"rng.{rng.key(self.rank)}" not in saved_keys:
                 # A rank the saving job did not have (a larger world): its generators start fresh.
                 del state["rng"]
+            if "train.config" not in saved_keys:
+                del state["train"]["config"]  # saved before checkpoints kept their config
             if "fp8" in state and not any(key.startswith("fp8.") for key in saved_keys):
                 # Saved without delayed scaling: the histories start empty, as in a new run.
                 del state["fp8"]

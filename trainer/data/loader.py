@@ -1,21 +1,80 @@
 """A deterministic loader whose whole state is one global sample index.
 
-Sample i of the run is the window of seq_len+1 bytes starting at a position given by a fixed
-affine permutation of the window starts, so any rank can compute any sample in O(1). At every step
-the global batch is samples [g, g + global_batch); data-parallel rank r reads the contiguous slice
+Sample i of the run is a window of seq_len+1 tokens given by a fixed affine permutation of the
+source's windows, so any rank computes any sample in O(1). At every step the global batch is
+samples [g, g + global_batch); data-parallel rank r reads the contiguous slice
 [g + r*local_batch, g + (r+1)*local_batch). Resuming needs only g, and resuming at another
 data-parallel degree keeps the same global sample order.
+
+Sources:
+- the stdlib byte corpus (`Corpus`): every byte offset starts a window (they overlap);
+- a prepared directory (`PreparedData`): packed, non-overlapping windows of the token stream;
+- a blend (`Blend`): sample i comes from the source and that source's sample index the blend's
+  table gives (`Blend.locate`), each source walking its own permutation.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from trainer.data.corpus import Corpus
+from scaletrain.errors import UserError
+from trainer.data.corpus import Corpus, stdlib_corpus
+from trainer.data.shards import Blend, PreparedData, parse_blend
+
+Source = Corpus | PreparedData | Blend
+
+
+def open_source(data: str | None, corpus_bytes: int) -> Source:
+    """What `--data` names: a prepared directory or a blend of them; without it, the stdlib
+    byte corpus of `corpus_bytes`."""
+    if not data:
+        return stdlib_corpus(corpus_bytes)
+    parts = parse_blend(data)
+    if len(parts) == 1 and parts[0].weight == 1:
+        return PreparedData(parts[0].directory)
+    return Blend(parts)
+
+
+def source_identity(source: Source) -> dict[str, object]:
+    """What a resume must find unchanged: the data's digest, and its tokenizer's."""
+    if isinstance(source, Corpus):
+        return {"kind": "stdlib-bytes", "sha256": source.sha256, "tokenizer": "bytes"}
+    if isinstance(source, PreparedData):
+        return {
+            "kind": "prepared",
+            "sha256": source.sha256,
+            "tokenizer": source.manifest["tokenizer"]["sha256"],
+        }
+    return {
+        "kind": "blend",
+        "sha256": source.sha256,
+        "tokenizer": source.sources[0].manifest["tokenizer"]["sha256"],
+        "parts": [{"sha256": s.sha256, "weight": w} for s, w in source.parts],
+    }
+
+
+def vocab_size_of(source: Source) -> int:
+    """The vocabulary the model must have: the tokenizer's (256 bytes for the stdlib corpus)."""
+    if isinstance(source, Corpus):
+        return 256
+    return (source if isinstance(source, PreparedData) else source.sources[0]).vocab_size
+
+
+def check_same_data(saved: dict[str, object], now: dict[str, object]) -> None:
+    """Refuse a resume on other data, naming both."""
+    if saved != now:
+        raise UserError(
+            f"--resume: the checkpoint was trained on {saved.get('kind')} data "
+            f"{str(saved.get('sha256'))[:12]} (tokenizer {str(saved.get('tokenizer'))[:12]}), "
+            f"not on this {now.get('kind')} data {str(now.get('sha256'))[:12]} "
+            f"(tokenizer {str(now.get('tokenizer'))[:12]}); resume with the same --data"
+        )
 
 
 @dataclass(frozen=True)
@@ -27,10 +86,43 @@ class LoaderOffset:
     epoch: int
 
 
+class PermutedWindows:
+    """The windows of one source in a fixed pseudo-random order, a fresh order each epoch."""
+
+    def __init__(self, source: Corpus | PreparedData, seq_len: int, seed: int) -> None:
+        self.source, self.seq_len = source, seq_len
+        if isinstance(source, Corpus):
+            self.windows = len(source) - seq_len - 1
+        else:
+            self.windows = source.windows(seq_len)
+        if self.windows < 2:
+            raise ValueError(f"a corpus of {len(source)} tokens is too small for seq_len {seq_len}")
+        rng = random.Random(seed)
+        self._stride = self._coprime_stride(rng)
+        self._shift = rng.randrange(self.windows)
+
+    def _coprime_stride(self, rng: random.Random) -> int:
+        while True:
+            stride = rng.randrange(1, self.windows)
+            if math.gcd(stride, self.windows) == 1:
+                return stride
+
+    def window_index(self, sample: int) -> int:
+        """The window of this source's sample `sample`."""
+        epoch, index = divmod(sample, self.windows)
+        return (self._stride * index + self._shift + epoch * 7919) % self.windows
+
+    def tokens(self, sample: int) -> torch.Tensor:
+        w = self.window_index(sample)
+        if isinstance(self.source, Corpus):
+            return self.source.tokens[w : w + self.seq_len + 1]
+        return torch.from_numpy(self.source.window(w, self.seq_len).astype(np.int64))
+
+
 class DeterministicLoader:
     def __init__(
         self,
-        corpus: Corpus,
+        source: Corpus | PreparedData | Blend,
         seq_len: int,
         global_batch: int,
         dp_rank: int,
@@ -42,35 +134,38 @@ class DeterministicLoader:
                 f"global batch {global_batch} is not divisible by the data-parallel degree "
                 f"{dp_size}; use a multiple of {dp_size}"
             )
-        self.tokens = corpus.tokens
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.local_batch = global_batch // dp_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.windows = len(corpus) - seq_len - 1
+        self._blend = source if isinstance(source, Blend) else None
+        sources = source.sources if isinstance(source, Blend) else [source]
+        # Each source of a blend its own order (seeded by its place in the blend).
+        self._parts = [PermutedWindows(s, seq_len, seed + i) for i, s in enumerate(sources)]
+        self.windows = sum(p.windows for p in self._parts)
         if self.windows < global_batch:
-            raise ValueError(f"corpus of {len(corpus)} bytes is too small for seq_len {seq_len}")
-        rng = random.Random(seed)
-        self._stride = self._coprime_stride(rng)
-        self._shift = rng.randrange(self.windows)
+            raise ValueError(
+                f"the data's {self.windows} windows of {seq_len} tokens are fewer than one "
+                f"global batch of {global_batch}"
+            )
+        self._identity = source_identity(source)
         self.global_sample = 0
 
-    def _coprime_stride(self, rng: random.Random) -> int:
-        while True:
-            stride = rng.randrange(1, self.windows)
-            if math.gcd(stride, self.windows) == 1:
-                return stride
-
     def window_start(self, sample: int) -> int:
-        """Start of sample `sample`: a permutation of window starts, fresh order per epoch."""
-        epoch, index = divmod(sample, self.windows)
-        return (self._stride * index + self._shift + epoch * 7919) % self.windows
+        """The window of sample `sample` (of a single source: its start in the corpus)."""
+        return self._parts[0].window_index(sample)
+
+    def sample_tokens(self, sample: int) -> torch.Tensor:
+        """The seq_len+1 tokens of the run's sample `sample`."""
+        if self._blend is None:
+            return self._parts[0].tokens(sample)
+        source, index = self._blend.locate(sample)
+        return self._parts[source].tokens(index)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-byte targets of this rank's slice of the next global batch."""
+        """Inputs and next-token targets of this rank's slice of the next global batch."""
         first = self.global_sample + self.dp_rank * self.local_batch
-        starts = [self.window_start(first + i) for i in range(self.local_batch)]
-        rows = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).long()
+        rows = torch.stack([self.sample_tokens(first + i) for i in range(self.local_batch)]).long()
         self.global_sample += self.global_batch
         return rows[:, :-1], rows[:, 1:]
 
@@ -81,8 +176,15 @@ class DeterministicLoader:
             epoch=self.global_sample // self.windows,
         )
 
-    def state_dict(self) -> dict[str, int]:
-        return {"global_sample": self.global_sample}
+    def state_dict(self) -> dict[str, int | str]:
+        """The global sample index, and for prepared data what it was (the built-in corpus keeps
+        the keys it always had): a resume on other data is refused by `load_state_dict`."""
+        state: dict[str, int | str] = {"global_sample": self.global_sample}
+        if self._identity["kind"] != "stdlib-bytes":
+            state["data"] = json.dumps(self._identity, sort_keys=True)
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | str]) -> None:
+        if "data" in state:
+            check_same_data(json.loads(str(state["data"])), self._identity)
         self.global_sample = int(state["global_sample"])

@@ -12,7 +12,7 @@ parameters are shared, not copied, so checkpoint keys and the optimizer see the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from torch import nn
 
 from trainer.fp8.delayed import AmaxHistory
 from trainer.fp8.fsdp import check_all_gather, reduce_weight_amax, shard_weights_in_fp8
-from trainer.fp8.linear import Caster, Fp8Linear, Fp8Plan, Gemm
+from trainer.fp8.linear import Caster, Fp8Linear, Fp8Plan, Gemm, fits
 from trainer.fp8.quantize import COUNTS
 from trainer.fp8.recipes import Fp8Recipe, Granularity
 
@@ -39,6 +39,8 @@ class Fp8Training:
     all_gather: bool = False
     group: dist.ProcessGroup | None = None
     count_every: int = 1  # steps between those whose casts count saturation and underflow
+    # Linears left in high precision because the recipe cannot split their shape.
+    unfit: list[str] = field(default_factory=list)
 
     def begin_step(self, step: int) -> None:
         """Count saturated and underflowed values in this step's casts if it is the first of
@@ -95,6 +97,8 @@ class Fp8Training:
             )
             paths.append(f"{gemm} {choice.path}{why}")
         kept = ", ".join(self.kept) or "none"
+        if self.unfit:
+            kept += f"; kept because the recipe cannot split their shape: {', '.join(self.unfit)}"
         gathered = "; FSDP all-gathers their weights in FP8" if self.all_gather else ""
         return (
             f"fp8 {self.recipe.describe()}; {len(self.layers)} linears in FP8, "
@@ -117,6 +121,7 @@ def convert_to_fp8(
     all_gather: bool = False,
     count_every: int = 1,
     device: torch.device | None = None,
+    strict: bool = False,
 ) -> Fp8Training:
     """Replace `model`'s linears by FP8 linears in place; ValueError naming a layer that cannot.
 
@@ -132,20 +137,32 @@ def convert_to_fp8(
         check_all_gather(recipe)
     linears = {name: module for name, module in model.named_modules() if type(module) is nn.Linear}
     kept = [n for n in linears if any(matches(n, p) for p in keep_high_precision)]
-    names = [n for n in linears if n not in kept]
     device = device or next(model.parameters()).device
-    history = AmaxHistory(names, recipe, device, group) if recipe.delayed else None
     plan = Fp8Plan(recipe)
-    layers = {}
-    for row, name in enumerate(names):
-        caster = Caster(name, plan, history, row, device)
-        layers[name] = Fp8Linear.from_linear(linears[name], caster)
+    # As TorchTitan's float8 filter, a linear whose shape the recipe cannot split stays in high
+    # precision (`unfit`); `strict` refuses it instead, naming it.
+    unfit = {}
+    for name in (n for n in linears if n not in kept):
+        try:
+            fits(linears[name], Caster(name, plan, None, 0, device))
+        except ValueError as exc:
+            if strict:
+                raise
+            unfit[name] = str(exc)
+    names = [n for n in linears if n not in kept and n not in unfit]
+    history = AmaxHistory(names, recipe, device, group) if recipe.delayed else None
+    layers = {
+        name: Fp8Linear.from_linear(linears[name], Caster(name, plan, history, row, device))
+        for row, name in enumerate(names)
+    }
     for name, layer in layers.items():
         parent, _, child = name.rpartition(".")
         model.get_submodule(parent).register_module(child, layer)
     if all_gather:
         shard_weights_in_fp8(layers)
-    training = Fp8Training(recipe, plan, layers, kept, history, all_gather, group, count_every)
+    training = Fp8Training(
+        recipe, plan, layers, kept, history, all_gather, group, count_every, unfit=list(unfit)
+    )
     if history is not None or all_gather:
         model.register_forward_pre_hook(lambda _module, _args: training.update())
     return training

@@ -241,13 +241,7 @@ class Fp8Linear(nn.Linear):
         fp8.weight = linear.weight
         fp8.bias = linear.bias
         fp8.caster = caster
-        try:
-            caster.check((linear.out_features, linear.in_features), Role.WEIGHT, (1, 0))
-        except ValueError as exc:
-            raise ValueError(
-                f"{exc}; keep the layer in high precision (--fp8-keep-high-precision "
-                f"{caster.name}) or change the model's dimensions"
-            ) from None
+        fits(linear, caster)
         return fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -293,3 +287,14 @@ class Fp8Linear(nn.Linear):
             )
         local_y = self._matmul(local_x, weight.to_local())
         return DTensor.from_local(local_y, weight.device_mesh, out, run_check=False)
+
+
+def fits(linear: nn.Linear, caster: Caster) -> None:
+    """ValueError naming the layer unless its weight splits into `caster`'s recipe blocks."""
+    try:
+        caster.check((linear.out_features, linear.in_features), Role.WEIGHT, (1, 0))
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc}; keep the layer in high precision (--fp8-keep-high-precision "
+            f"{caster.name}), drop --fp8-strict, or change the model's dimensions"
+        ) from None

@@ -27,6 +27,8 @@ class ModelArgs:
     n_kv_heads: int = 2
     vocab_size: int = 256
     ffn_multiple_of: int = 32
+    # Llama 3's ffn_dim_multiplier: scales the SwiGLU hidden size before the rounding.
+    ffn_dim_multiplier: float | None = None
     max_seq_len: int = 1024
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
@@ -47,8 +49,11 @@ class ModelArgs:
 
     @property
     def ffn_dim(self) -> int:
-        """SwiGLU hidden size: 2/3 of 4*dim, rounded up to a multiple (Llama's rule)."""
+        """SwiGLU hidden size: 2/3 of 4*dim, times ffn_dim_multiplier, rounded up to a multiple
+        (Llama's rule: 14336 for the 8B shape)."""
         hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
         return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
 
 

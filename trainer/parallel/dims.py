@@ -139,6 +139,20 @@ class ParallelDims:
                 f"dp_replicate x dp_shard = {self.dp_size}; nearest valid global_batch: "
                 f"{_nearest_multiples(cfg.global_batch, self.dp_size)}"
             )
+        local_batch, accum = cfg.global_batch // self.dp_size, cfg.grad_accum_steps
+        if local_batch % accum:
+            raise LayoutError(
+                f"grad_accum_steps {accum} does not divide the local batch {local_batch} "
+                f"(global_batch {cfg.global_batch} / dp {self.dp_size}): global batch = "
+                f"micro-batch x accumulation x dp; valid grad_accum_steps: "
+                f"{_divisors(local_batch)}; nearest valid global_batch: "
+                f"{_nearest_multiples(cfg.global_batch, accum * self.dp_size)}"
+            )
+        if accum > 1 and self.pp > 1:
+            raise LayoutError(
+                f"grad_accum_steps {accum} with pp {self.pp}: the pipeline schedule already runs "
+                "micro-batches; raise --pp-microbatches instead"
+            )
         if self.ep > 1 and model.moe is None:
             raise LayoutError(f"ep {self.ep} needs a mixture-of-experts model (--n-experts > 0)")
         if model.moe is not None and model.moe.n_experts % self.ep:

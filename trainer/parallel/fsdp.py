@@ -8,9 +8,16 @@ rank's experts receive gradient from the tokens of all ep ranks through the all-
 
 The router keeps fp32 parameters under mixed precision, so routing decisions do not depend on
 bf16 rounding.
+
+On the CPU, glibc's malloc must hand every large block back to the system when it is freed
+(`_unmap_freed_blocks`): FSDP2 gathers each block's parameters and frees them again in every
+forward and backward, and glibc's default then serves them from heaps it cannot shrink.
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,6 +43,8 @@ def apply_fsdp(
     Pipelining runs several micro-batches through a stage, so it keeps blocks gathered between
     forward and backward (`reshard_after_forward=False`) instead of gathering them per micro-batch.
     """
+    if mesh.device_type == "cpu":
+        _unmap_freed_blocks()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for part in parts:
@@ -61,3 +70,26 @@ def apply_fsdp(
                         experts.set_force_sum_reduction_for_comms(True)
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(part, mesh=mesh, mp_policy=policy)
+
+
+# glibc's mallopt parameter (malloc.h), and the size from which every allocation is its own mapping.
+_M_MMAP_THRESHOLD = -3
+_MAPPED_FROM = 1 << 20
+
+
+@functools.cache
+def _unmap_freed_blocks() -> None:
+    """Make glibc serve every allocation of 1 MiB or more from its own mapping, unmapped when
+    freed, for the rest of this process.
+
+    By default glibc raises that threshold to the size of each mapped block freed (up to 32 MiB),
+    then serves blocks of that size from its heaps, which shrink only from the top: the gathered
+    parameters FSDP2 frees after each block stay in the process. Measured over 8 gloo ranks in
+    one AdamW step: a 559 MB model added 716 MB of peak RSS per rank, more than the whole model
+    (357 MB with this); a 178 MB one took 570-720 MB of data segment per rank (121 MB with
+    this). Setting the threshold also ends the dynamic adjustment. Where malloc is not glibc's,
+    nothing changes.
+    """
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, _MAPPED_FROM)

@@ -18,6 +18,7 @@ this rank's parameters under their unparallelised names.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -70,11 +71,30 @@ class ParallelModel:
                 loss = next_token_loss(self.model(inputs), targets)
         return None if loss is None else _full(loss)
 
-    def backward(self, loss: torch.Tensor | None) -> None:
-        """Backward of `forward`'s loss (already done by the pipeline schedule under pp)."""
+    def micro_batches(
+        self, inputs: torch.Tensor, targets: torch.Tensor, count: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batch in `count` equal micro-batches, for gradient accumulation: FSDP
+        reduces the gradients only in the last one's backward (the others accumulate locally)."""
+        sync = getattr(self.model, "set_requires_gradient_sync", None)
+        for i, (x, y) in enumerate(zip(inputs.chunk(count), targets.chunk(count), strict=True)):
+            if sync is not None and count > 1:
+                sync(i == count - 1)
+            yield x, y
+
+    def backward(self, loss: torch.Tensor | None, micro_batches: int = 1) -> None:
+        """Backward of `forward`'s loss (already done by the pipeline schedule under pp); with
+        accumulation, of its share of the step's mean loss."""
         if self.pipeline is None and loss is not None:
             with loss_context(self.dims.tp):
-                loss.backward()
+                (loss / micro_batches if micro_batches > 1 else loss).backward()
+
+    @staticmethod
+    def mean_of(losses: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """The step's loss from its micro-batches' (equal sizes: their mean)."""
+        if len(losses) == 1 or losses[0] is None:
+            return losses[0]
+        return torch.stack([loss.detach() for loss in losses]).mean()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         pp_group = self.mesh.pp.get_group() if self.dims.pp > 1 else None
@@ -127,6 +147,7 @@ def build_model(
             make_recipe(cfg.fp8, cfg.fp8_options),
             cfg.fp8_keep_high_precision,
             all_gather=cfg.fp8_all_gather,
+            strict=cfg.fp8_strict,
             count_every=cfg.fp8_count_every,
             device=device,
         )

@@ -12,7 +12,8 @@ plain model, a plain loss and torch's own clipping: the single-process run layou
     torchrun --nproc-per-node 4 -m trainer.parallel.probe --layouts layouts.json --out out.pt
 
 A layout is a JSON object: {"name": ..., "parallel": {ParallelConfig fields}, "model": {ModelArgs
-fields, "moe": {MoEArgs fields}}, any of seq_len, global_batch, lr, seed, and "checkpoint": true}.
+fields, "moe": {MoEArgs fields}}, any of seq_len, global_batch, lr, seed, grad_accum_steps, and
+"checkpoint": true}.
 The name is also the checkpoint's run id.
 """
 
@@ -39,6 +40,7 @@ from trainer.data.corpus import stdlib_corpus
 from trainer.data.loader import DeterministicLoader
 from trainer.model.llama import ModelArgs, Transformer, next_token_loss
 from trainer.model.moe import MoEArgs
+from trainer.optim import build_optimizer
 from trainer.parallel.dims import ParallelMesh, validate_layout
 from trainer.parallel.expert import ExpertLoad, balance_experts
 from trainer.parallel.parallelize import ParallelModel, build_model
@@ -69,7 +71,8 @@ def config_from_layout(layout: dict[str, Any]) -> TrainConfig:
     model = dict(layout.get("model", {}))
     moe = model.pop("moe", None)
     args = ModelArgs(**model, moe=MoEArgs(**moe) if moe else None)
-    extra = {k: layout[k] for k in ("seq_len", "global_batch", "lr", "seed") if k in layout}
+    known = ("seq_len", "global_batch", "lr", "seed", "grad_accum_steps")
+    extra = {k: layout[k] for k in known if k in layout}
     return TrainConfig(
         run_id=layout["name"],
         parallel=ParallelConfig(**layout.get("parallel", {})),
@@ -79,15 +82,11 @@ def config_from_layout(layout: dict[str, Any]) -> TrainConfig:
     )
 
 
-def _optimizer(params: Any, cfg: TrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-
-
 def reference(cfg: TrainConfig, steps: int) -> ProbeResult:
     """The same steps in this process on the whole global batch, with no parallelism."""
     model = Transformer(cfg.model)
     model.init_weights(cfg.seed)
-    optimizer = _optimizer(model.parameters(), cfg)
+    optimizer = build_optimizer(model, cfg)
     loader = DeterministicLoader(stdlib_corpus(cfg.corpus_bytes), cfg.seq_len, cfg.global_batch,
                                  0, 1, seed=cfg.seed)  # fmt: skip
     result = ProbeResult(initial_state=_copy(model.state_dict()))
@@ -125,7 +124,7 @@ def _build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, seed: int
     model = parallel.model
     loader = DeterministicLoader(stdlib_corpus(cfg.corpus_bytes), cfg.seq_len, cfg.global_batch,
                                  mesh.dp_rank, mesh.dims.dp_size, seed=cfg.seed)  # fmt: skip
-    return _Job(parallel, _optimizer(model.parameters(), cfg), loader)
+    return _Job(parallel, build_optimizer(model, cfg), loader)
 
 
 def run_layout(
@@ -144,8 +143,11 @@ def run_layout(
         dist.barrier()
         start = time.perf_counter()
         inputs, targets = (x.to(device) for x in job.loader.next_batch())
-        loss = job.parallel.forward(inputs, targets)
-        job.parallel.backward(loss)
+        losses, accum = [], cfg.grad_accum_steps
+        for x, y in job.parallel.micro_batches(inputs, targets, accum):
+            losses.append(job.parallel.forward(x, y))
+            job.parallel.backward(losses[-1], accum)
+        loss = job.parallel.mean_of(losses)
         result.grad_norms.append(job.parallel.clip_grad_norm_(cfg.max_grad_norm))
         job.optimizer.step()
         job.optimizer.zero_grad(set_to_none=True)

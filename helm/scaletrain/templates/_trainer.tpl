@@ -94,6 +94,27 @@ spec:
         {{- if $t.resume }}
         - --resume
         {{- end }}
+        {{- range $key, $value := $t.options }}
+        {{- $flag := printf "--%s" ($key | replace "_" "-") }}
+        {{- if kindIs "bool" $value }}
+        - {{ ternary $flag (printf "--no-%s" ($key | replace "_" "-")) $value | quote }}
+        {{- else if kindIs "slice" $value }}
+        {{- range $value }}
+        - {{ $flag | quote }}
+        - {{ . | quote }}
+        {{- else }}
+        - {{ $flag | quote }}
+        - ""
+        {{- end }}
+        {{- else }}
+        - {{ $flag | quote }}
+        {{- if and (kindIs "float64" $value) (eq $value (floor $value)) }}
+        - {{ $value | int64 | quote }}
+        {{- else }}
+        - {{ $value | toString | quote }}
+        {{- end }}
+        {{- end }}
+        {{- end }}
         {{- with $t.extraArgs }}
         {{- toYaml . | nindent 8 }}
         {{- end }}

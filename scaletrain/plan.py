@@ -1,0 +1,218 @@
+"""`scaletrain plan`: what a job costs per rank before it runs, on a laptop, in seconds.
+
+Checks the layout as `scaletrain run` does, then reports
+- exact parameter counts, from the model built on the meta device;
+- per-rank memory (dense models; an MoE's data-dependent routing cannot run on fake tensors):
+  parameters, gradients, optimizer state, FSDP's all-gather buffers, and
+  activations. Memory is measured, not derived from formulas: the model's first blocks are trained
+  for one step under FakeTensorMode (tensors without storage) with torch's MemTracker, which
+  attributes every allocation to parameters, gradients, optimizer state or activations. Runs of
+  one and two blocks give what a block adds and what the rest (embedding, output head, loss) costs;
+  the rank's share follows from its layout: its pipeline stage's blocks, sharded by tensor
+  parallelism and by FSDP over dp_shard x cp, with as many micro-batches' activations live as the
+  pipeline schedule keeps in flight;
+- FLOPs per token and per step: 6N (N: the parameters, embedding excluded) and with
+  attention's 12 * layers * dim * seq_len (as TorchTitan and the PaLM paper);
+- the pipeline bubble (p - 1) / (v * m + p - 1) of p stages, v per rank, m micro-batches (the
+  zero-bubble schedules fill most of it);
+- the MFU a target tokens/s would mean on a named GPU (dense peak from telemetry.mfu's table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from scaletrain.errors import UserError
+from telemetry import mfu
+from trainer import options
+from trainer.config import TrainConfig, from_values
+from trainer.model.llama import Transformer, next_token_loss
+from trainer.optim import build_optimizer
+from trainer.parallel.dims import ParallelDims, validate_layout
+from trainer.parallel.pipeline import (
+    ZERO_BUBBLE,
+    resolve_microbatches,
+    resolve_stages_per_rank,
+)
+from trainer.parallel.recompute import apply_activation_checkpointing
+
+# MemTracker's categories, as the plan names them.
+_STATES = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer state"}
+# Activations, temporaries (the optimizer's too) and buffers (rotary tables) in one part.
+_ACTIVATIONS = ("Activation", "Temp", "Buffer")
+
+
+@dataclass(frozen=True)
+class Plan:
+    world: int
+    layout: dict[str, int]
+    params: int
+    embedding_params: int
+    memory: dict[str, float]  # bytes on the busiest rank, by part
+    flops_per_token_6n: float
+    flops_per_token: float
+    tokens_per_step: int
+    bubble: float
+    bubble_formula: str
+    gpu: str
+    peak_flops: float | None
+    target_tokens_s: float | None
+
+    @property
+    def mfu(self) -> float | None:
+        if self.peak_flops is None or self.target_tokens_s is None:
+            return None
+        return self.flops_per_token * self.target_tokens_s / (self.world * self.peak_flops)
+
+
+def plan(
+    job: dict[str, options.Value], world: int, gpu: str = "h200", tokens_s: float | None = None
+) -> Plan:
+    """The plan of `job` (resolved options) on `world` ranks; UserError for a layout that cannot
+    run, in the words `scaletrain run` uses."""
+    if world < 1:
+        raise UserError(f"--gpus must be at least 1, got {world}")
+    cfg = from_values(job)
+    try:
+        dims = validate_layout(cfg, world)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if cfg.model.moe is not None:
+        # Routing is data-dependent (bincount, per-expert splits): FakeTensorMode cannot run it.
+        raise UserError("plan measures dense models only: an MoE's routing cannot run on fake "
+                        "tensors yet; the layout above is valid")  # fmt: skip
+    with torch.device("meta"):
+        whole = Transformer(cfg.model)
+    params = whole.num_params(exclude_embedding=False)
+    embedding = whole.tok_embeddings.weight.numel()
+    seq, layers, dim = cfg.seq_len, cfg.model.n_layers, cfg.model.dim
+    attention = 12 * layers * dim * seq
+    bubble, formula = _bubble(cfg, dims)
+    precision = "bf16" if cfg.parallel.mixed_precision else "tf32"
+    return Plan(
+        world=world,
+        layout=dims.layout(),
+        params=params,
+        embedding_params=embedding,
+        memory=rank_memory(cfg, dims),
+        flops_per_token_6n=6 * (params - embedding),
+        flops_per_token=6 * (params - embedding) + attention,
+        tokens_per_step=cfg.global_batch * seq,
+        bubble=bubble,
+        bubble_formula=formula,
+        gpu=gpu,
+        peak_flops=mfu.dense_peak(gpu, precision),
+        target_tokens_s=tokens_s,
+    )
+
+
+def _bubble(cfg: TrainConfig, dims: ParallelDims) -> tuple[float, str]:
+    if dims.pp == 1:
+        return 0.0, "no pipeline"
+    p, schedule = dims.pp, cfg.parallel.pp_schedule
+    v = resolve_stages_per_rank(schedule, cfg.parallel.pp_stages_per_rank)
+    m = resolve_microbatches(cfg.parallel.pp_microbatches, cfg.global_batch // dims.dp_size)
+    bubble = (p - 1) / (v * m + p - 1)
+    note = "; the zero-bubble schedule fills most of it" if schedule in ZERO_BUBBLE else ""
+    return bubble, f"(p-1)/(v*m+p-1), p={p} v={v} m={m} ({schedule}){note}"
+
+
+def rank_memory(cfg: TrainConfig, dims: ParallelDims) -> dict[str, float]:
+    """Bytes on the busiest rank by part (see the module docstring)."""
+    par = cfg.parallel
+    local_batch = cfg.global_batch // dims.dp_size
+    if dims.pp > 1:
+        microbatches = resolve_microbatches(par.pp_microbatches, local_batch)
+        micro = local_batch // microbatches
+        # 1F1B keeps up to p micro-batches in flight on the first stage; GPipe all of them.
+        in_flight = microbatches if par.pp_schedule == "GPipe" else min(dims.pp, microbatches)
+    else:
+        micro, in_flight = local_batch // cfg.grad_accum_steps, 1
+    seq = cfg.seq_len // dims.cp
+    dtype = torch.bfloat16 if par.mixed_precision else torch.float32
+    one, two = (measure(cfg, n, micro, seq, dtype) for n in (1, 2))
+    per_block = {k: two[k] - one[k] for k in one}
+    rest = {k: one[k] - per_block[k] for k in one}
+    blocks = cfg.model.n_layers // dims.pp
+    # The embedding sits on the first stage and the output head on the last: each about half
+    # of what is not in the blocks.
+    rest_share = 1.0 if dims.pp == 1 else 0.5
+    shard = dims.tp * dims.dp_shard * dims.cp
+    memory = {
+        name: (per_block[key] * blocks + rest[key] * rest_share) / shard
+        for key, name in _STATES.items()
+    }
+    if dims.dp_shard * dims.cp > 1:
+        # FSDP all-gathers a block's parameters in the compute dtype, and prefetches the next.
+        scale = torch.finfo(dtype).bits / 32
+        memory["fsdp all-gather buffers"] = 2 * per_block["Parameter"] * scale / dims.tp
+    activations = sum(per_block[k] * blocks + rest[k] * rest_share for k in _ACTIVATIONS)
+    memory["activations"] = activations * in_flight / dims.tp
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+def measure(
+    cfg: TrainConfig, n_layers: int, micro: int, seq: int, dtype: torch.dtype
+) -> dict[str, float]:
+    """MemTracker's bytes by category for training an `n_layers`-block model of `cfg`'s shape on
+    (micro, seq) tokens, under FakeTensorMode: nothing is allocated. Two steps: parameters,
+    gradients and optimizer state as they stand at the end of the second backward (all live),
+    activations and temporaries at the peak of the first forward and backward. Run in fp32, how
+    FSDP keeps the states under mixed precision too; activations in a `dtype` of fewer bits
+    take that much less."""
+    with FakeTensorMode():
+        model = Transformer(dataclasses.replace(cfg.model, n_layers=n_layers))
+        if cfg.parallel.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        optimizer = build_optimizer(model, cfg)
+        tokens = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1))
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            next_token_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            (peak,) = tracker.get_tracker_snapshot("peak").values()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tracker.reset_mod_stats()  # one step's module stats at a time
+            next_token_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            (states,) = tracker.get_tracker_snapshot("current").values()
+    scale = torch.finfo(dtype).bits / 32
+    return {k: float(_by_name(states).get(k, 0)) for k in _STATES} | {
+        k: float(_by_name(peak).get(k, 0)) * scale for k in _ACTIVATIONS
+    }
+
+
+def _by_name(snapshot: dict) -> dict[str, int]:
+    return {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
+
+
+def render(p: Plan) -> str:
+    """The plan as `scaletrain plan` prints it."""
+    gib = 1 << 30
+    layout = " ".join(f"{k}={v}" for k, v in p.layout.items() if v != 1 or k == "dp_shard")
+    lines = [
+        f"layout        {p.world:,} ranks: {layout}",
+        f"parameters    {p.params:,} ({p.params / 1e9:.2f}B; embedding {p.embedding_params:,})",
+        "memory/rank   (FakeTensorMode + MemTracker, busiest rank)",
+        *(f"  {name:<24}{b / gib:10.2f} GiB" for name, b in p.memory.items()),
+        f"flops/token   6N {p.flops_per_token_6n:.3e}; with attention {p.flops_per_token:.3e}",
+        f"flops/step    {p.flops_per_token * p.tokens_per_step:.3e} ({p.tokens_per_step:,} tokens)",
+        f"bubble        {p.bubble:.1%}  {p.bubble_formula}",
+    ]
+    if p.target_tokens_s is not None:
+        if p.peak_flops is None:
+            lines.append(f"mfu           unknown: no dense peak for {p.gpu!r} in telemetry.mfu")
+        else:
+            step_s = p.tokens_per_step / p.target_tokens_s
+            lines.append(
+                f"mfu           {p.mfu:.1%} at {p.target_tokens_s:,.0f} tokens/s on {p.world:,} "
+                f"x {p.gpu} ({p.peak_flops / 1e12:,.0f} TFLOP/s dense each); "
+                f"{step_s:.2f} s a step"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""`scaletrain plan` without a GPU: parameter counts of a meta-device build, per-rank memory
+measured under FakeTensorMode that matches a real CPU run's peak, and layouts refused in one line
+as `scaletrain run` refuses them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from scaletrain import cli
+from scaletrain.plan import plan
+from trainer import options
+from trainer.config import from_values
+from trainer.model.llama import Transformer, next_token_loss
+from trainer.optim import build_optimizer
+from trainer.parallel.recompute import apply_activation_checkpointing
+
+
+def job(**values: options.Value) -> dict[str, options.Value]:
+    return options.resolve({"run_id": "plan", **values})
+
+
+def measured_peak(values: dict[str, options.Value]) -> int:
+    """Peak bytes of real steps (forward, backward, optimizer) in this process, on the CPU."""
+    cfg = from_values(values)
+    model = Transformer(cfg.model)
+    if cfg.parallel.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    optimizer = build_optimizer(model, cfg)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.global_batch, cfg.seq_len + 1))
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        for _ in range(2):  # the second step has optimizer state: a steady step
+            next_token_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            tracker.reset_mod_stats()  # one step's module stats at a time (its peak stays)
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    return peak["Total"]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [{"model": "debug"}, {"model": "debug", "n_layers": 6, "activation_checkpointing": True}],
+    ids=["debug", "debug-6-layers-recomputed"],
+)
+def test_plan_memory_is_within_15_percent_of_a_real_cpu_runs_peak(
+    shape: dict[str, options.Value],
+) -> None:
+    values = job(**shape, global_batch=4)
+    estimated = plan(values, world=1).memory["total"]
+    real = measured_peak(values)
+    assert abs(estimated / real - 1) < 0.15, (estimated, real)
+
+
+def test_plan_counts_the_parameters_of_a_meta_device_build() -> None:
+    values = job(model="llama3-8b", seq_len=8192, global_batch=1, mixed_precision=True,
+                 activation_checkpointing=True)  # fmt: skip
+    with torch.device("meta"):
+        model = Transformer(from_values(values).model)
+    assert plan(values, world=1).params == model.num_params(exclude_embedding=False)
+
+
+def test_plan_shards_memory_over_the_layout_of_a_405b_job_on_16384_gpus(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "--gpus", "16384", "--model", "llama3-405b", "--n-layers", "128",
+            "--tp", "8", "--pp", "16", "--pp-microbatches", "16", "--seq-len", "8192",
+            "--global-batch", "2048", "--mixed-precision", "--activation-checkpointing",
+            "--tokens-per-s", "2.2e6"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "16,384 ranks: dp_shard=128 tp=8 pp=16" in out
+    assert "bubble        48.4%" in out and "on 16,384 x h200" in out
+
+
+def test_plan_refuses_a_layout_in_one_line_as_run_does(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--gpus", "16384", "--model", "llama3-405b", "--tp", "8", "--pp", "16",
+            "--global-batch", "2048"]  # fmt: skip
+    assert cli.main(argv) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "n_layers 126 does not split into 16 equal stages" in line
