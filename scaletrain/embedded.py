@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from ckptd.client import CkptdClient
+from ckptd.datadir import list_offline
 from scaletrain.errors import UserError
 from scaletrain.security import ClientSecurity, Role
 from scaletrain.stack import Stack, Workdir, check_nodes
@@ -143,6 +144,7 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
         *(["--resume"] if options.resume else []),
         *options.trainer_args,
     ]  # fmt: skip
+    saved_before = _newest_step(workdir, run_id)
     with Stack(workdir, secure=options.secure, nodes=options.nodes) as stack:
         workdir.remember_run(run_id)
         nodes = (
@@ -156,8 +158,6 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
             file=out,
             flush=True,
         )
-        reader = stack.client_security(Role.READER, run_id)
-        saved_before = _newest_step(stack.ckptd_address, run_id, reader)
         code = stack.train(run_id, options.ranks, trainer_args, out, options.max_restarts)
         if code != 0:
             logs = [workdir.trainer_log(node) for node in range(options.nodes)]
@@ -165,6 +165,7 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
                 f"training failed (exit code {code}): {_first_error(logs)}; "
                 f"see {', '.join(map(str, logs))}"
             )
+        reader = stack.client_security(Role.READER, run_id)
         copies = options.nodes > 1 and flag_value(options.trainer_args, "--replicas") != "1"
         checkpoints = _wait_for_tiers(
             stack.ckptd_address, run_id, options.upload_wait_s, saved_before, reader, copies
@@ -201,10 +202,12 @@ def flag_value(args: list[str], name: str) -> str | None:
     return values[-1] if values else None
 
 
-def _newest_step(address: str, run_id: str, security: ClientSecurity | None) -> int:
-    """The step of the run's newest committed checkpoint (0: none yet)."""
-    with CkptdClient(address, security) as client:
-        return max((c.ref.step for c in client.list(run_id)), default=0)
+def _newest_step(workdir: Workdir, run_id: str) -> int:
+    """The step of the run's newest checkpoint in node0's catalog, read before its ckptd starts
+    (0: none yet)."""
+    if not (workdir.ckptd / "catalog.db").exists():
+        return 0
+    return max((c.ref.step for c in list_offline(workdir.ckptd, run_id)), default=0)
 
 
 def _wait_for_tiers(

@@ -22,6 +22,7 @@ import torch
 
 from scaletrain.cli import main as cli_main
 from scaletrain.errors import UserError
+from trainer import options
 from trainer.data.loader import (
     DeterministicLoader,
     check_same_data,
@@ -301,3 +302,17 @@ def test_a_resume_on_other_data_or_another_tokenizer_is_refused_naming_both(
         message = str(err.value)
         assert message.startswith("--resume: the checkpoint was trained on prepared data ")
         assert one.sha256[:12] in message and message.endswith("resume with the same --data")
+
+
+def test_the_model_takes_its_vocabulary_from_the_datas_tokenizer(corpus: Path, tmp_path: Path):
+    out = tmp_path / "v"
+    _prepare(corpus, out, train_tokenizer=400)
+    vocab = PreparedData(out).vocab_size
+    assert options.resolve({"data": str(out)})["vocab_size"] == vocab
+    assert options.resolve({"data": str(out), "vocab_size": 512})["vocab_size"] == 512  # padded
+    with pytest.raises(ValueError) as err:
+        options.resolve({"data": str(out), "vocab_size": 256})
+    assert str(err.value) == (
+        f"--vocab-size 256 is smaller than the vocabulary {vocab:,} of the tokenizer of --data "
+        f"{out}; leave --vocab-size out to take the tokenizer's"
+    )

@@ -15,6 +15,7 @@ import yaml
 from scaletrain import cli
 from trainer import options
 from trainer.config import TrainConfig, from_args, from_values, parser
+from trainer.data.prepare import PrepareOptions, prepare
 from trainer.fp8.recipes import RECIPE_CHOICES
 from trainer.model.moe import BALANCE_MODES
 from trainer.options import BY_DEST, OPTIONS, Option
@@ -34,6 +35,16 @@ SAMPLES: dict[str, options.Value] = {
     "ckptd": "127.0.0.1:1",
     "telemetry": "127.0.0.1:2",
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def prepared_data(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`--data` takes a prepared directory (its tokenizer sizes the model): a tiny one."""
+    text = tmp_path_factory.mktemp("text") / "a.txt"
+    text.write_text("a few words of text " * 50)
+    out = tmp_path_factory.mktemp("prepared")
+    prepare(PrepareOptions(inputs=[str(text)], out=out))
+    SAMPLES["data"] = str(out)
 
 
 def sample(o: Option) -> options.Value:

@@ -91,9 +91,12 @@ class ParallelModel:
 
     @staticmethod
     def mean_of(losses: list[torch.Tensor | None]) -> torch.Tensor | None:
-        """The step's loss from its micro-batches' (equal sizes: their mean)."""
-        if len(losses) == 1 or losses[0] is None:
-            return losses[0]
+        """The step's loss from its micro-batches' (equal sizes: their mean), detached: every
+        backward has run, and what is left is reporting."""
+        if losses[0] is None:
+            return None
+        if len(losses) == 1:
+            return losses[0].detach()
         return torch.stack([loss.detach() for loss in losses]).mean()
 
     def clip_grad_norm_(self, max_norm: float) -> float:
