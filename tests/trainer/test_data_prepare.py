@@ -28,7 +28,6 @@ from trainer.data.loader import (
     check_same_data,
     open_source,
     source_identity,
-    vocab_size_of,
 )
 from trainer.data.prepare import CRASH_ENV, MANIFEST, PrepareOptions, prepare
 from trainer.data.shards import Blend, BlendPart, PreparedData, blend_table, parse_blend
@@ -294,7 +293,7 @@ def test_a_resume_on_other_data_or_another_tokenizer_is_refused_naming_both(
     prepare(PrepareOptions(inputs=[str(corpus / "web.jsonl.gz")], out=web))
     one, blend = open_source(str(books), 0), open_source(f"{books}:0.7,{web}:0.3", 0)
     assert isinstance(one, PreparedData) and isinstance(blend, Blend)
-    assert vocab_size_of(one) == vocab_size_of(blend) == 257
+    assert one.vocab_size == blend.sources[0].vocab_size == 257
     check_same_data(source_identity(one), source_identity(open_source(str(books), 0)))
     for other in (web, f"{books}:0.6,{web}:0.4"):
         with pytest.raises(UserError) as err:

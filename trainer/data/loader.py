@@ -59,13 +59,6 @@ def source_identity(source: Source) -> dict[str, object]:
     }
 
 
-def vocab_size_of(source: Source) -> int:
-    """The vocabulary the model must have: the tokenizer's (256 bytes for the stdlib corpus)."""
-    if isinstance(source, Corpus):
-        return 256
-    return (source if isinstance(source, PreparedData) else source.sources[0]).vocab_size
-
-
 def check_same_data(saved: dict[str, object], now: dict[str, object]) -> None:
     """Refuse a resume on other data, naming both."""
     if saved != now:

@@ -35,7 +35,7 @@ from typing import IO
 import numpy as np
 
 from scaletrain.errors import UserError
-from trainer.data.sources import Source, documents, find_sources
+from trainer.data.sources import Source, documents, file_sha256, find_sources
 from trainer.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 FORMAT = 1
@@ -69,14 +69,6 @@ def dtype_for(vocab_size: int) -> np.dtype:
     if vocab_size <= 1 << 32:
         return np.dtype(np.uint32)
     raise UserError(f"a vocabulary of {vocab_size:,} does not fit uint32 token shards")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -149,16 +141,24 @@ class _Manifest:
         _write_atomically(self.out / MANIFEST, json.dumps(self.body, indent=1).encode() + b"\n")
 
 
+def read_manifest(directory: Path) -> dict:
+    """A prepared directory's manifest; UserError in one line when it is missing or unreadable."""
+    path = directory / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{directory}: not a prepared dataset (no {MANIFEST})") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: unreadable ({exc})") from None
+
+
 def _existing_manifest(out: Path) -> dict | None:
     path = out / MANIFEST
     if not path.is_file():
         if any(out.glob("shard-*.bin")):
             raise UserError(f"--out {out}: holds token shards but no {MANIFEST}; delete it")
         return None
-    try:
-        existing = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: unreadable ({exc})") from None
+    existing = read_manifest(out)
     if existing.get("format") != FORMAT:
         raise UserError(
             f"{path}: prepared with format {existing.get('format')!r}, this scaletrain writes "
@@ -252,16 +252,14 @@ def _write_shards(
                 written += 1
                 if written == crash_after:
                     os.kill(os.getpid(), signal.SIGKILL)
-        progress.show(manifest.body["documents"] + len(pending), _tokens(manifest, pending))
+        progress.show(
+            manifest.body["documents"] + len(pending), manifest.body["tokens"] + pending_tokens
+        )
     if pending:
         _flush(manifest, pending)
     if manifest.body["tokens"] == 0:
         raise UserError(f"{', '.join(options.inputs)}: the corpus holds no text")
     progress.show(manifest.body["documents"], manifest.body["tokens"], final=True)
-
-
-def _tokens(manifest: _Manifest, pending: list[np.ndarray]) -> int:
-    return manifest.body["tokens"] + sum(d.size for d in pending)
 
 
 def _encoded(texts: Iterator[str], tokenizer: Tokenizer) -> Iterator[list[list[int]]]:
@@ -275,7 +273,8 @@ def _flush(manifest: _Manifest, docs: list[np.ndarray]) -> None:
     tokens = np.concatenate(docs)
     ends = np.cumsum([d.size for d in docs], dtype=np.int64)
     bin_name, idx_name = shard_name(index, "bin"), shard_name(index, "idx")
-    _write_atomically(manifest.out / bin_name, tokens.tobytes())
+    data = tokens.tobytes()
+    _write_atomically(manifest.out / bin_name, data)
     _write_atomically(manifest.out / idx_name, ends.tobytes())
     manifest.add(
         {
@@ -283,7 +282,7 @@ def _flush(manifest: _Manifest, docs: list[np.ndarray]) -> None:
             "index": idx_name,
             "documents": len(docs),
             "tokens": int(tokens.size),
-            "sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
+            "sha256": hashlib.sha256(data).hexdigest(),
         }
     )
     manifest.save()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from scaletrain.errors import UserError
-from trainer.data.prepare import FORMAT, MANIFEST, file_sha256
+from trainer.data.prepare import FORMAT, MANIFEST, read_manifest
+from trainer.data.sources import file_sha256
 
 BLEND_PERIOD = 1000  # samples per blend period: weights are honoured to 0.1%
 
@@ -37,17 +37,11 @@ class PreparedData:
 
     def __init__(self, directory: Path, verify: bool = True) -> None:
         self.directory = directory
-        path = directory / MANIFEST
-        try:
-            self.manifest = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"{directory}: not a prepared dataset (no {MANIFEST})") from None
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"{path}: unreadable ({exc})") from None
+        self.manifest = read_manifest(directory)
         if self.manifest.get("format") != FORMAT:
             raise UserError(
-                f"{path}: format {self.manifest.get('format')!r}, this scaletrain reads format "
-                f"{FORMAT}; prepare it again with `scaletrain data prepare`"
+                f"{directory / MANIFEST}: format {self.manifest.get('format')!r}, this "
+                f"scaletrain reads format {FORMAT}; prepare it again with `scaletrain data prepare`"
             )
         if not self.manifest.get("complete"):
             raise UserError(f"{directory}: the prepare did not finish; run it again to continue")
@@ -134,8 +128,10 @@ class PreparedData:
 
 def data_vocab_size(spec: str) -> int:
     """The tokenizer vocabulary of `--data` (a directory or a blend), from the manifest alone:
-    what the model must be sized to before any shard is read."""
-    return PreparedData(parse_blend(spec)[0].directory, verify=False).vocab_size
+    what the model must be sized to before any shard is read. (A blend's parts must share the
+    tokenizer; `Blend` checks that when the data is opened.)"""
+    manifest = read_manifest(parse_blend(spec)[0].directory)
+    return int(manifest["tokenizer"]["vocab_size"])
 
 
 @dataclass(frozen=True)

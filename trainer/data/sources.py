@@ -29,11 +29,16 @@ class Source:
     kind: str  # "text", "jsonl" or "parquet"
 
     def sha256(self) -> str:
-        digest = hashlib.sha256()
-        with self.path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-        return digest.hexdigest()
+        return file_sha256(self.path)
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, read 1 MiB at a time (inputs and shards may be large)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _kind(path: Path) -> str | None:
