@@ -122,6 +122,35 @@ class ReplicaHolding:
         self.metrics.replication_lag.set(time.time() - oldest if oldest else 0.0)
         return queued
 
+    def drop_surplus(self, holders_of: Callable[[CheckpointKey, str], set[str]]) -> int:
+        """Drop the replicas this node holds beyond R: a part's copy here that placement now
+        gives to other nodes, once each of those holds a committed copy (`holders_of(key,
+        owner)`, as the last sync saw them). A copy made while a peer seemed down is the usual
+        case. The R chosen copies stay, so no drop makes a step less safe; returns how many
+        were dropped."""
+        zones = self.live_zones()
+        dropped = 0
+        for key, owners in self.catalog.replicas().items():
+            r = self.replicas_of(key.run)
+            for owner in owners:
+                chosen = placement(owner, zones, r)
+                if (
+                    self.node in chosen
+                    or len(chosen) < r
+                    or not set(chosen) <= holders_of(key, owner)
+                ):
+                    continue
+                with self._lock:
+                    self.replicas.memory(owner).delete(key)
+                    self.replicas.ssd(owner).delete(key)
+                    self.catalog.drop_replicas(key, owner)
+                log.info(
+                    "dropped the replica of %s's part of %s: %s hold the %d copies", owner, key,
+                    ", ".join(chosen), r, extra={"run": key.run, "step": key.step},
+                )  # fmt: skip
+                dropped += 1
+        return dropped
+
     def offer_replica(self, ref: checkpoint_pb2.CheckpointRef, owner: str, sender: str) -> bool:
         """A peer asks this node to copy `owner`'s part of a committed checkpoint; whether a
         copy was queued (False: it holds one already)."""

@@ -188,6 +188,11 @@ class FileUpload:
         self._written.wait()
         self._raise_if_failed()
 
+    def settle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the writer to be done with the file, written or failed
+        (a clean stop keeps what it accepted); whether it is."""
+        return self._written.wait(timeout_s)
+
     def take_memory(self) -> MemoryFile | None:
         """Hand the kept chunks (still reserved in the budget) to the caller."""
         with self._lock:

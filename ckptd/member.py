@@ -348,6 +348,7 @@ class ClusterMember:
             if safe is not None:
                 self._latest_safe[run] = safe.step
         self.queue_duties()
+        self.drop_surplus(lambda key, owner: self._holders(self._copies(key, views).get(owner, {})))
 
 
 def entry_in(

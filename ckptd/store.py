@@ -294,6 +294,13 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         if self._closed.is_set():
             return
         self._closed.set()
+        # A file already accepted reaches the disk first: its save may be finished after the
+        # restart, and the staged file is all that survives of it.
+        with self._lock:
+            accepted = [u for save in self._saves.values() for u in save.files.values()]
+        deadline = time.monotonic() + timeout_s
+        for upload in accepted:
+            upload.settle(max(0.0, deadline - time.monotonic()))
         if self._replicator is not None:
             self._replicator.close()
         if self._replication is not None:

@@ -160,12 +160,17 @@ def copies(cluster: Cluster, i: int, step: int) -> tuple[bool, dict[str, list[st
     return info.node_loss_safe, held
 
 
-def wait_until_safe(cluster: Cluster, step: int, r: int = 2, i: int = 0) -> dict[str, list[str]]:
-    """Wait until node i sees every part of `step` on `r` nodes (so node-loss safe)."""
+def wait_until_safe(
+    cluster: Cluster, step: int, r: int = 2, i: int = 0, exactly: bool = False
+) -> dict[str, list[str]]:
+    """Wait until node i sees every part of `step` on `r` nodes (so node-loss safe); with
+    `exactly`, on no more than `r` either (a surplus copy is dropped at a later sync)."""
 
     def done() -> bool:
         safe, held = copies(cluster, i, step)
-        return safe and all(len(holders) >= r for holders in held.values())
+        return safe and all(
+            len(holders) == r if exactly else len(holders) >= r for holders in held.values()
+        )
 
     wait_for(done, timeout_s=30, what=f"step {step} on {r} nodes each part")
     return copies(cluster, i, step)[1]
@@ -179,14 +184,26 @@ def test_after_a_save_every_part_is_on_r_distinct_nodes_and_the_step_is_node_los
     world = 4
     files = checkpoint_files(world_size=world, shard_bytes=300_000, seed=nodes)
     save(cluster, 10, files, world)
-    held = wait_until_safe(cluster, 10, r)
+    held = wait_until_safe(cluster, 10, r, exactly=True)
     assert sorted(held) == [f"node{i}" for i in range(nodes)]
     for owner, holders in held.items():
         assert len(holders) == r and owner in holders, (owner, holders)
-    # Every node says the same, and `latest` can ask for the newest node-loss-safe step.
+    # Every node says the same (once its next sync has seen a surplus copy dropped), and
+    # `latest` can ask for the newest node-loss-safe step.
     for i in range(nodes):
-        assert copies(cluster, i, 10) == (True, held), f"node {i}"
+        wait_for(lambda i=i: copies(cluster, i, 10) == (True, held), timeout_s=10, what=f"node {i}")
         assert cluster.clients[i].get("run", node_loss_safe=True).ref.step == 10
+
+    if nodes > r:  # a copy beyond R (offered by hand here) is dropped once R copies are held
+        spare = next(i for i in range(nodes) if f"node{i}" not in held["node0"])
+        offer = checkpoint_pb2.OfferReplicaRequest(
+            ref=checkpoint_pb2.CheckpointRef(run="run", step=10), owner="node0", sender="test"
+        )
+        assert cluster_stub(cluster.addresses[spare]).OfferReplica(offer, timeout=10).queued
+        log = cluster.procs[spare].log
+        wait_for(lambda: "dropped the replica of node0's part of run/10" in log.read_text(),
+                 timeout_s=20, what="the surplus copy dropped")  # fmt: skip
+        wait_for(lambda: copies(cluster, 0, 10) == (True, held), timeout_s=10, what="R copies")
 
     if nodes == 2:  # what the command line shows of it
         listed = ckpt("ls", "--ckptd", cluster.addresses[1])
