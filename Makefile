@@ -17,8 +17,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# What `make run` trains on: the example dataset (stdlib sources, a BPE trained in seconds),
+# made once, with its held-out part for the validation loss.
+DATA := .scaletrain/data
+
 run: install
-	$(VENV)/bin/scaletrain run $(ARGS)
+	$(VENV)/bin/scaletrain data example --out $(DATA)
+	$(VENV)/bin/scaletrain run --data $(DATA)/train --document-masking \
+		--eval-data $(DATA)/heldout --eval-every 50 $(ARGS)
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)

@@ -28,6 +28,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from scaletrain.errors import ScaletrainError, UserError
 from trainer import options
+from trainer.data.prepare import EXAMPLE_VOCAB
 from trainer.data.prepare import add_arguments as prepare_args
 from trainer.health.faults import FaultPlan
 
@@ -220,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     prepare_args(
         data_sub.add_parser("prepare", help="tokenize text, .jsonl or Parquet into token shards")
     )
+    example = data_sub.add_parser(
+        "example",
+        help="prepare the example dataset every machine has (what `make run` trains on): "
+        "OUT/train and OUT/heldout from the standard library's sources, with a BPE trained on "
+        "the first",
+    )
+    example.add_argument("--out", type=Path, required=True, help="where train/ and heldout/ go")
+    example.add_argument("--vocab", type=int, default=EXAMPLE_VOCAB, help="the BPE's vocabulary")
 
     ckpt = sub.add_parser("ckpt", help="list, show, verify, export and remove checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
@@ -361,9 +370,16 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _data(args: argparse.Namespace) -> int:
-    """`data prepare`: its progress on stderr, what it made on stdout."""
-    from trainer.data.prepare import options_from, prepare, summary
+    """`data prepare` and `data example`: progress on stderr, what was made on stdout."""
+    from trainer.data.prepare import options_from, prepare, prepare_example, summary
 
+    if args.data_command == "example":
+        made = zip(
+            ("train", "heldout"), prepare_example(args.out, args.vocab, sys.stderr), strict=True
+        )
+        for name, manifest in made:
+            print(f"[data] {args.out / name}: {summary(manifest)}")
+        return 0
     manifest = prepare(options_from(args), progress=sys.stderr)
     print(f"[data] {args.out}: {summary(manifest)}")
     return 0

@@ -62,6 +62,8 @@ class Plan:
     gpu: str
     peak_flops: float | None
     target_tokens_s: float | None
+    # Bytes of one `gpu` (None: not in telemetry.mfu's table).
+    device_memory: float | None = None
 
     @property
     def mfu(self) -> float | None:
@@ -108,6 +110,7 @@ def plan(
         gpu=gpu,
         peak_flops=mfu.dense_peak(gpu, precision),
         target_tokens_s=tokens_s,
+        device_memory=mfu.device_memory(gpu),
     )
 
 
@@ -201,6 +204,7 @@ def render(p: Plan) -> str:
         f"parameters    {p.params:,} ({p.params / 1e9:.2f}B; embedding {p.embedding_params:,})",
         "memory/rank   (FakeTensorMode + MemTracker, busiest rank)",
         *(f"  {name:<24}{b / gib:10.2f} GiB" for name, b in p.memory.items()),
+        _fits(p),
         f"flops/token   6N {p.flops_per_token_6n:.3e}; with attention {p.flops_per_token:.3e}",
         f"flops/step    {p.flops_per_token * p.tokens_per_step:.3e} ({p.tokens_per_step:,} tokens)",
         f"bubble        {p.bubble:.1%}  {p.bubble_formula}",
@@ -216,3 +220,15 @@ def render(p: Plan) -> str:
                 f"{step_s:.2f} s a step"
             )
     return "\n".join(lines)
+
+
+def _fits(p: Plan) -> str:
+    """Whether the busiest rank's memory fits one device."""
+    if p.device_memory is None:
+        return f"fits          unknown: no memory size for {p.gpu!r} in telemetry.mfu"
+    need, have = p.memory["total"], p.device_memory
+    verdict = "yes" if need <= have else "no"
+    return (
+        f"fits          {verdict}: {need / (1 << 30):,.2f} GiB of the {have / (1 << 30):,.1f} GiB "
+        f"({have / 1e9:,.0f} GB) of one {p.gpu}"
+    )

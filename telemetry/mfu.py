@@ -68,6 +68,23 @@ def device_key(device_name: str) -> str | None:
     return None
 
 
+# Memory of one device in bytes (the datasheet's GB, 10^9 bytes): what a rank's planned memory
+# must fit in (`scaletrain plan`).
+DEVICE_MEMORY: dict[str, float] = {
+    "a100": 80e9,
+    "h100-sxm": 80e9,
+    "h100-pcie": 80e9,
+    "h200": 141e9,
+    "b200": 180e9,
+}
+
+
+def device_memory(device_name: str) -> float | None:
+    """The memory of one such device in bytes; None when the table lacks it."""
+    key = device_key(device_name)
+    return None if key is None else DEVICE_MEMORY.get(key)
+
+
 def dense_peak(device_name: str, precision: str) -> float | None:
     """The dense peak FLOP/s of one such device in `precision`; None when the table lacks it."""
     key = device_key(device_name)

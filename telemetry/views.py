@@ -53,6 +53,7 @@ OVERVIEW_COLUMNS = [
     "last_checkpoint", "last_checkpoint_at", "open_alerts", "started_at",
 ]  # fmt: skip
 LOSS_POINT_COLUMNS = ["step", "loss", "loss_min", "loss_max", "tokens_per_s"]
+EVAL_POINT_COLUMNS = ["step", "eval_loss"]
 RANK_STEP_COLUMNS = ["step", "rank", "step_s", "compute_s", *PHASE_COLUMNS]
 NODE_STEP_COLUMNS = ["step", "node", "relative", "worst_rank", "worst_compute_s", "ranks"]
 SLOWEST_RANK_COLUMNS = ["rank", "node", "compute_s", "relative", "steps"]
@@ -237,6 +238,24 @@ def loss_points(bind: Bind, run_id: str, *, max_points: int = 1000) -> pd.DataFr
     return frame.astype({column: float for column in LOSS_POINT_COLUMNS[1:]}).sort_values(
         "step", ignore_index=True
     )
+
+
+def eval_points(bind: Bind, run_id: str, *, limit: int = 1000) -> pd.DataFrame:
+    """The validation losses of `run_id` (its "eval" events): EVAL_POINT_COLUMNS by step, the
+    latest report of a step when a restarted run evaluated it again; at most the `limit` latest
+    steps."""
+    query = (
+        select(Event.step, Event.attributes)
+        .where(Event.run_id == run_id, Event.kind == "eval")
+        .order_by(Event.time.desc())
+    )
+    latest: dict[int, float] = {}
+    with connection_of(bind) as connection:
+        for step, attributes in connection.execute(query):
+            if step not in latest and len(latest) < limit:
+                latest[step] = float(attributes["loss"])
+    frame = pd.DataFrame(sorted(latest.items()), columns=EVAL_POINT_COLUMNS)
+    return frame.astype({"step": int, "eval_loss": float})
 
 
 def node_steps(

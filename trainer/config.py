@@ -72,6 +72,10 @@ class TrainConfig:
     decay_fraction: float = _default("decay_fraction")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: str = _default("data")
+    document_masking: bool = _default("document_masking")
+    eval_data: str = _default("eval_data")
+    eval_every: int = _default("eval_every")
+    eval_batches: int = _default("eval_batches")
     corpus_bytes: int = _default("corpus_bytes")
     log_every: int = _default("log_every")
     fp8: str = _default("fp8")
@@ -125,6 +129,13 @@ class TrainConfig:
             )
         if self.fp8_count_every < 1:
             raise ValueError(f"--fp8-count-every must be at least 1, got {self.fp8_count_every}")
+        if self.document_masking and not self.data:
+            raise ValueError(
+                "--document-masking needs --data: prepared documents end with EOS, the built-in "
+                "byte corpus has no document boundaries"
+            )
+        if self.eval_every and not self.eval_data:
+            raise ValueError("--eval-every needs --eval-data (a prepared directory)")
         if self.fp8 != "none":
             recipe = make_recipe(self.fp8, self.fp8_options)
             if self.fp8_all_gather:

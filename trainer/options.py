@@ -471,6 +471,38 @@ OPTIONS: tuple[Option, ...] = (
         alters_results=True,
     ),
     Option(
+        "document_masking",
+        "data",
+        bool,
+        False,
+        "attention stays within each document of a packed window and positions restart at each "
+        "document (needs --data; not with pp or cp > 1)",
+        alters_results=True,
+    ),
+    Option(
+        "eval_data",
+        "data",
+        str,
+        "",
+        "a prepared directory of held-out data, for the validation loss (empty: none)",
+    ),
+    Option(
+        "eval_every",
+        "data",
+        int,
+        0,
+        "compute the validation loss on --eval-data every N steps and at the last (0: never)",
+        minimum=0,
+    ),
+    Option(
+        "eval_batches",
+        "data",
+        int,
+        4,
+        "global batches of --eval-data in each validation loss (the same ones every time)",
+        minimum=1,
+    ),
+    Option(
         "corpus_bytes",
         "data",
         int,
@@ -725,10 +757,10 @@ def _data_vocab(data: str, vocab_size: Value | None) -> int:
     """The model's vocabulary for `--data`: its tokenizer's, or an explicit larger one (padded,
     as Megatron pads it); ValueError for one that would not fit the tokens."""
     from scaletrain.errors import UserError
-    from trainer.data.shards import data_vocab_size
+    from trainer.data.shards import data_tokenizer
 
     try:
-        needed = data_vocab_size(data)
+        needed = int(data_tokenizer(data)["vocab_size"])
     except UserError as exc:
         raise ValueError(str(exc)) from None
     if vocab_size is not None and int(vocab_size) < needed:

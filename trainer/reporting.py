@@ -49,7 +49,7 @@ class Reporter:
         layout: dict[str, int],
         n_params: int,
         hardware: str,
-        corpus_sha256: str,
+        dataset: dict[str, object],
         *,
         device: torch.device,
         param_dtype: torch.dtype,
@@ -59,7 +59,8 @@ class Reporter:
     ) -> None:
         """Register the run from rank 0 (with what MFU needs: precision, dense peak) and share its
         attempt with every rank; call it on every rank. `launched_at` is when the job started,
-        which is where the run's wall time (and start-up badput) begins. `param_bytes`: each
+        which is where the run's wall time (and start-up badput) begins. `dataset`: what the run
+        trains on (digest, tokenizer, tokens), kept in the run's config. `param_bytes`: each
         rank's parameter bytes after the build, by rank, sent with the run-started event, as are the
         linears FP8 left in high precision because the recipe cannot split them (`fp8_unfit`)."""
         if self.client is None:
@@ -73,7 +74,8 @@ class Reporter:
             precision = training_precision(param_dtype, device)
             peak, source = resolve_peak(device, precision, cfg.peak_flops)
             # The resolved job config (trainer.options) under "job", beside the dataclass.
-            config = cfg.to_json_dict() | {"corpus_sha256": corpus_sha256}
+            # and the data it trains on (`trainer.data.loader.source_identity`) under "dataset".
+            config = cfg.to_json_dict() | {"dataset": dataset}
             reply = self.client.register_run(
                 telemetry_pb2.RegisterRunRequest(
                     run_id=self.run_id,
@@ -183,6 +185,23 @@ class Reporter:
                 attempt=self.attempt,
                 dropped_records=self.client.dropped,
             )
+        )
+
+    def evaluated(self, step: int, loss: float, batches: int, tokens: int, seconds: float) -> None:
+        """The validation loss after `step` (rank 0 reports it): `batches` global batches of
+        held-out data, `tokens` in all, taking `seconds`."""
+        if self.rank != 0:
+            return
+        self._event(
+            telemetry_pb2.EVENT_KIND_EVAL,
+            step,
+            f"validation loss {loss:.4f} after step {step}",
+            attributes={
+                "loss": repr(loss),
+                "batches": str(batches),
+                "tokens": str(tokens),
+                "seconds": f"{seconds:.3f}",
+            },
         )
 
     def health_event(

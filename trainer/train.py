@@ -31,7 +31,13 @@ from trainer.checkpoint.checkpointer import (
 )
 from trainer.checkpoint.digest import probe_logits_sha256, state_sha256
 from trainer.config import TrainConfig
-from trainer.data.loader import DeterministicLoader, LoaderOffset, open_source
+from trainer.data.loader import (
+    DeterministicLoader,
+    LoaderOffset,
+    Source,
+    open_source,
+    source_identity,
+)
 from trainer.fp8 import Fp8Training
 from trainer.health.guard import StepGuard, replica_groups
 from trainer.health.inject import FaultInjector
@@ -42,6 +48,9 @@ from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel.dims import MESH_DIMS, ParallelMesh, validate_layout
 from trainer.parallel.parallelize import ParallelModel, build_model
 from trainer.reporting import Reporter
+
+# Global batches the loader reads ahead in a background thread while a step trains.
+PREFETCH_BATCHES = 2
 
 
 @dataclass
@@ -141,11 +150,13 @@ def train(cfg: TrainConfig) -> None:
 
     source = open_source(cfg.data, cfg.corpus_bytes)
     loader = DeterministicLoader(
-        source, cfg.seq_len, cfg.global_batch, mesh.dp_rank, dims.dp_size, seed=cfg.seed
-    )
+        source, cfg.seq_len, cfg.global_batch, mesh.dp_rank, dims.dp_size, seed=cfg.seed,
+        prefetch=PREFETCH_BATCHES,
+    )  # fmt: skip
+    held_out = open_held_out(cfg, source, mesh.dp_rank, dims.dp_size)
     reporter = Reporter(cfg.telemetry, cfg.run_id, rank)
     reporter.register_run(
-        cfg, world, dims.layout(), n_params, _hardware(device), source.sha256,
+        cfg, world, dims.layout(), n_params, _hardware(device), source_identity(source),
         device=device, param_dtype=next(model.parameters()).dtype, launched_at=launched_at,
         param_bytes=param_bytes, fp8_unfit=fp8.unfit if fp8 is not None else None,
     )  # fmt: skip
@@ -270,6 +281,13 @@ def train(cfg: TrainConfig) -> None:
             compute_seconds=guard.compute_s,
             state_checksum=guard.state_checksum if guard.enabled else None,
         )
+        if held_out is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+            eval_loss = evaluate(parallel, held_out, cfg.eval_batches, device)
+            reporter.evaluated(step, eval_loss.loss, cfg.eval_batches, eval_loss.tokens,
+                               eval_loss.seconds)  # fmt: skip
+            if rank == 0:
+                print(f"[trainer] step {step} validation loss {eval_loss.loss:.4f} "
+                      f"({eval_loss.seconds:.2f}s)", flush=True)  # fmt: skip
         if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps or saved):
             elapsed = time.perf_counter() - run_start
             done = step - start_step
@@ -303,9 +321,54 @@ def train(cfg: TrainConfig) -> None:
             f"[trainer] done: final loss {global_loss:.4f}, params sha256 {digest[:16]}", flush=True
         )
     watchdog.stop()
+    loader.close()
     reporter.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class EvalLoss:
+    loss: float
+    tokens: int
+    seconds: float
+
+
+def open_held_out(
+    cfg: TrainConfig, source: Source, dp_rank: int, dp_size: int
+) -> DeterministicLoader | None:
+    """The loader of --eval-data (None without --eval-every): the same global batches, from its
+    first sample, at every evaluation. Refused in one line when its tokenizer is not the
+    training data's (the losses would not be comparable) or it holds less than a global batch."""
+    if not cfg.eval_every:
+        return None
+    held_out = open_source(cfg.eval_data, cfg.corpus_bytes)
+    theirs, ours = source_identity(held_out)["tokenizer"], source_identity(source)["tokenizer"]
+    if theirs != ours:
+        raise UserError(
+            f"--eval-data {cfg.eval_data}: tokenizer {str(theirs)[:12]} is not the training "
+            f"data's ({str(ours)[:12]}); prepare it with the same tokenizer"
+        )
+    try:
+        return DeterministicLoader(
+            held_out, cfg.seq_len, cfg.global_batch, dp_rank, dp_size, seed=cfg.seed
+        )
+    except ValueError as exc:
+        raise UserError(f"--eval-data {cfg.eval_data}: {exc}") from None
+
+
+def evaluate(
+    parallel: ParallelModel, held_out: DeterministicLoader, batches: int, device: torch.device
+) -> EvalLoss:
+    """The validation loss over the first `batches` global batches of the held-out data (a
+    collective: every rank takes part)."""
+    start = time.perf_counter()
+    held_out.load_state_dict({"global_sample": 0})
+    loss = parallel.evaluate(
+        tuple(x.to(device) for x in held_out.next_batch()) for _ in range(batches)
+    )
+    tokens = batches * held_out.global_batch * held_out.seq_len
+    return EvalLoss(loss, tokens, time.perf_counter() - start)
 
 
 def _flush_on_termination(reporter: Reporter) -> None:

@@ -17,6 +17,8 @@ MARKER_COLOURS = {
     "sdc": "#d62728",
     "replay": "#9467bd",
 }
+# The validation loss beside the training loss.
+EVAL_COLOUR = "#17becf"
 PHASE_LABELS = {
     "data_s": "data",
     "forward_s": "forward",
@@ -26,10 +28,14 @@ PHASE_LABELS = {
 }
 
 
-def loss_chart(points: pd.DataFrame, markers: pd.DataFrame) -> alt.LayerChart:
-    """Mean loss over ranks as a line over the min-max band of the ranks. Restarts, loss spikes,
-    SDC events and replays are vertical rules; checkpoints, which may be hundreds, are triangles
-    along the bottom so that they never hide the curve. Colours by kind, one legend for both."""
+def loss_chart(
+    points: pd.DataFrame, markers: pd.DataFrame, evals: pd.DataFrame | None = None
+) -> alt.LayerChart:
+    """Mean loss over ranks as a line over the min-max band of the ranks, and the validation
+    loss (`views.eval_points`) as a dashed line with a point per evaluation. Restarts, loss
+    spikes, SDC events and replays are vertical rules; checkpoints, which may be hundreds, are
+    triangles along the bottom so that they never hide the curve. Colours by kind, one legend
+    for both."""
     base = alt.Chart(points).encode(
         x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
     )
@@ -57,7 +63,15 @@ def loss_chart(points: pd.DataFrame, markers: pd.DataFrame) -> alt.LayerChart:
         .mark_rule(strokeWidth=1.5, opacity=0.8)
         .encode(x="step:Q", color=colour, tooltip=["step:Q", "kind:N", "label:N"])
     )
-    return (band + line + ticks + rules).interactive(bind_y=False)
+    layers = band + line + ticks + rules
+    if evals is not None and not evals.empty:
+        validation = (
+            alt.Chart(evals)
+            .mark_line(point=True, strokeDash=[4, 3], color=EVAL_COLOUR)
+            .encode(x="step:Q", y="eval_loss:Q", tooltip=["step", "eval_loss"])
+        )
+        layers += validation
+    return layers.interactive(bind_y=False)
 
 
 # Typical dark, 2x the median and above bright: noise of a few per cent stays one colour and a

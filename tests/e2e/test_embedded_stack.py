@@ -4,10 +4,12 @@ Each check reads what a user would read: the JSON summary, the telemetry databas
 `ckpt export` loaded with stock torch.distributed.checkpoint. Runs share work directories per
 scenario so that one uninterrupted run serves as the reference of several checks:
 
-- the reference: 4 ranks (FSDP over 4), 6 steps, a checkpoint every 3;
+- the reference: 4 ranks (FSDP over 4), 6 steps, a checkpoint every 3, trained on the example
+  dataset (`scaletrain data example`: BPE tokens of stdlib sources, what `make run` trains on)
+  with document masking, and its validation loss on the held-out part every 3 steps;
 - the same run SIGKILLed on a random rank after a random step, then `--resume`d to step 8: every
   step after the resume point has the reference's loss, bit for bit;
-- the same with HSDP (2 replicas x 2 shards), a 2-D layout;
+- the same with HSDP (2 replicas x 2 shards), a 2-D layout, on the built-in byte corpus;
 - the reference resumed from its dp4 checkpoint at dp2 (resharded): the global sample order is
   unchanged and the losses match the dp4 continuation to fp32 rounding.
 """
@@ -30,6 +32,7 @@ from e2e_procs import processes_mentioning, trainer_pids
 
 from ckptd.client import CkptdClient
 from trainer.checkpoint.digest import probe_logits_sha256, state_sha256
+from trainer.data.prepare import EXAMPLE_VOCAB
 from trainer.model.llama import ModelArgs, Transformer
 
 pytestmark = pytest.mark.e2e
@@ -38,6 +41,27 @@ RANKS, STEPS, EVERY, MORE = 4, 6, 3, 8
 GLOBAL_BATCH = 16
 ALL_TIERS = ["memory", "ssd", "s3"]
 SEED = int(os.environ.get("SCALETRAIN_TEST_SEED", random.randrange(1 << 16)))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The options of a run on the example dataset, documents masked, validation loss every
+    checkpoint."""
+    out = tmp_path_factory.mktemp("example-data")
+    made = scaletrain("data", "example", "--out", str(out))
+    assert made.returncode == 0, made.stderr
+    return ["--data", str(out / "train"), "--document-masking", "--eval-data",
+            str(out / "heldout"), "--eval-every", str(EVERY)]  # fmt: skip
+
+
+def eval_losses(workdir: Path, run_id: str) -> dict[int, str]:
+    """step -> the validation loss telemetry recorded (the latest report of a step)."""
+    with sqlite3.connect(workdir / "telemetry.db") as db:
+        rows = db.execute(
+            "SELECT step, attributes FROM events WHERE run_id = ? AND kind = 'eval' ORDER BY time",
+            (run_id,),
+        ).fetchall()
+    return {step: json.loads(attributes)["loss"] for step, attributes in rows}
 
 
 def scaletrain(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
@@ -114,12 +138,12 @@ def run_and_kill(workdir: Path, kill_after: int, victim: int, *args: str) -> str
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def reference(tmp_path_factory: pytest.TempPathFactory, data: list[str]) -> dict:
     workdir = tmp_path_factory.mktemp("reference")
     summary = run_json(
-        workdir, "--ranks", str(RANKS), "--steps", str(STEPS), "--ckpt-every", str(EVERY)
+        workdir, "--ranks", str(RANKS), "--steps", str(STEPS), "--ckpt-every", str(EVERY), *data
     )
-    return summary | {"workdir": workdir}
+    return summary | {"workdir": workdir, "data": data}
 
 
 def test_the_run_trains_every_step_and_reports_its_loss(reference: dict):
@@ -127,6 +151,15 @@ def test_the_run_trains_every_step_and_reports_its_loss(reference: dict):
     assert reference["first_loss"] > reference["last_loss"] > 0
     assert reference["tokens_per_s"] > 0
     assert reference["ui_command"].startswith("scaletrain ui --workdir")
+    assert sorted(eval_losses(reference["workdir"], reference["run_id"])) == [EVERY, STEPS]
+    # Telemetry keeps what the run trained on: the data's digest and tokens, its tokenizer's.
+    with sqlite3.connect(reference["workdir"] / "telemetry.db") as db:
+        (config,) = db.execute(
+            "SELECT config_json FROM runs WHERE run_id = ?", (reference["run_id"],)
+        ).fetchone()
+    dataset = json.loads(config)["dataset"]
+    assert (dataset["kind"], dataset["tokenizer_kind"]) == ("prepared", "hf")
+    assert dataset["tokens"] > 0 and len(dataset["sha256"]) == len(dataset["tokenizer"]) == 64
 
 
 def test_every_checkpoint_is_committed_on_memory_ssd_and_s3(reference: dict):
@@ -185,13 +218,14 @@ def test_an_exported_checkpoint_restores_bit_exactly_into_a_fresh_model_with_sto
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert (dest / ".metadata").exists()
-    fresh = Transformer(ModelArgs())
+    args = ModelArgs(vocab_size=EXAMPLE_VOCAB)  # the model took the example data's vocabulary
+    fresh = Transformer(args)
     state = {"model": fresh.state_dict()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(dest)))
     fresh.load_state_dict(state["model"])
     assert state_sha256(fresh.state_dict()) == reference["params_sha256"]
     trained = _finished_attributes(reference["workdir"], reference["run_id"])
-    assert probe_logits_sha256(fresh.state_dict(), ModelArgs()) == trained["probe_logits_sha256"]
+    assert probe_logits_sha256(fresh.state_dict(), args) == trained["probe_logits_sha256"]
 
 
 def _kill_and_resume(reference: dict, workdir: Path, *layout: str) -> tuple[dict, int]:
@@ -209,7 +243,7 @@ def _kill_and_resume(reference: dict, workdir: Path, *layout: str) -> tuple[dict
 @pytest.fixture(scope="module")
 def killed_fsdp(reference: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("killed-fsdp")
-    resumed, kill_after = _kill_and_resume(reference, workdir)
+    resumed, kill_after = _kill_and_resume(reference, workdir, *reference["data"])
     return resumed | {"workdir": workdir, "kill_after": kill_after}
 
 
@@ -221,6 +255,10 @@ def test_a_run_killed_mid_step_resumes_with_bit_identical_losses(reference: dict
     after_resume = {k: v for k, v in expected.items() if k[0] > EVERY}
     assert {k: got[k] for k in after_resume} == after_resume, f"seed {SEED}"
     assert [c["step"] for c in killed_fsdp["checkpoints"]] == [EVERY, STEPS, MORE]
+    # The validation loss after the resume too, bit for bit.
+    evaluated = eval_losses(killed_fsdp["workdir"], killed_fsdp["run_id"])
+    assert evaluated[STEPS] == eval_losses(reference["workdir"], reference["run_id"])[STEPS]
+    assert sorted(evaluated) == [EVERY, STEPS, MORE]
 
 
 def test_a_2d_hsdp_run_killed_mid_step_resumes_with_bit_identical_losses(
@@ -261,7 +299,7 @@ def test_a_dp4_checkpoint_resumes_at_dp2_with_the_same_global_data_order(
 ):
     resharded = run_json(
         reference["workdir"], "--resume", "--ranks", "2", "--steps", str(MORE),
-        "--ckpt-every", str(EVERY),
+        "--ckpt-every", str(EVERY), *reference["data"],
     )  # fmt: skip
     assert f"from step {STEPS}" in resharded["_log"]
     at_dp2 = offsets(reference["workdir"], reference["run_id"])
@@ -275,12 +313,18 @@ def test_a_dp4_checkpoint_resumes_at_dp2_with_the_same_global_data_order(
         mean4 = sum(float.fromhex(dp4[(step, r)]) for r in range(4)) / 4
         mean2 = sum(float.fromhex(dp2[(step, r)]) for r in range(2)) / 2
         assert mean2 == pytest.approx(mean4, rel=1e-5)
+    at_dp4 = float(eval_losses(killed_fsdp["workdir"], killed_fsdp["run_id"])[MORE])
+    assert float(eval_losses(reference["workdir"], reference["run_id"])[MORE]) == pytest.approx(
+        at_dp4, rel=1e-5
+    )
 
 
-def test_a_dp4_checkpoint_resumes_at_dp2_tp2_with_the_same_global_data_order(killed_fsdp: dict):
+def test_a_dp4_checkpoint_resumes_at_dp2_tp2_with_the_same_global_data_order(
+    reference: dict, killed_fsdp: dict
+):
     resumed = run_json(
         killed_fsdp["workdir"], "--resume", "--ranks", "4", "--tp", "2", "--steps",
-        str(MORE + 2), "--ckpt-every", str(EVERY),
+        str(MORE + 2), "--ckpt-every", str(EVERY), *reference["data"],
     )  # fmt: skip
     assert f"from step {MORE}" in resumed["_log"]
     recorded = offsets(killed_fsdp["workdir"], killed_fsdp["run_id"])

@@ -55,6 +55,11 @@ def test_the_data_benchmark_prepares_a_corpus_and_prints_both_ratios() -> None:
     assert "prepare / encode_batch" in printed and "window reads / memmap" in printed
 
 
+def test_the_data_wait_benchmark_trains_on_the_example_data_and_prints_its_ratio() -> None:
+    printed = run_bench("data_wait.py", "--steps", "4", "--ranks", "2")
+    assert "ratio data wait/step time: " in printed
+
+
 def test_the_model_build_memory_benchmark_runs_both_paths_and_prints_their_ratio() -> None:
     printed = run_bench(
         "model_build_memory.py", "--ranks", "2", "--dim", "64", "--layers", "2", "--heads", "4",

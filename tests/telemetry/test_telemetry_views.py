@@ -252,3 +252,20 @@ def test_a_restarted_run_is_restarting_until_its_new_attempt_records_a_step(
     ]  # fmt: skip
     registered.add_events([stamped(event("run-1", "run_finished", step=5), 30)])
     assert not views.live(engine)
+
+
+def test_the_validation_loss_is_read_by_step_and_a_step_evaluated_again_keeps_the_latest(
+    engine: Engine, registered: TelemetryStore
+) -> None:
+    steps(registered, range(1, 7))
+    registered.add_events(
+        [
+            stamped(event("run-1", "eval", step=3, attributes={"loss": "2.5"}), 10),
+            stamped(event("run-1", "eval", step=6, attributes={"loss": "2.25"}), 20),
+            # The restarted attempt evaluated step 6 again.
+            stamped(event("run-1", "eval", step=6, attributes={"loss": "2.125"}), 30),
+        ]
+    )
+    points = views.eval_points(engine, "run-1")
+    assert points.values.tolist() == [[3, 2.5], [6, 2.125]]
+    assert views.eval_points(engine, "run-2").empty

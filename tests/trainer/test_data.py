@@ -67,3 +67,21 @@ def test_samples_of_one_epoch_are_all_different_windows(corpus):
 def test_a_batch_that_does_not_split_over_ranks_is_refused_with_its_values(corpus):
     with pytest.raises(ValueError, match=r"global batch 6 is not divisible .* 4"):
         DeterministicLoader(corpus, 32, 6, 0, 4, seed=1)
+
+
+def test_reading_ahead_in_a_thread_gives_the_same_batches_and_state_as_reading_in_the_step(corpus):
+    plain = DeterministicLoader(corpus, 32, 8, 1, 2, seed=3)
+    ahead = DeterministicLoader(corpus, 32, 8, 1, 2, seed=3, prefetch=2)
+    try:
+        for _ in range(4):
+            assert all(map(torch.equal, plain.next_batch(), ahead.next_batch()))
+            assert ahead.state_dict() == plain.state_dict()
+            assert ahead.offset() == plain.offset()
+        # A restore to another place drops what was read ahead for the old one.
+        state = {"global_sample": 8}
+        plain.load_state_dict(state)
+        ahead.load_state_dict(state)
+        for _ in range(3):
+            assert all(map(torch.equal, plain.next_batch(), ahead.next_batch()))
+    finally:
+        ahead.close()

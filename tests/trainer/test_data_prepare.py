@@ -32,6 +32,7 @@ from trainer.data.loader import (
 from trainer.data.prepare import CRASH_ENV, MANIFEST, PrepareOptions, prepare
 from trainer.data.shards import Blend, BlendPart, PreparedData, blend_table, parse_blend
 from trainer.data.tokenizer import load_tokenizer
+from trainer.model.llama import ModelArgs, Transformer, document_layout
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly oxen"
 
@@ -129,26 +130,59 @@ def test_every_tokenizer_kind_and_input_kind_prepares_and_reads_back(corpus: Pat
     assert data.manifest["documents"] == 30
 
 
-def test_packed_windows_cross_shards_and_mark_every_document_boundary(corpus: Path, tmp_path: Path):
+def test_packed_windows_cross_shards_and_the_document_mask_matches_the_index(
+    corpus: Path, tmp_path: Path
+):
+    """Under --document-masking a query attends only to earlier tokens of its own document, and
+    positions restart at each document: the mask the model reads off the EOS tokens is checked
+    against a reference built from the prepared index (each document's end offset)."""
     _prepare(corpus, tmp_path / "p", train_tokenizer=400, shard_tokens=300)
     data = PreparedData(tmp_path / "p")
     stream = np.concatenate([np.fromfile(p, dtype=data.dtype)
                              for p in sorted((tmp_path / "p").glob("shard-*.bin"))])  # fmt: skip
     assert stream.size == data.tokens
     seq = 64
-    # A reference mask from the stream itself: a document ends at each EOS.
-    doc_of = np.concatenate(([0], np.cumsum(stream == data.eos_id)[:-1]))
-    for w in range(data.windows(seq)):
-        window = data.window(w, seq)
+    windows = [data.window(w, seq) for w in range(data.windows(seq))]
+    for w, window in enumerate(windows):
+        assert np.array_equal(window, stream[w * seq : w * seq + seq + 1])
+    inputs = torch.from_numpy(np.stack(windows)[:, :-1].astype(np.int64))
+    positions, mask = document_layout(inputs, data.eos_id)
+    for w in range(len(windows)):
         start = w * seq
-        assert np.array_equal(window, stream[start : start + seq + 1])
-        ids = data.document_ids(start, seq)
-        assert np.array_equal(ids, doc_of[start : start + seq])
-        positions = data.positions(start, seq)
-        for t in range(seq):
-            same = ids[: t + 1] == ids[t]
-            assert positions[t] == same.sum() - 1  # tokens of its own document up to t
+        # The reference: token t's document is the number of document ends at or before it.
+        doc = np.searchsorted(data.document_ends, np.arange(start, start + seq), side="right")
+        first = {d: t for t, d in reversed(list(enumerate(doc)))}
+        expected_mask = (doc[None, :] == doc[:, None]) & np.tri(seq, dtype=bool)
+        assert np.array_equal(mask[w, 0].numpy(), expected_mask), f"window {w}"
+        assert positions[w].tolist() == [t - first[d] for t, d in enumerate(doc)], f"window {w}"
     assert data.windows(seq) == (stream.size - 1) // seq
+    assert (positions == 0).sum() > len(windows), "the windows hold no document boundary"
+
+
+def test_a_masked_document_is_computed_as_if_it_stood_alone(corpus: Path, tmp_path: Path):
+    """The logits of a document packed after others equal those of the document fed alone from
+    position 0: nothing packed before it reaches it."""
+    _prepare(corpus, tmp_path / "p", train_tokenizer=400)
+    data = PreparedData(tmp_path / "p")
+    ends = data.document_ends
+    begin, end = int(ends[2]), int(ends[3])  # the fourth document, after three others
+    packed = torch.from_numpy(data.read(int(ends[0]) - 5, end - int(ends[0]) + 5).astype(np.int64))
+    alone = torch.from_numpy(data.read(begin, end - begin).astype(np.int64))
+    model = Transformer(ModelArgs(vocab_size=data.vocab_size, max_seq_len=512))
+    model.init_weights(7)
+    with torch.no_grad():
+        plain = model(alone[None])
+        model.document_eos = data.eos_id
+        masked = model(packed[None])
+        # Other documents before it: every token changed, the document ends kept where they are.
+        before = packed[: -len(alone)]
+        changed_before = (before + 1) % data.vocab_size
+        changed_before[changed_before == data.eos_id] = (data.eos_id + 1) % data.vocab_size
+        changed_before[before == data.eos_id] = data.eos_id
+        changed = model(torch.cat([changed_before, alone])[None])
+    assert torch.allclose(masked[0, -len(alone) :], plain[0], atol=1e-5)
+    assert torch.allclose(changed[0, -len(alone) :], plain[0], atol=1e-5)
+    assert not torch.allclose(masked[0, : -len(alone)], changed[0, : -len(alone)], atol=1e-3)
 
 
 def test_a_blend_draws_each_source_in_proportion_and_each_of_its_samples_once():

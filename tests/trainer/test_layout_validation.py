@@ -132,3 +132,25 @@ def test_expert_options_that_cannot_route_are_refused():
         MoEArgs(n_experts=8, n_groups=3)
     with pytest.raises(ValueError, match=r"top_k 4 exceeds the 2 experts of 1 groups of 2"):
         MoEArgs(n_experts=8, top_k=4, n_groups=4, topk_groups=1)
+
+
+def test_document_masking_and_validation_loss_are_refused_where_the_layout_cannot_do_them():
+    masked = {"data": "prepared", "document_masking": True}
+    for parallel, degree in (({"pp": 2}, "pp 2"), ({"cp": 2}, "cp 2")):
+        cfg = dataclasses.replace(_cfg(**parallel), **masked)
+        with pytest.raises(LayoutError, match=rf"--document-masking with {degree}: this layout"):
+            validate_layout(cfg, 4)
+    validate_layout(dataclasses.replace(_cfg(tp=2), **masked), 4)  # dp, FSDP and tp mask
+    evaluated = {"eval_data": "heldout", "eval_every": 10}
+    for schedule in ("ZBVZeroBubble", "DualPipeV"):
+        cfg = dataclasses.replace(_cfg(pp=2, pp_schedule=schedule), **evaluated)
+        with pytest.raises(LayoutError, match=rf"--eval-every with pp_schedule {schedule}"):
+            validate_layout(cfg, 4)
+    validate_layout(dataclasses.replace(_cfg(pp=2, pp_schedule="GPipe"), **evaluated), 4)
+
+
+def test_document_masking_needs_prepared_data_and_evaluation_needs_held_out_data():
+    with pytest.raises(ValueError, match="--document-masking needs --data"):
+        TrainConfig(run_id="r", document_masking=True)
+    with pytest.raises(ValueError, match="--eval-every needs --eval-data"):
+        TrainConfig(run_id="r", eval_every=5)

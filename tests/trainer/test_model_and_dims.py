@@ -8,6 +8,7 @@ import torch
 from trainer.checkpoint.digest import state_sha256
 from trainer.config import TrainConfig
 from trainer.model.llama import ModelArgs, Transformer
+from trainer.model.moe import MoE, MoEArgs
 
 
 def test_the_model_predicts_one_distribution_per_position():
@@ -52,3 +53,17 @@ def test_a_sequence_longer_than_the_model_allows_is_refused():
 def test_a_run_id_that_could_escape_the_store_is_refused():
     with pytest.raises(ValueError, match="--run-id"):
         TrainConfig(run_id="../etc")
+
+
+def test_a_validation_forward_counts_no_expert_load_so_it_changes_no_later_step():
+    model = Transformer(ModelArgs(moe=MoEArgs(n_experts=4, top_k=2)))
+    model.init_weights(1)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    model.eval()
+    with torch.no_grad():
+        model(tokens)
+    model.train()
+    assert all(int(m.tokens_per_expert.sum()) == 0 for m in moes)
+    model(tokens)
+    assert all(int(m.tokens_per_expert.sum()) == 2 * 16 * 2 for m in moes)

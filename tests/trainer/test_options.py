@@ -37,6 +37,16 @@ SAMPLES: dict[str, options.Value] = {
 }
 
 
+# Options that act only beside another (that one's sample joins the base job).
+NEEDS = {"document_masking": "data", "eval_every": "eval_data"}
+
+
+def base_of(o: Option) -> dict[str, options.Value]:
+    """The base job for `o`: BASE, and the option `o` needs to act at all."""
+    needed = NEEDS.get(o.dest)
+    return BASE | ({needed: sample(BY_DEST[needed])} if needed else {})
+
+
 @pytest.fixture(autouse=True, scope="module")
 def prepared_data(tmp_path_factory: pytest.TempPathFactory) -> None:
     """`--data` takes a prepared directory (its tokenizer sizes the model): a tiny one."""
@@ -79,11 +89,11 @@ def train_config(argv: list[str]) -> TrainConfig:
 def test_every_option_reaches_the_run_from_the_trainers_flags_and_from_a_config_file(
     o: Option, tmp_path: Path
 ) -> None:
-    base = train_config(options.to_argv(BASE))
-    from_flag = train_config(options.to_argv(BASE | {o.dest: sample(o)}))
+    base = train_config(options.to_argv(base_of(o)))
+    from_flag = train_config(options.to_argv(base_of(o) | {o.dest: sample(o)}))
     assert from_flag != base, f"{o.flag} changed nothing in the run's config"
     assert from_flag.job[o.dest] == sample(o)
-    from_file = train_config(["--config", str(config(tmp_path, BASE | {o.dest: sample(o)}))])
+    from_file = train_config(["--config", str(config(tmp_path, base_of(o) | {o.dest: sample(o)}))])
     assert from_file == from_flag and from_file.job == from_flag.job
 
 
@@ -92,10 +102,10 @@ def test_scaletrain_run_and_chaos_pass_every_option_on_or_take_it_from_the_confi
     command: str, tmp_path: Path
 ) -> None:
     defaults = cli.RUN_DEFAULTS if command == "run" else cli.CHAOS_DEFAULTS
-    base = {k: v for k, v in BASE.items() if k != "run_id"}
     shadowed = cli.CHAOS_SHADOWED if command == "chaos" else ()
     for o in OPTIONS:
         value = sample(o)
+        base = {k: v for k, v in base_of(o).items() if k != "run_id"}
         try:
             if o.dest in shadowed:
                 raise SystemExit(2)

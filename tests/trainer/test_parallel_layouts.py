@@ -11,19 +11,24 @@ a plain one-process model loads. Before any step, every layout's parameters gath
 equal the reference's initial ones bit for bit: each rank built the model on the meta device and
 initialised only its own shards (trainer.model.init).
 
-Tolerances (fp32): loss and gradient norm within 2e-5 relative; parameters within 1e-4 absolute
-(AdamW moves each by up to lr = 3e-3 a step, so last-bit differences in tiny gradients show up
-there first); checksum within 1e-6 relative. Layouts that do the same arithmetic as another
-(activation checkpointing) must match it bit for bit. bf16 mixed precision is compared with the
-fp32 reference: losses and the first step's gradient norm within 2e-2 relative; later gradient
-norms within 1e-1, as AdamW turns bf16's rounding of tiny gradients into whole-lr steps of their
-parameters (measured on a CPU with AMX bf16 kernels: 0.04%, 0.4%, 5.5% over three steps, losses
-within 2e-4). The measured differences are written to test-artifacts/parallel_layouts.json.
+The validation loss after the last step (`ParallelModel.evaluate`: forward only, a pipeline
+schedule's eval) is compared the same way.
+
+Tolerances (fp32): loss, validation loss and gradient norm within 2e-5 relative; parameters within
+1e-4 absolute (AdamW moves each by up to lr = 3e-3 a step, so last-bit differences in tiny
+gradients show up there first); checksum within 1e-6 relative. Layouts that do the same arithmetic
+as another (activation checkpointing) must match it bit for bit. bf16 mixed precision is compared
+with the fp32 reference: losses and the first step's gradient norm within 2e-2 relative; later
+gradient norms within 1e-1, as AdamW turns bf16's rounding of tiny gradients into whole-lr steps of
+their parameters (measured on a CPU with AMX bf16 kernels: 0.04%, 0.4%, 5.5% over three steps,
+losses within 2e-4).
+The measured differences are written to test-artifacts/parallel_layouts.json.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -39,6 +44,7 @@ from ckptd.server import start
 from scaletrain.checkpoints import export
 from trainer.checkpoint.digest import state_sha256
 from trainer.model.llama import Transformer
+from trainer.parallel.pipeline import V_SHAPED
 from trainer.parallel.probe import ProbeResult, config_from_layout, launch, reference
 
 STEPS = 3
@@ -152,6 +158,7 @@ def _compare(name: str, got: dict[str, Any], ref: ProbeResult) -> dict[str, Any]
         "checksum_rel": checksum,
         "bitwise": state_sha256(got["state"]) == state_sha256(ref.state),
         "final_loss": got["losses"][-1],
+        "eval_loss_rel": abs(got["eval_loss"] - ref.eval_loss) / abs(ref.eval_loss),
     }
 
 
@@ -162,8 +169,14 @@ def _check_layout(table: dict, name: str, measured) -> None:
     if name in BF16:
         assert diff["loss_rel"] < 2e-2 and diff["first_grad_norm_rel"] < 2e-2, diff
         assert diff["grad_norm_rel"] < 1e-1, diff
+        assert diff["eval_loss_rel"] < 2e-2, diff
         return
     assert diff["loss_rel"] < 2e-5, diff
+    # Only a schedule that cannot run forward alone has no validation loss (--eval-every refuses).
+    if table[name][0].get("pp_schedule") in V_SHAPED:
+        assert math.isnan(results[name]["eval_loss"])
+    else:
+        assert diff["eval_loss_rel"] < 2e-5, diff
     assert diff["grad_norm_rel"] < 2e-5, diff
     assert diff["param_max_abs"] < 1e-4, diff
     assert diff["checksum_rel"] < 1e-6, diff

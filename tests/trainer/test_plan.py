@@ -4,12 +4,14 @@ as `scaletrain run` refuses them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from scaletrain import cli
-from scaletrain.plan import plan
+from scaletrain.plan import plan, render
 from trainer import options
 from trainer.config import from_values
 from trainer.model.llama import Transformer, next_token_loss
@@ -74,6 +76,19 @@ def test_plan_shards_memory_over_the_layout_of_a_405b_job_on_16384_gpus(
     out = capsys.readouterr().out
     assert "16,384 ranks: dp_shard=128 tp=8 pp=16" in out
     assert "bubble        48.4%" in out and "on 16,384 x h200" in out
+    assert "fits          yes: " in out and "of one h200" in out
+
+
+def test_plan_says_whether_the_busiest_rank_fits_one_device() -> None:
+    """8B on one H200: fp32 weights, gradients and AdamW state take 120 GiB of its 131; the
+    activations of an 8,192-token sequence fit only when recomputed."""
+    values = job(model="llama3-8b", seq_len=8192, global_batch=1, mixed_precision=True)
+    assert "fits          no: " in render(plan(values, world=1))
+    one = plan(values | {"activation_checkpointing": True}, world=1)
+    assert "fits          yes: " in render(one)
+    assert "fits          unknown" in render(
+        dataclasses.replace(one, gpu="tpu", device_memory=None)
+    )
 
 
 def test_plan_refuses_a_layout_in_one_line_as_run_does(capsys: pytest.CaptureFixture[str]) -> None:

@@ -39,3 +39,20 @@ def test_the_heatmap_colours_each_rank_relative_to_the_median_rank_of_its_step()
     relative = {(row["step"], row["rank"]): row["relative"] for row in rows(spec, spec)}
     assert relative[(1, 3)] == relative[(2, 3)] == 2.0
     assert relative[(1, 0)] == relative[(2, 4)] == 1.0
+
+
+def test_the_loss_chart_draws_the_validation_loss_beside_the_training_loss() -> None:
+    points = pd.DataFrame(
+        {"step": [1, 2, 3], "loss": [3.0, 2.0, 1.5], "loss_min": [2.9, 1.9, 1.4],
+         "loss_max": [3.1, 2.1, 1.6]}
+    )  # fmt: skip
+    markers = pd.DataFrame(columns=["step", "kind", "label"])
+    evals = pd.DataFrame({"step": [2, 3], "eval_loss": [2.4, 1.9]})
+    spec = charts.loss_chart(points, markers, evals).to_dict()
+    validation = spec["layer"][-1]
+    assert validation["mark"]["strokeDash"] and validation["encoding"]["y"]["field"] == "eval_loss"
+    assert [(row["step"], row["eval_loss"]) for row in rows(spec, validation)] == [
+        (2, 2.4), (3, 1.9)
+    ]  # fmt: skip
+    without = charts.loss_chart(points, markers, evals.iloc[:0]).to_dict()
+    assert len(without["layer"]) == 4

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,20 +43,27 @@ def open_source(data: str | None, corpus_bytes: int) -> Source:
 
 
 def source_identity(source: Source) -> dict[str, object]:
-    """What a resume must find unchanged: the data's digest, and its tokenizer's."""
+    """What the run trains on, as its checkpoints and telemetry record it, and what a resume
+    must find unchanged: the data's digest and tokens, and its tokenizer's digest and kind."""
     if isinstance(source, Corpus):
-        return {"kind": "stdlib-bytes", "sha256": source.sha256, "tokenizer": "bytes"}
+        return {"kind": "stdlib-bytes", "sha256": source.sha256, "tokenizer": "bytes",
+                "tokens": len(source)}  # fmt: skip
     if isinstance(source, PreparedData):
         return {
             "kind": "prepared",
             "sha256": source.sha256,
             "tokenizer": source.manifest["tokenizer"]["sha256"],
+            "tokenizer_kind": source.manifest["tokenizer"]["kind"],
+            "tokens": source.tokens,
         }
+    first = source.sources[0].manifest["tokenizer"]
     return {
         "kind": "blend",
         "sha256": source.sha256,
-        "tokenizer": source.sources[0].manifest["tokenizer"]["sha256"],
-        "parts": [{"sha256": s.sha256, "weight": w} for s, w in source.parts],
+        "tokenizer": first["sha256"],
+        "tokenizer_kind": first["kind"],
+        "tokens": sum(s.tokens for s in source.sources),
+        "parts": [{"sha256": s.sha256, "weight": w, "tokens": s.tokens} for s, w in source.parts],
     }
 
 
@@ -121,6 +129,7 @@ class DeterministicLoader:
         dp_rank: int,
         dp_size: int,
         seed: int,
+        prefetch: int = 0,
     ) -> None:
         if global_batch % dp_size:
             raise ValueError(
@@ -143,6 +152,12 @@ class DeterministicLoader:
             )
         self._identity = source_identity(source)
         self.global_sample = 0
+        # Batches being read ahead, by their first global sample: a batch is a function of that
+        # index alone, so reading ahead in a thread changes no batch, and a restore only drops
+        # the ones read for other indices.
+        self._prefetch = prefetch
+        self._ahead: dict[int, Future[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._reader = ThreadPoolExecutor(1, "data-prefetch") if prefetch else None
 
     def window_start(self, sample: int) -> int:
         """The window of sample `sample` (of a single source: its start in the corpus)."""
@@ -156,11 +171,30 @@ class DeterministicLoader:
         return self._parts[source].tokens(index)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token targets of this rank's slice of the next global batch."""
-        first = self.global_sample + self.dp_rank * self.local_batch
-        rows = torch.stack([self.sample_tokens(first + i) for i in range(self.local_batch)]).long()
+        """Inputs and next-token targets of this rank's slice of the next global batch; with
+        `prefetch`, read ahead in a background thread while the step trains (the wait for it is
+        the step's data phase)."""
+        start = self.global_sample
+        ahead = self._ahead.pop(start, None)
+        batch = ahead.result() if ahead is not None else self._batch(start)
         self.global_sample += self.global_batch
+        if self._reader is not None:
+            for n in range(1, self._prefetch + 1):
+                later = start + n * self.global_batch
+                if later not in self._ahead:
+                    self._ahead[later] = self._reader.submit(self._batch, later)
+        return batch
+
+    def _batch(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the global batch that begins at global sample `start`."""
+        first = start + self.dp_rank * self.local_batch
+        rows = torch.stack([self.sample_tokens(first + i) for i in range(self.local_batch)]).long()
         return rows[:, :-1], rows[:, 1:]
+
+    def close(self) -> None:
+        """Stop reading ahead (batches already being read finish first)."""
+        if self._reader is not None:
+            self._reader.shutdown(cancel_futures=True)
 
     def offset(self) -> LoaderOffset:
         return LoaderOffset(
@@ -181,3 +215,4 @@ class DeterministicLoader:
         if "data" in state:
             check_same_data(json.loads(str(state["data"])), self._identity)
         self.global_sample = int(state["global_sample"])
+        self._ahead = {g: f for g, f in self._ahead.items() if g >= self.global_sample}

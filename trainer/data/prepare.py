@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import signal
+import sysconfig
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,6 +58,10 @@ class PrepareOptions:
     utf8_errors: str = "strict"  # or "replace"
     eos: str | None = None  # the EOS token's name, where the tokenizer's is not a known one
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+
+# Where --train-tokenizer saves the BPE it trained, in the prepared directory.
+TRAINED_TOKENIZER = "tokenizer.json"
 
 
 def shard_name(index: int, suffix: str) -> str:
@@ -176,7 +181,7 @@ def _all_documents(options: PrepareOptions, sources: list[Source]) -> Iterator[s
 def _tokenizer(options: PrepareOptions, sources: list[Source]) -> Tokenizer:
     if options.train_tokenizer is None:
         return load_tokenizer(options.tokenizer, options.threads, options.eos)
-    trained = options.out / "tokenizer.json"
+    trained = options.out / TRAINED_TOKENIZER
     if not trained.is_file():  # kept from an interrupted prepare: the same training's result
         train_bpe(_all_documents(options, sources), options.train_tokenizer, options.out)
     return load_tokenizer(str(trained), options.threads, options.eos)
@@ -316,6 +321,37 @@ def options_from(args: argparse.Namespace) -> PrepareOptions:
         utf8_errors=args.utf8_errors,
         eos=args.eos,
     )
+
+
+# The example dataset every machine can make (`scaletrain data example`, what `make run` trains
+# on): packages of the Python standard library's own sources, some to train on, others held out.
+EXAMPLE_TRAIN = ("email", "asyncio", "logging")
+EXAMPLE_HELD_OUT = ("json", "http")
+EXAMPLE_VOCAB = 2048
+
+
+def prepare_example(
+    out: Path, vocab: int = EXAMPLE_VOCAB, progress: IO[str] | None = None
+) -> tuple[dict, dict]:
+    """`out`/train (a BPE of `vocab` trained on it, in seconds) and `out`/heldout (the same
+    tokenizer) from the standard library's sources; their manifests. Done again, it finds both
+    complete and changes nothing."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    train = prepare(
+        PrepareOptions(
+            inputs=[str(stdlib / p) for p in EXAMPLE_TRAIN], out=out / "train",
+            train_tokenizer=vocab,
+        ),
+        progress,
+    )  # fmt: skip
+    held_out = prepare(
+        PrepareOptions(
+            inputs=[str(stdlib / p) for p in EXAMPLE_HELD_OUT], out=out / "heldout",
+            tokenizer=str(out / "train" / TRAINED_TOKENIZER),
+        ),
+        progress,
+    )  # fmt: skip
+    return train, held_out
 
 
 def summary(manifest: dict) -> str:

@@ -3,8 +3,8 @@ token stream, packed into fixed windows, and blends of several directories.
 
 Packing: documents are already joined with EOS between them; window w of a run with sequence
 length S is tokens [w*S, w*S + S + 1) of the stream (inputs and next-token targets), so every
-token is read once per epoch and no padding is spent. `positions` and `document_ids` give what
-document masking needs: where each document of a window starts.
+token is read once per epoch and no padding is spent. Document masking finds each window's
+documents by their EOS (`trainer.model.llama.document_layout`).
 
 A blend draws sample i of the run from a fixed source and position computable in O(1): a
 period of P samples is laid out once (each source's share of P in proportion to its weight,
@@ -104,19 +104,6 @@ class PreparedData:
         """Packed window `index`: seq_len + 1 tokens (inputs, and targets shifted by one)."""
         return self.read(index * seq_len, seq_len + 1)
 
-    def document_ids(self, start: int, length: int) -> np.ndarray:
-        """For tokens [start, start + length): the index of the document each belongs to (a
-        document's EOS belongs to it)."""
-        return np.searchsorted(self.document_ends, np.arange(start, start + length), side="right")
-
-    def positions(self, start: int, length: int) -> np.ndarray:
-        """Each token's position from the start of its document, or of the window where the
-        document began before it: positions restart at every document boundary (RoPE positions
-        under document masking, where a token sees nothing before either)."""
-        docs = self.document_ids(start, length)
-        doc_starts = np.concatenate(([0], self.document_ends))[docs]
-        return np.arange(start, start + length) - np.maximum(doc_starts, start)
-
     def check_fits(self, seq_len: int, global_batch: int) -> None:
         """Refuse a dataset too small for one global batch of windows."""
         if self.windows(seq_len) < global_batch:
@@ -126,12 +113,12 @@ class PreparedData:
             )
 
 
-def data_vocab_size(spec: str) -> int:
-    """The tokenizer vocabulary of `--data` (a directory or a blend), from the manifest alone:
-    what the model must be sized to before any shard is read. (A blend's parts must share the
-    tokenizer; `Blend` checks that when the data is opened.)"""
-    manifest = read_manifest(parse_blend(spec)[0].directory)
-    return int(manifest["tokenizer"]["vocab_size"])
+def data_tokenizer(spec: str) -> dict:
+    """The tokenizer of `--data` (a directory or a blend) as its manifest describes it (kind,
+    sha256, vocab_size, eos_id, pad_id), from the manifest alone: what the model is sized to
+    before any shard is read. (A blend's parts must share the tokenizer; `Blend` checks that
+    when the data is opened.)"""
+    return dict(read_manifest(parse_blend(spec)[0].directory)["tokenizer"])
 
 
 @dataclass(frozen=True)

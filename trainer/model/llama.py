@@ -75,13 +75,38 @@ def rope_tables(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles."""
+    """Rotate pairs of channels of x (batch, seq, heads, head_dim) by position-dependent angles.
+
+    The tables are (positions, head_dim // 2), the same for every sequence, or (batch, seq,
+    head_dim // 2) for positions of each token of its own (`document_layout`)."""
     seq = x.shape[1]
-    cos = cos[:seq].view(1, seq, 1, -1).to(x.dtype)
-    sin = sin[:seq].view(1, seq, 1, -1).to(x.dtype)
+    if cos.dim() == 2:
+        cos, sin = cos[:seq].view(1, seq, 1, -1), sin[:seq].view(1, seq, 1, -1)
+    else:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return rotated.flatten(-2)
+
+
+def document_layout(tokens: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each token of packed windows (batch, seq) stands in its document, and which keys
+    each query may attend to (batch, 1, seq, seq): the earlier tokens of its own document.
+
+    A window packs whole documents, each ended by `eos` (which belongs to the document it ends),
+    so the documents are read off the tokens themselves. Without the mask a document's tokens
+    would attend to unrelated text packed before it, and without the restarted positions its
+    first token would look like the middle of a sequence."""
+    seq = tokens.shape[1]
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[:, 1:] = tokens[:, :-1] == eos
+    document = starts.cumsum(1)
+    index = torch.arange(seq, device=tokens.device).expand_as(tokens)
+    first = torch.where(starts, index, 0).cummax(1).values
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
+    same = document.unsqueeze(2) == document.unsqueeze(1)
+    return index - first, (same & causal).unsqueeze(1)
 
 
 class RMSNorm(nn.Module):
@@ -100,12 +125,17 @@ class CausalAttention(nn.Module):
 
     Takes q as (batch, heads, seq, head_dim) and k, v with the (fewer) key/value heads: keeping
     the grouped heads unexpanded until here lets ring attention pass the smaller k, v around.
+    `mask` (batch, 1, seq, seq), when given, replaces the causal mask (`document_layout`).
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         repeats = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(repeats, dim=1)
         v = v.repeat_interleave(repeats, dim=1)
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -119,14 +149,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.core: nn.Module = CausalAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         # Head counts come from the projections' (possibly tensor-parallel, local) widths.
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.core(*qkv) if mask is None else self.core(*qkv, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -151,8 +184,14 @@ class TransformerBlock(nn.Module):
             MoE(args.dim, args.ffn_dim, args.moe) if args.moe else FeedForward(args)
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -173,6 +212,8 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         # The positions the rotary tables cover (None: all); context parallelism sets them.
         self.rope_positions: torch.Tensor | None = None
+        # Document masking (`document_layout`): the end-of-document token; None: off.
+        self.document_eos: int | None = None
         cos, sin = rope_tables(args)
         # Derived from the config, so not part of the checkpoint.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -190,6 +231,7 @@ class Transformer(nn.Module):
         stage.norm = model.norm if last else None
         stage.output = model.output if last else None
         stage.rope_positions = model.rope_positions
+        stage.document_eos = None  # refused with pipeline parallelism (ParallelDims.check)
         stage.register_buffer("rope_cos", model.rope_cos, persistent=False)
         stage.register_buffer("rope_sin", model.rope_sin, persistent=False)
         return stage
@@ -213,9 +255,13 @@ class Transformer(nn.Module):
                 module.init_buffers()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        if self.document_eos is not None:
+            positions, mask = document_layout(x, self.document_eos)
+            cos, sin = cos[positions], sin[positions]
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -214,8 +214,9 @@ class MoE(nn.Module):
         return order[position < capacity], counts.clamp(max=capacity)
 
     def _record(self, counts: torch.Tensor, dropped: torch.Tensor) -> None:
-        # Activation checkpointing re-runs forward inside backward: count each token once.
-        if torch._C._current_graph_task_id() != -1:
+        # Activation checkpointing re-runs forward inside backward: count each token once. A
+        # forward in eval mode (a validation loss) is no load to balance.
+        if torch._C._current_graph_task_id() != -1 or not self.training:
             return
         with torch.no_grad():
             self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)

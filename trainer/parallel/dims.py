@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from trainer.parallel.pipeline import (
     SCHEDULES,
     V_SHAPED,
+    evaluates,
     resolve_microbatches,
     resolve_stages_per_rank,
 )
@@ -161,6 +162,13 @@ class ParallelDims:
                 f"rank holds the same number of experts; nearest valid n_experts: "
                 f"{_nearest_multiples(model.moe.n_experts, self.ep)}"
             )
+        if cfg.document_masking and (self.pp > 1 or self.cp > 1):
+            raise LayoutError(
+                f"--document-masking with {'pp' if self.pp > 1 else 'cp'} "
+                f"{self.pp if self.pp > 1 else self.cp}: this layout cannot mask documents yet "
+                "(pipeline stages and ring attention take no mask); use dp, FSDP and tp, or "
+                "leave --document-masking out"
+            )
         if self.pp > 1:
             self._check_pipeline(cfg)
 
@@ -175,6 +183,12 @@ class ParallelDims:
             raise LayoutError(f"pp_schedule {schedule} runs one stage per rank, not {v}")
         if schedule in V_SHAPED and v != 2:
             raise LayoutError(f"pp_schedule {schedule} runs exactly 2 stages per rank, not {v}")
+        if cfg.eval_every and not evaluates(schedule):
+            raise LayoutError(
+                f"--eval-every with pp_schedule {schedule}: torch's pipeline eval still runs "
+                "this schedule's backward actions; evaluate with another schedule "
+                "(GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble) or leave --eval-every out"
+            )
         stages, n_layers = pp * v, cfg.model.n_layers
         if n_layers % stages:
             raise LayoutError(

@@ -18,7 +18,7 @@ this rank's parameters under their unparallelised names.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from trainer.config import TrainConfig
+from trainer.data.shards import data_tokenizer
 from trainer.fp8 import Fp8Training, convert_to_fp8, make_recipe
 from trainer.model.llama import Transformer, next_token_loss
 from trainer.parallel.compile import apply_compile
@@ -57,19 +58,37 @@ class ParallelModel:
     positions: torch.Tensor | None
     pipeline: Pipeline | None
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def forward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True
+    ) -> torch.Tensor | None:
         """This rank's mean loss over its tokens; None on pipeline ranks without the last stage.
 
-        `inputs` and `targets` are this data-parallel rank's whole sequences.
+        `inputs` and `targets` are this data-parallel rank's whole sequences. Not `train`: the
+        forward pass alone (a pipeline schedule's eval), for `evaluate`.
         """
         if self.positions is not None:
             inputs, targets = inputs[:, self.positions], targets[:, self.positions]
         with loss_context(self.dims.tp):
             if self.pipeline is not None:
-                loss = self.pipeline.step(inputs, targets)
+                loss = self.pipeline.step(inputs, targets, train)
             else:
                 loss = next_token_loss(self.model(inputs), targets)
         return None if loss is None else _full(loss)
+
+    def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """The mean loss over held-out `batches` (this data-parallel rank's slices of each
+        global batch), with no gradient and no optimizer step, over the ranks as `mean_loss`
+        takes it: the validation loss, the same on every layout.
+
+        In eval mode, so that experts count no load and evaluating never changes what training
+        computes next."""
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                losses = [self.forward(x, y, train=False) for x, y in batches]
+        finally:
+            self.model.train()
+        return self.mean_loss(self.mean_of(losses))
 
     def micro_batches(
         self, inputs: torch.Tensor, targets: torch.Tensor, count: int
@@ -142,6 +161,8 @@ def build_model(
     initialised from `cfg.seed`; and its FP8 side when `cfg.fp8` asks for FP8 linears."""
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    if cfg.document_masking:
+        model.document_eos = int(data_tokenizer(cfg.data)["eos_id"])
     fp8 = None
     # FP8 swaps the linears before the layout wraps them (TP shards them, FSDP2 shards them).
     if cfg.fp8 != "none":

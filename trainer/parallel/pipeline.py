@@ -41,6 +41,13 @@ V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
+def evaluates(schedule: str) -> bool:
+    """Whether the schedule can run forward only (`Pipeline.step(train=False)`, a validation
+    loss): torch 2.13's `eval` keeps the V-shaped schedules' backward actions, which then fail
+    on the gradients that never came."""
+    return schedule not in V_SHAPED
+
+
 def resolve_stages_per_rank(schedule: str, requested: int) -> int:
     """`requested`, or the schedule's own default when it is 0."""
     return requested or SCHEDULES[schedule]
@@ -136,17 +143,22 @@ class Pipeline:
         expected = "zero-bubble schedule" if self.formula is None else f"formula {self.formula:.2f}"
         return f"{self.last_bubble:.2f} ({expected})"
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward over all micro-batches; the mean loss where the last stage is."""
+    def step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True
+    ) -> torch.Tensor | None:
+        """Forward and backward over all micro-batches (not `train`: forward only, the
+        schedule's eval); the mean loss where the last stage is."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
+        run = self.schedule.step if train else self.schedule.eval
         busy, start = sum(s.busy_s for s in self.stages), time.perf_counter()
         if self.has_last:
-            self.schedule.step(*args, target=targets, losses=losses)
+            run(*args, target=targets, losses=losses)
         else:
-            self.schedule.step(*args)
-        busy = sum(s.busy_s for s in self.stages) - busy
-        self.last_bubble = 1 - busy / (time.perf_counter() - start)
+            run(*args)
+        if train:
+            busy = sum(s.busy_s for s in self.stages) - busy
+            self.last_bubble = 1 - busy / (time.perf_counter() - start)
         return torch.stack(losses).mean() if self.has_last else None
 
 

@@ -44,9 +44,12 @@ from trainer.optim import build_optimizer
 from trainer.parallel.dims import ParallelMesh, validate_layout
 from trainer.parallel.expert import ExpertLoad, balance_experts
 from trainer.parallel.parallelize import ParallelModel, build_model
-from trainer.parallel.pipeline import scheduled_bubble
+from trainer.parallel.pipeline import evaluates, scheduled_bubble
 
 CORPUS_BYTES = 1 << 18
+# Global batches of the validation loss taken after the last step (the held-out order: another
+# seed's permutation of the same corpus).
+EVAL_BATCHES = 2
 
 
 @dataclass
@@ -64,6 +67,9 @@ class ProbeResult:
     # idle fraction of the schedule's own action table (multi-stage schedules).
     bubbles: list[float] = field(default_factory=list)
     scheduled_bubble: float | None = None
+    # The validation loss after the last step (`ParallelModel.evaluate`); NaN for a schedule
+    # that cannot evaluate (`pipeline.evaluates`).
+    eval_loss: float = float("nan")
 
 
 def config_from_layout(layout: dict[str, Any]) -> TrainConfig:
@@ -103,7 +109,22 @@ def reference(cfg: TrainConfig, steps: int) -> ProbeResult:
         result.grad_norms.append(norm.item())
         result.step_seconds.append(time.perf_counter() - start)
     result.state = _copy(model.state_dict())
+    model.eval()
+    with torch.no_grad():
+        eval_loader = _eval_loader(cfg, 0, 1)
+        result.eval_loss = (
+            sum(
+                next_token_loss(model(x), y).item()
+                for x, y in (eval_loader.next_batch() for _ in range(EVAL_BATCHES))
+            )
+            / EVAL_BATCHES
+        )
     return result
+
+
+def _eval_loader(cfg: TrainConfig, dp_rank: int, dp_size: int) -> DeterministicLoader:
+    return DeterministicLoader(stdlib_corpus(cfg.corpus_bytes), cfg.seq_len, cfg.global_batch,
+                               dp_rank, dp_size, seed=cfg.seed + 1)  # fmt: skip
 
 
 def _copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -159,6 +180,11 @@ def run_layout(
             dist.all_reduce(bubble, group=mesh.pp.get_group())
             result.bubbles.append(bubble.item() / mesh.dims.pp)
     result.state = job.parallel.full_state()
+    if mesh.dims.pp == 1 or evaluates(cfg.parallel.pp_schedule):
+        eval_loader = _eval_loader(cfg, mesh.dp_rank, mesh.dims.dp_size)
+        result.eval_loss = job.parallel.evaluate(
+            tuple(x.to(device) for x in eval_loader.next_batch()) for _ in range(EVAL_BATCHES)
+        )
     if job.parallel.pipeline is not None:
         result.scheduled_bubble = scheduled_bubble(job.parallel.pipeline.schedule)
     if ckptd is not None:

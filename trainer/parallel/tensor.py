@@ -50,8 +50,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
         plan = {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
+                input_layouts=(Shard(1), None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
                 use_local_output=True,
             ),
             "attention.wq": ColwiseParallel(),

@@ -22,7 +22,8 @@ def render(engine: Engine, run_id: str) -> None:
         )
         return
     markers = views.markers(engine, run_id)
-    st.altair_chart(charts.loss_chart(points, markers), width="stretch")
+    evals = views.eval_points(engine, run_id)
+    st.altair_chart(charts.loss_chart(points, markers, evals), width="stretch")
     first, last = int(points["step"].min()), int(points["step"].max())
     sampled = len(points) < last - first + 1
     st.altair_chart(charts.throughput_chart(points), width="stretch")
@@ -34,6 +35,12 @@ def render(engine: Engine, run_id: str) -> None:
             "loss spikes the detector found are marked whether drawn or not. "
             if sampled
             else f"Every one of the {len(points):,} steps is drawn. "
+        )
+        + (
+            f"Dashed with points: the validation loss on held-out data, at each of its "
+            f"{len(evals):,} evaluations. "
+            if not evals.empty
+            else ""
         )
         + "Green triangles along the bottom: checkpoints; lines: grey restarts, orange loss "
         "spikes, red silent data corruption, purple replays. Scroll to zoom, drag to pan."
