@@ -31,23 +31,23 @@ random bytes from one generator, so a connection's ticket names one of them or n
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import mmap
 import secrets
+import selectors
 import socket
 import struct
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 
 from ckptd.config import DataLimits
 from ckptd.limits import OverShare, Owner, Shares
 from ckptd.manifest import FileRecord
 from ckptd.names import key_of
-from ckptd.readpath import TICKET_BYTES, Pieces, ReadPlane, timeval
+from ckptd.readpath import TICKET_BYTES, Pieces, ReadPlane, _ReadTicket, timeval
 from ckptd.reads import READ_PIECE_BYTES
 from ckptd.store import CheckpointStore
 from ckptd.tiers import BLOCK_BYTES
@@ -175,11 +175,12 @@ def _expired(found: _Ticket, now: float) -> bool:
 
 
 class _Waiting:
-    """A data connection that has not presented its ticket yet."""
+    """A data connection that has not brought its whole ticket yet (the accept loop's)."""
 
-    def __init__(self, conn: socket.socket, host: str) -> None:
-        self.conn, self.host = conn, host
-        self.evicted = False
+    def __init__(self, conn: socket.socket, peer: tuple) -> None:
+        self.conn, self.peer, self.host = conn, peer, str(peer[0])
+        self.since = time.monotonic()
+        self.ticket = bytearray()
 
 
 class DataPlane:
@@ -215,14 +216,16 @@ class DataPlane:
             self._listener = socket.create_server((bare, 0), family=family, backlog=1024)
         except OSError as exc:
             raise UserError(f"cannot open ckptd's data socket on {host}: {exc}") from None
-        self._listener.settimeout(1.0)  # wakes the accept loop to drop expired tickets
+        self._listener.setblocking(False)  # the accept loop selects on it
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._tickets: dict[bytes, _Ticket] = {}
         # Uploads whose connection failed, oldest first: FinishUpload may still ask why.
         self._failed: deque[bytes] = deque()
-        # Connections waiting for their ticket, oldest first.
+        # Connections waiting for their ticket, oldest first (the accept loop's alone), and how
+        # many of them each host has.
         self._waiting: OrderedDict[int, _Waiting] = OrderedDict()
+        self._hosts: Counter[str] = Counter()
         self._reads = ReadPlane(ttl_s, limits.uploads)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="ckptd-data", daemon=True)
@@ -352,44 +355,124 @@ class DataPlane:
     # -- the data socket -------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
+        """Accept connections and read their tickets, all in this one thread: a connection costs
+        a thread of its own only once its ticket is good, so idle connections and connections of
+        garbage cost ckptd almost nothing. Once a second, expired tickets are dropped and the
+        warnings' counts written."""
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ)
+        tidied = time.monotonic()
+        try:
+            while not self._closed.is_set():
+                for key, _ in selector.select(timeout=0.2):
+                    if key.fileobj is self._listener:
+                        self._accept(selector)
+                    else:
+                        self._read_ticket(selector, key.data)
+                now = time.monotonic()
+                self._close_idle(selector, now)
+                if now - tidied >= 1.0:
+                    tidied = now
+                    with self._lock:
+                        self._drop_expired()
+                    self._reads.drop_expired()
+                    self._warnings.flush()
+        finally:
+            for waiting in list(self._waiting.values()):
+                self._forget(selector, waiting)
+            selector.close()
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        """Take every connection the listener has, each to wait for its ticket; past the
+        waiting limits (for its host, then in all), the oldest waiting one is closed: a real
+        client sends its ticket as it connects, so the oldest are the ones that never will."""
+        limits = self.limits
+        while True:
             try:
                 conn, peer = self._listener.accept()
-            except TimeoutError:
-                with self._lock:
-                    self._drop_expired()
-                self._reads.drop_expired()
-                self._warnings.flush()
-                continue
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError:
                 if self._closed.is_set():
                     return
                 raise
-            waiting = _Waiting(conn, str(peer[0]))
-            self._make_room(waiting)
-            threading.Thread(
-                target=self._serve, args=(waiting, peer), name="ckptd-data-conn", daemon=True
-            ).start()
-
-    def _make_room(self, waiting: _Waiting) -> None:
-        """Count a new connection as waiting for its ticket; past the limits (for its host, then
-        in all), close the oldest waiting one: a real client sends its ticket as it connects, so
-        the oldest are the ones that never will."""
-        limits = self.limits
-        with self._lock:
-            same_host = [w for w in self._waiting.values() if w.host == waiting.host]
-            evict = []
-            if len(same_host) >= limits.waiting_connections_per_host:
-                evict.append(same_host[0])
+            conn.setblocking(False)
+            waiting = _Waiting(conn, peer)
+            oldest = None
+            if self._hosts[waiting.host] >= limits.waiting_connections_per_host:
+                oldest = next(w for w in self._waiting.values() if w.host == waiting.host)
             elif len(self._waiting) >= limits.waiting_connections:
-                evict.append(next(iter(self._waiting.values())))
-            for old in evict:
-                del self._waiting[id(old)]
-                old.evicted = True
+                oldest = next(iter(self._waiting.values()))
+            if oldest is not None:
+                self._forget(selector, oldest)
+                self._refuse(
+                    "evicted", "closed a data connection from %s that brought no ticket: too "
+                    "many connections wait for theirs", oldest.peer,
+                )  # fmt: skip
             self._waiting[id(waiting)] = waiting
-        for old in evict:
-            with contextlib.suppress(OSError):  # it may have just hung up
-                old.conn.shutdown(socket.SHUT_RDWR)  # wakes its thread, which closes it
+            self._hosts[waiting.host] += 1
+            selector.register(conn, selectors.EVENT_READ, waiting)
+            self._read_ticket(selector, waiting)  # a client's ticket is usually there already
+
+    def _forget(
+        self, selector: selectors.BaseSelector, waiting: _Waiting, close: bool = True
+    ) -> None:
+        """A waiting connection is done waiting: closed, or handed on (`close` False)."""
+        del self._waiting[id(waiting)]
+        self._hosts[waiting.host] -= 1
+        if not self._hosts[waiting.host]:
+            del self._hosts[waiting.host]
+        selector.unregister(waiting.conn)
+        if close:
+            waiting.conn.close()
+
+    def _close_idle(self, selector: selectors.BaseSelector, now: float) -> None:
+        wait_s = self.limits.ticket_wait_s
+        while self._waiting:
+            oldest = next(iter(self._waiting.values()))
+            if now - oldest.since < wait_s:
+                return
+            self._forget(selector, oldest)
+            self._refuse("no_ticket", "closed a data connection from %s: it brought no ticket "
+                         "within %gs", oldest.peer, wait_s)  # fmt: skip
+
+    def _read_ticket(self, selector: selectors.BaseSelector, waiting: _Waiting) -> None:
+        """Read what a waiting connection has of its ticket; with all of it, hand the connection
+        to a thread of its own (a read's or an upload's), or close it for a bad ticket."""
+        try:
+            got = waiting.conn.recv(TICKET_BYTES - len(waiting.ticket))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            got = b""
+        if not got:
+            self._forget(selector, waiting)
+            self._refuse("no_ticket", "closed a data connection from %s: it hung up before its "
+                         "ticket", waiting.peer)  # fmt: skip
+            return
+        waiting.ticket += got
+        if len(waiting.ticket) < TICKET_BYTES:
+            return
+        ticket = bytes(waiting.ticket)
+        read = self._reads.claim(ticket)
+        found = self._claim(ticket) if read is None else None
+        if read is None and found is None:
+            self._forget(selector, waiting)
+            self._refuse("bad_ticket", "refused a data connection from %s: unknown, used or "
+                         "expired ticket", waiting.peer)  # fmt: skip
+            return
+        self._forget(selector, waiting, close=False)
+        waiting.conn.setblocking(True)  # for MSG_WAITALL; kernel timeouts bound each wait
+        serve = self._send_read if read is not None else self._serve_upload
+        threading.Thread(
+            target=serve, args=(waiting.conn, waiting.peer, read or (ticket, found)),
+            name="ckptd-data-conn", daemon=True,
+        ).start()  # fmt: skip
+
+    def _send_read(self, conn: socket.socket, peer: object, read: _ReadTicket) -> None:
+        with conn:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self._idle_s))
+            self._reads.send(conn, read, peer)
 
     def _refuse(self, reason: str, message: str, *args: object) -> None:
         self._refused.labels(reason).inc()
@@ -404,37 +487,11 @@ class DataPlane:
         found.connected.set()
         return found
 
-    def _serve(self, waiting: _Waiting, peer: object) -> None:
-        conn = waiting.conn
+    def _serve_upload(
+        self, conn: socket.socket, peer: object, claimed: tuple[bytes, _Ticket]
+    ) -> None:
+        ticket, found = claimed
         with conn:
-            conn.settimeout(None)  # blocking, for MSG_WAITALL; the kernel enforces idleness
-            raw = bytearray(TICKET_BYTES)
-            try:
-                _recv_into(conn, raw, time.monotonic() + self.limits.ticket_wait_s)
-            except _Short as short:
-                with self._lock:
-                    evicted = waiting.evicted or self._waiting.pop(id(waiting), None) is None
-                if evicted:
-                    self._refuse("evicted", "closed a data connection from %s that brought no "
-                                 "ticket: too many connections wait for theirs", peer)  # fmt: skip
-                else:
-                    how = f"within {self.limits.ticket_wait_s:g}s" if short.silent else "at all"
-                    self._refuse("no_ticket", "closed a data connection from %s: it brought "
-                                 "no ticket %s", peer, how)  # fmt: skip
-                return
-            with self._lock:
-                self._waiting.pop(id(waiting), None)
-            ticket = bytes(raw)
-            read = self._reads.claim(ticket)
-            if read is not None:
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self._idle_s))
-                self._reads.send(conn, read, peer)
-                return
-            found = self._claim(ticket)
-            if found is None:
-                self._refuse("bad_ticket", "refused a data connection from %s: unknown, used "
-                             "or expired ticket", peer)  # fmt: skip
-                return
             try:
                 found.record = self._receive(conn, found, peer)
             except ScaletrainError as exc:

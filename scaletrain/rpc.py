@@ -483,7 +483,7 @@ def caller_of(context: grpc.ServicerContext, tokens: TokenTable | None) -> Calle
     if grant is not None and token is not None:
         name = grant.name or f"the {grant.role.value} token of {grant.run!r}"
         return Caller(f"token:{token_hash(token)[:16]}", name)
-    host = _host(context.peer())
+    host = _host(context.peer()).partition(":")[2]  # "ipv4:127.0.0.1" -> "127.0.0.1"
     return Caller(f"host:{host}", f"host {host}")
 
 
