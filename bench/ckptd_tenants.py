@@ -69,6 +69,7 @@ def abuse(address: str, token: str) -> None:
             conn.sendall(os.urandom(64))
     for _ in range(400):
         upload()
+        print(json.dumps(counts), flush=True)
     while True:  # on and on, at a pace: a new idle connection and an upload attempt
         time.sleep(0.02)
         idle.append(socket.create_connection(("127.0.0.1", port)))
