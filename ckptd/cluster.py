@@ -35,9 +35,10 @@ import grpc
 from ckptd.catalog import SaveRecord
 from ckptd.config import ClusterConfig, names_itself
 from ckptd.manifest import FileRecord, Manifest
+from ckptd.names import manifest_from_peer
 from ckptd.readpath import RangeConnection, open_range
 from ckptd.tiers import CheckpointKey
-from scaletrain.errors import FailedPrecondition, Unavailable, UserError
+from scaletrain.errors import FailedPrecondition, InvalidArgument, Unavailable, UserError
 from scaletrain.rpc import DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
 from scaletrain.security import ClientSecurity
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
@@ -409,7 +410,11 @@ def outcome(peers: Peers, save: SaveRecord) -> tuple[int, Manifest | None]:
             peer.node and peer.node == coordinator.coordinator
         )
         if answer.outcome == COMMITTED:
-            return COMMITTED, Manifest.from_wire(answer.manifest)
+            try:
+                return COMMITTED, manifest_from_peer(answer.manifest, f"peer {peer.address}")
+            except InvalidArgument as exc:
+                log.warning("%s", exc)  # another peer may answer it well
+                continue
         if is_coordinator and answer.outcome in (ABORTED, UNKNOWN):
             return ABORTED, None
     return IN_PROGRESS, None

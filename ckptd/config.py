@@ -129,6 +129,58 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class DataLimits:
+    """What one caller, one run and the whole node may hold of ckptd, so that one bad client (or
+    one broken run) cannot stall the other runs on its node: each resource is counted per caller
+    (its token; without tokens, its peer host), per run and in all, and a caller over its share is
+    refused with RESOURCE_EXHAUSTED naming its own count and limit while the others go on.
+
+    The defaults fit 64 ranks per node with a few files each in flight, and two such jobs'
+    worth on the node. README, "Security", lists them with their flags.
+    """
+
+    # Uploads issued (OpenUpload) and not yet ended (FinishUpload, or their data connection
+    # failed): each holds a ticket and, once presented, one data connection.
+    uploads_per_caller: int = 512
+    uploads_per_run: int = 256
+    uploads: int = 1024
+    # Bytes received on the data socket and not yet checked and written: a caller over its share
+    # waits (backpressure on its own connections), the others' bytes go on.
+    flight_bytes_per_caller: int = 768 * MiB
+    flight_bytes_per_run: int = 512 * MiB
+    flight_bytes: int = 1024 * MiB
+    # Data connections that have not presented a ticket yet, per peer host and in all: past
+    # either, the oldest of them is closed (a client sends its ticket as soon as it connects).
+    waiting_connections_per_host: int = 256
+    waiting_connections: int = 1024
+    # A data connection that brings no ticket for this long is closed.
+    ticket_wait_s: float = 5.0
+    # An upload whose connection is silent this long fails (its slot is free at once).
+    read_timeout_s: float = 10.0
+    # gRPC calls one client (its token on its host; without tokens, its host) runs at once.
+    calls_per_client: int = 64
+    # Repeated warnings of one kind (refused data connections): the first, then one line per
+    # this many seconds with the count.
+    log_every_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        ordered = (
+            ("uploads_per_run", "uploads"),
+            ("uploads_per_caller", "uploads"),
+            ("flight_bytes_per_run", "flight_bytes"),
+            ("flight_bytes_per_caller", "flight_bytes"),
+            ("waiting_connections_per_host", "waiting_connections"),
+        )
+        for part, whole in ordered:
+            share, total = getattr(self, part), getattr(self, whole)
+            if share > total:
+                raise ValueError(f"{part} ({share}) must not exceed {whole} ({total})")
+
+
+@dataclass(frozen=True)
 class CkptdConfig:
     """One ckptd: its data dir holds the SSD tier and the catalog, so it can be listed offline."""
 
@@ -158,6 +210,8 @@ class CkptdConfig:
     data_socket: bool = True
     # How long an upload ticket waits for its data connection, and an upload for its trailer.
     upload_ticket_ttl_s: float = 30.0
+    # Fair shares of the data socket and the RPCs per caller, per run and in all.
+    limits: DataLimits = field(default_factory=DataLimits)
     # This node's name and its peers.
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 

@@ -62,13 +62,17 @@ class FileUpload:
         retain: bool,
         on_written: Callable[[FileUpload], None],
         metrics: Metrics,
+        on_settled: Callable[[int], None] | None = None,
     ) -> None:
+        """`on_settled(n)`: n more bytes are checked and written (no longer in flight), called
+        by the pipeline's threads; the data socket gives them back to their caller's share."""
         self.header = header
         self.path = header.path
         self.incoming = incoming
         self.touched = time.monotonic()
         self._budget = budget
         self._on_written = on_written
+        self._on_settled = on_settled
         self._metrics = metrics
         self._lock = threading.Lock()
         self._size = 0
@@ -271,13 +275,17 @@ class FileUpload:
         Both threads call it, each after it is done with a chunk.
         """
         released: list[Data] = []
+        settled = 0
         with self._lock:
             done_to = self._verified_to
             while self._unsettled and (final or self._unsettled[0][0] <= done_to):
                 _end, data, kept = self._unsettled.popleft()
                 self._inflight -= len(data)
+                settled += len(data)
                 if not kept[0]:
                     released.append(data)
+        if settled and self._on_settled is not None:
+            self._on_settled(settled)
         if released:
             self._budget.release(sum(len(data) for data in released))
             self._budget.recycle(released)

@@ -168,7 +168,7 @@ class Manifest:
     def from_json(cls, raw: bytes, where: str) -> Manifest:
         """Parse a marker; ValueError naming `where` when it is not a manifest of this format."""
         try:
-            doc = json.loads(raw)
+            doc = _object(json.loads(raw), "the document")
             if doc.get("format") not in READABLE_FORMATS or doc.get("block_bytes") != BLOCK_BYTES:
                 raise ValueError(f"format {doc.get('format')}, block size {doc.get('block_bytes')}")
             files = tuple(
@@ -180,7 +180,7 @@ class Manifest:
                     block_crcs=bytes.fromhex(f["block_crc32c"]),
                     node=str(f.get("node", "")),
                 )
-                for f in doc["files"]
+                for f in (_object(f, "a file") for f in doc["files"])
             )
             for record, f in zip(files, doc["files"], strict=True):
                 if "crc32c" in f and int(f["crc32c"], 16) != record.crc32c:
@@ -195,5 +195,14 @@ class Manifest:
                 epoch=int(doc.get("epoch", 0)),
                 coordinator=str(doc.get("coordinator", "")),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        # OverflowError: an infinite number; RecursionError: nesting deeper than the parser goes.
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise ValueError(f"{where} is not a ckptd manifest: {exc}") from None
+
+
+def _object(value: object, what: str) -> dict:
+    """`value` if it is a JSON object, else a TypeError naming `what` (a marker is read from
+    disk or S3, where anything may have been written)."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} is not a JSON object")
+    return value

@@ -24,7 +24,7 @@ from ckptd.catalog import ABORTED, COMMITTED, OPEN, Catalog, Coordination, SaveR
 from ckptd.cluster import Peers, check_epoch
 from ckptd.crash import crash_point
 from ckptd.manifest import FileRecord, Manifest
-from ckptd.names import MAX_WORLD_SIZE, check_run, key_of
+from ckptd.names import MAX_WORLD_SIZE, check_run, key_of, manifest_from_peer
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.ssd import SsdTier
 from scaletrain.errors import (
@@ -136,7 +136,7 @@ class ClusterMember:
                 if save is not None:
                     self._drop_aborted(save.record, request.reason)
                 return
-        manifest = Manifest.from_wire(request.manifest)
+        manifest = manifest_from_peer(request.manifest, f"node {request.coordinator}")
         if manifest.key != key:
             raise InvalidArgument(f"a decision on {key} carries the manifest of {manifest.key}")
         self.adopt(manifest, request.save_id)
@@ -333,7 +333,11 @@ class ClusterMember:
             if not isinstance(view, checkpoint_pb2.CatalogResponse):
                 continue
             for entry in view.entries:
-                manifest = Manifest.from_wire(entry.manifest)
+                try:
+                    manifest = manifest_from_peer(entry.manifest, f"node {view.node}")
+                except InvalidArgument as exc:
+                    log.warning("%s", exc)
+                    continue
                 if manifest.key in self._forgotten:
                     continue
                 try:

@@ -69,6 +69,19 @@ class Metrics:
             "yet (0: every copy it owes is made)",
             registry=self.registry,
         )  # fmt: skip
+        self.refused_connections = Counter(
+            "ckptd_refused_connections",
+            "Data socket connections dropped, by reason: bad_ticket (unknown, used or expired), "
+            "no_ticket (none within --ticket-wait-s, or closed first), evicted (the oldest "
+            "waiting for a ticket, past the waiting limit), bad_frame, cut (closed or silent "
+            "mid-upload), over_limit (bytes in flight past a share for too long)",
+            ["reason"], registry=self.registry,
+        )  # fmt: skip
+        self.refused_uploads = Counter(
+            "ckptd_refused_uploads",
+            "OpenUpload calls refused for a full share, by scope: caller, run, node",
+            ["scope"], registry=self.registry,
+        )  # fmt: skip
         self.replica_bytes = Gauge(
             "ckptd_replica_bytes", "Bytes of other nodes' parts this node holds, per tier",
             ["tier"], registry=self.registry,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import re
 
-from ckptd.manifest import MARKER
-from ckptd.tiers import CheckpointKey
+from ckptd.manifest import MARKER, Manifest
+from ckptd.tiers import BLOCK_BYTES, CheckpointKey
 from scaletrain.errors import InvalidArgument
 from scaletrain.v1 import checkpoint_pb2
 
@@ -62,3 +62,31 @@ def check_path(path: str) -> str:
 
 def key_of(ref: checkpoint_pb2.CheckpointRef) -> CheckpointKey:
     return CheckpointKey(check_run(ref.run), check_step(ref.step))
+
+
+def manifest_from_peer(wire: checkpoint_pb2.Manifest, source: str) -> Manifest:
+    """A manifest a peer sent (a decision, an outcome, an entry of its catalog), once it names
+    only what a client could have saved here: a valid run, step and world size, distinct valid
+    file paths, and one block CRC per BLOCK_BYTES of each file's size. A node adopts what its
+    peers list into its own catalog and directories, so a broken or hostile peer must not make
+    it write outside a checkpoint or record sizes its reads would trust."""
+    manifest = Manifest.from_wire(wire)
+    try:
+        key_of(wire.ref)
+        if not 1 <= manifest.world_size <= MAX_WORLD_SIZE:
+            raise InvalidArgument(f"world size {manifest.world_size} is not 1..{MAX_WORLD_SIZE}")
+        seen: set[str] = set()
+        for record in manifest.files:
+            check_path(record.path)
+            if record.path in seen:
+                raise InvalidArgument(f"file {record.path!r} is listed twice")
+            seen.add(record.path)
+            blocks = -(-record.size // BLOCK_BYTES) if record.size >= 0 else -1
+            if len(record.block_crcs) != 4 * blocks:
+                raise InvalidArgument(
+                    f"file {record.path!r} of {record.size} bytes comes with "
+                    f"{len(record.block_crcs)} bytes of block CRCs"
+                )
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"a manifest from {source} is refused: {exc}") from None
+    return manifest

@@ -32,15 +32,17 @@ from ckptd.wire import decode_write_request
 from scaletrain.errors import InvalidArgument, UserError
 from scaletrain.rpc import (
     CHUNK_BYTES,
+    Limits,
     Rule,
     add_health,
     bind,
+    caller_of,
     make_channel,
     make_server,
     maps_errors,
     peer_is_loopback,
 )
-from scaletrain.security import ALL_RUNS, Role, ServerSecurity
+from scaletrain.security import ALL_RUNS, Role, ServerSecurity, TokenTable
 from scaletrain.v1 import (
     checkpoint_pb2,
     checkpoint_pb2_grpc,
@@ -65,13 +67,19 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     """CheckpointService over a CheckpointStore."""
 
     def __init__(
-        self, store: CheckpointStore, data: DataPlane | None = None, loopback_only: bool = False
+        self,
+        store: CheckpointStore,
+        data: DataPlane | None = None,
+        loopback_only: bool = False,
+        tokens: TokenTable | None = None,
     ) -> None:
         """`data`: the data socket of the fast path (None: off); `loopback_only`: issue tickets
-        only to callers on this host (TLS is on, and the data socket is plaintext)."""
+        only to callers on this host (TLS is on, and the data socket is plaintext); `tokens`:
+        the server's tokens, whose holders are the callers uploads count against (None: hosts)."""
         self._store = store
         self._data = data
         self._loopback_only = loopback_only
+        self._tokens = tokens
 
     @maps_errors
     def OpenSave(
@@ -129,7 +137,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     ) -> checkpoint_pb2.OpenUploadResponse:
         data = self._data_plane_for_caller(context)
         return checkpoint_pb2.OpenUploadResponse(
-            ticket=data.issue(request.header, request.size),
+            ticket=data.issue(request.header, request.size, caller_of(context, self._tokens)),
             data_host="127.0.0.1" if self._loopback_only else "",
             data_port=data.port,
             ticket_ttl_s=data.ttl_s,
@@ -510,9 +518,12 @@ def start(config: CkptdConfig) -> RunningCkptd:
     try:
         if config.data_socket:
             data = DataPlane(store, "127.0.0.1" if loopback_only else host,
-                             ttl_s=config.upload_ticket_ttl_s)  # fmt: skip
-        server = make_server(policy=access_rules(store, data), security=security)
-        servicer = CheckpointServicer(store, data, loopback_only)
+                             ttl_s=config.upload_ticket_ttl_s, limits=config.limits)  # fmt: skip
+        limits = Limits(
+            calls_per_client=config.limits.calls_per_client, log_every_s=config.limits.log_every_s
+        )
+        server = make_server(policy=access_rules(store, data), security=security, limits=limits)
+        servicer = CheckpointServicer(store, data, loopback_only, security.tokens)
         checkpoint_pb2_grpc.add_CheckpointServiceServicer_to_server(servicer, server)
         # WriteFile again, with a deserializer that hands chunk bytes over as views (ckptd.wire).
         server.add_registered_method_handlers(

@@ -455,8 +455,13 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
                     )
         return save
 
-    def begin_file(self, header: checkpoint_pb2.FileHeader) -> _Stream:
-        """Start receiving one file of an open save (the streaming form of `write_file`)."""
+    def begin_file(
+        self,
+        header: checkpoint_pb2.FileHeader,
+        on_settled: Callable[[int], None] | None = None,
+    ) -> _Stream:
+        """Start receiving one file of an open save (the streaming form of `write_file`);
+        `on_settled` as FileUpload takes it."""
         with self._lock:
             save = self._check_header(header)
             try:
@@ -470,6 +475,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
                 save.retain,
                 lambda up: self._written(save, up),
                 self.metrics,
+                on_settled,
             )
             save.streaming.add(upload)
             save.touched = time.monotonic()

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 # gRPC's core logs its own copy of errors we report in one line (a port in use, say); set
 # GRPC_VERBOSITY=debug to see them. This must happen before grpc is first imported.
@@ -31,6 +31,9 @@ from trainer import options
 from trainer.data.prepare import EXAMPLE_VOCAB
 from trainer.data.prepare import add_arguments as prepare_args
 from trainer.health.faults import FaultPlan
+
+if TYPE_CHECKING:
+    from ckptd.config import DataLimits
 
 DEFAULT_WORKDIR = Path(".scaletrain")
 
@@ -187,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="most MB/s this node copies from its peers to make replicas (0: no limit)",
     )
     _security_args(ckptd)
+    _limit_args(ckptd)
 
     tel = sub.add_parser("telemetry", help="serve the telemetry service")
     tel.add_argument("--listen", default="127.0.0.1:50052", help="HOST:PORT")
@@ -303,6 +307,49 @@ def _security_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="listen without TLS on an address other than loopback (TLS: $SCALETRAIN_TLS_DIR, "
         "tokens: $SCALETRAIN_TOKENS_FILE)",
+    )
+
+
+# ckptd's fair shares (ckptd.config.DataLimits): flag -> (field, unit, what it limits).
+_LIMIT_FLAGS = {
+    "--uploads-per-caller": ("uploads_per_caller", 1, "uploads open at once, per caller"),
+    "--uploads-per-run": ("uploads_per_run", 1, "the same per run"),
+    "--max-uploads": ("uploads", 1, "the same on the node"),
+    "--flight-mb-per-caller": ("flight_bytes_per_caller", 1 << 20,
+                               "MiB received on the data socket, not yet written, per caller"),
+    "--flight-mb-per-run": ("flight_bytes_per_run", 1 << 20, "the same per run"),
+    "--max-flight-mb": ("flight_bytes", 1 << 20, "the same on the node"),
+    "--waiting-connections-per-host": ("waiting_connections_per_host", 1,
+                                       "data connections without a ticket yet, per host"),
+    "--max-waiting-connections": ("waiting_connections", 1, "the same on the node"),
+    "--ticket-wait-s": ("ticket_wait_s", 1, "close a data connection without a ticket by then"),
+    "--data-read-timeout-s": ("read_timeout_s", 1, "fail an upload silent this long"),
+    "--calls-per-client": ("calls_per_client", 1, "gRPC calls at once per client"),
+    "--log-every-s": ("log_every_s", 1, "one line per this interval for repeated warnings"),
+}  # fmt: skip
+
+
+def _limit_args(parser: argparse.ArgumentParser) -> None:
+    """ckptd's limits per caller, per run and per node (README, "Security")."""
+    from ckptd.config import DataLimits
+
+    defaults = DataLimits()
+    for flag, (name, unit, what) in _LIMIT_FLAGS.items():
+        default = getattr(defaults, name)
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=type(default),
+            default=default // unit if unit > 1 else default,
+            help=f"{what} (default: %(default)s)",
+        )
+
+
+def _limits(args: argparse.Namespace) -> DataLimits:
+    from ckptd.config import DataLimits
+
+    return DataLimits(
+        **{name: getattr(args, name) * unit for name, unit, _ in _LIMIT_FLAGS.values()}
     )
 
 
@@ -566,6 +613,7 @@ def _ckptd(args: argparse.Namespace) -> int:
             abandon_after_s=args.abandon_after_s,
             metrics_listen=None if args.metrics_port is None else metrics,
             security=ServerSecurity.from_env(allow_plaintext=args.allow_plaintext),
+            limits=_limits(args),
             cluster=ClusterConfig(
                 node=args.node,
                 peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),

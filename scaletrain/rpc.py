@@ -51,8 +51,10 @@ from scaletrain.security import (
     Grant,
     Role,
     ServerSecurity,
+    TokenTable,
     token_hash,
 )
+from scaletrain.throttle import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,8 @@ class Limits:
     # A client stream (WriteFile, ReportSteps) with no message for this long is cancelled, so a
     # client that goes quiet cannot hold a server thread and its reservations forever.
     idle_stream_s: float = 120.0
+    # Refusals of one kind (a status code) are logged once per this many seconds, with a count.
+    log_every_s: float = 10.0
 
 
 class Rule(NamedTuple):
@@ -353,6 +357,8 @@ class _Guard(grpc.ServerInterceptor):
         self._limits = limits
         self._lock = threading.Lock()
         self._calls: Counter[str] = Counter()
+        # A client calling in a loop with a bad token must not write a line per call.
+        self._refusals = Throttled(log, limits.log_every_s)
 
     def intercept_service(
         self,
@@ -385,7 +391,9 @@ class _Guard(grpc.ServerInterceptor):
     ) -> None:
         grant = call.grant
         who = (grant.name or f"{grant.role} of {grant.run}") if grant else "an anonymous caller"
-        log.warning("refused %s to %s from %s: %s", call.method, who, context.peer(), why[1])
+        self._refusals.warning(
+            why[0].name, "refused %s to %s from %s: %s", call.method, who, context.peer(), why[1]
+        )
         context.abort(*why)
 
     def _authorize(self, context: grpc.ServicerContext, call: _Call, message: Any) -> None:
@@ -457,6 +465,26 @@ class _Guard(grpc.ServerInterceptor):
 def _host(peer: str) -> str:
     """The host of a gRPC peer string (`ipv4:127.0.0.1:5555`, `ipv6:[::1]:5555`)."""
     return peer.rpartition(":")[0] or peer
+
+
+class Caller(NamedTuple):
+    """Whom a server counts a call's shares against (`ckptd.limits`): `key`, and `label` to
+    name it in a refusal (never the token)."""
+
+    key: str
+    label: str
+
+
+def caller_of(context: grpc.ServicerContext, tokens: TokenTable | None) -> Caller:
+    """The caller of a call: its token when the server checks tokens (the guard let the call
+    through, so the token is known), else its peer host (anyone on a host is one caller)."""
+    token = _bearer(context.invocation_metadata())
+    grant = tokens.grant(token) if tokens is not None and token else None
+    if grant is not None and token is not None:
+        name = grant.name or f"the {grant.role.value} token of {grant.run!r}"
+        return Caller(f"token:{token_hash(token)[:16]}", name)
+    host = _host(context.peer()).partition(":")[2]  # "ipv4:127.0.0.1" -> "127.0.0.1"
+    return Caller(f"host:{host}", f"host {host}")
 
 
 def peer_is_loopback(peer: str) -> bool:

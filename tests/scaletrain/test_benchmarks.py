@@ -39,6 +39,7 @@ def run_bench(script: str, *args: str) -> str:
         ("ckptd_restore.py", SMALL, "ratio memory/SSD"),
         ("ckptd_s3.py", SMALL, "ratio S3 tier / boto3"),
         ("ckptd_cluster.py", SMALL, "ratio commit latency 2 nodes/1 node"),
+        ("ckptd_tenants.py", ["--mib", "1", "--saves", "1", "--rounds", "1"], "without abuser"),
         ("ckptd_replicas.py", [*SMALL, "--train-pairs", "0"], "ratio replication (on disk)"),
         ("ckpt_stall.py", ["--dim", "96", "--layers", "1", "--steps", "2"], '"ours_over_floor"'),
     ],
