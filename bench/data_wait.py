@@ -55,8 +55,10 @@ def main() -> None:
                 (summary["run_id"],),
             ).fetchone()
     ratio = data_s / step_s
-    print(f"steps 2..{args.steps} on {args.ranks} ranks: data wait {data_s:.3f} s of "
-          f"{step_s:.1f} s of steps (summed over ranks); worst single step {worst:.2%}")  # fmt: skip
+    print(
+        f"steps 2..{args.steps} on {args.ranks} ranks: data wait {data_s:.3f} s of "
+        f"{step_s:.1f} s of steps (summed over ranks); worst single step {worst:.2%}"
+    )
     print(f"ratio data wait/step time: {ratio:.4f} ({ratio:.2%}; target < 1%)")
 
 
