@@ -8,11 +8,13 @@ guard, which replays the step when it looks corrupted), report the step's record
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -282,7 +284,8 @@ def train(cfg: TrainConfig) -> None:
             state_checksum=guard.state_checksum if guard.enabled else None,
         )
         if held_out is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-            eval_loss = evaluate(parallel, held_out, cfg.eval_batches, device)
+            progress = functools.partial(watchdog.enter, step, "evaluate")
+            eval_loss = evaluate(parallel, held_out, cfg.eval_batches, device, progress)
             reporter.evaluated(step, eval_loss.loss, cfg.eval_batches, eval_loss.tokens,
                                eval_loss.seconds)  # fmt: skip
             if rank == 0:
@@ -358,15 +361,25 @@ def open_held_out(
 
 
 def evaluate(
-    parallel: ParallelModel, held_out: DeterministicLoader, batches: int, device: torch.device
+    parallel: ParallelModel,
+    held_out: DeterministicLoader,
+    batches: int,
+    device: torch.device,
+    progress: Callable[[], None],
 ) -> EvalLoss:
     """The validation loss over the first `batches` global batches of the held-out data (a
-    collective: every rank takes part)."""
+    collective: every rank takes part). `progress` is called before each batch: a long
+    evaluation is progress to the watchdog, batch by batch, not one phase past its deadline."""
     start = time.perf_counter()
     held_out.load_state_dict({"global_sample": 0})
-    loss = parallel.evaluate(
-        tuple(x.to(device) for x in held_out.next_batch()) for _ in range(batches)
-    )
+
+    def read() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(batches):
+            progress()
+            inputs, targets = held_out.next_batch()
+            yield inputs.to(device), targets.to(device)
+
+    loss = parallel.evaluate(read())
     tokens = batches * held_out.global_batch * held_out.seq_len
     return EvalLoss(loss, tokens, time.perf_counter() - start)
 
