@@ -21,7 +21,7 @@ import io
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -97,10 +97,23 @@ class _UploadStream(io.RawIOBase):
             self.close()
 
 
+class RangeSource(Protocol):
+    """Where a reader's verified byte ranges come from: `CkptdClient` (a running ckptd), or a
+    work directory's store opened offline (`scaletrain.checkpoints`)."""
+
+    def get(self, run: str, step: int) -> checkpoint_pb2.CheckpointInfo: ...
+
+    def read(
+        self, run: str, step: int, path: str, offset: int = 0, length: int = 0
+    ) -> bytes | bytearray: ...
+
+    def close(self) -> None: ...
+
+
 class _RangeReadStream(io.RawIOBase):
     """A seekable read-only view of one checkpoint file that fetches byte ranges lazily."""
 
-    def __init__(self, client: CkptdClient, run: str, step: int, name: str, size: int) -> None:
+    def __init__(self, client: RangeSource, run: str, step: int, name: str, size: int) -> None:
         super().__init__()
         self._client, self._run, self._step, self._name = client, run, step, name
         self._size = size
@@ -142,7 +155,7 @@ class _RangeReadStream(io.RawIOBase):
 class _CkptdFileSystem(FileSystemBase):
     """DCP's filesystem interface over one checkpoint in ckptd."""
 
-    def __init__(self, client: CkptdClient, run: str, step: int) -> None:
+    def __init__(self, client: CkptdClient | RangeSource, run: str, step: int) -> None:
         self.client, self.run, self.step = client, run, step
         self.save_id = ""
         self.rank = 0
@@ -276,11 +289,14 @@ class CkptdStorageWriter(FileSystemWriter):
 
 
 class CkptdStorageReader(FileSystemReader):
-    """A DCP storage reader that reads byte ranges of a committed checkpoint from ckptd."""
+    """A DCP storage reader that reads byte ranges of a committed checkpoint from ckptd (or from
+    another `source` of verified ranges)."""
 
-    def __init__(self, address: str, run: str, step: int) -> None:
+    def __init__(
+        self, address: str, run: str, step: int, source: RangeSource | None = None
+    ) -> None:
         super().__init__(_checkpoint_id(run, step))
-        self.client = CkptdClient(address)
+        self.client = source or CkptdClient(address)
         self.fs = _CkptdFileSystem(self.client, run, step)
 
     def close(self) -> None:

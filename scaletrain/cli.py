@@ -239,10 +239,28 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("run")
     verify.add_argument("step", type=int)
     verify.add_argument("--json", action="store_true")
-    export = _ckpt_parser(ckpt_sub, "export", "write a standard DCP checkpoint directory")
+    export = _ckpt_parser(
+        ckpt_sub, "export", "write a standard DCP checkpoint directory, or a Hugging Face model"
+    )
     export.add_argument("run")
     export.add_argument("step", type=int)
     export.add_argument("dest", type=Path)
+    export.add_argument(
+        "--format",
+        choices=("dcp", "hf"),
+        default="dcp",
+        help="dcp: the checkpoint's files as they are; hf: the model as safetensors shards, "
+        "config.json and the tokenizer, for transformers, vLLM, SGLang (default dcp)",
+    )
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace DEST if it exists and is not empty"
+    )
+    export.add_argument(
+        "--shard-mb",
+        type=int,
+        default=5000,
+        help="--format hf: largest safetensors shard in MB (default 5000, as transformers)",
+    )
     rm = _ckpt_parser(ckpt_sub, "rm", "delete a checkpoint from every tier")
     rm.add_argument("run")
     rm.add_argument("step", type=int)
@@ -385,6 +403,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(options.to_toml(job), end="")
         return 0
+    if job["init_from_hf"]:
+        _check_init_from_hf(job)
     run_options = RunOptions(
         workdir=Workdir(args.workdir),
         ranks=args.ranks,
@@ -404,6 +424,15 @@ def _run(args: argparse.Namespace) -> int:
     else:
         _print_summary(summary)
     return 0
+
+
+def _check_init_from_hf(job: dict[str, options.Value]) -> None:
+    """Refuse an HF directory the model cannot start from now, in one line, rather than after
+    the stack has started (the trainer checks it again)."""
+    from trainer.config import from_values
+    from trainer.interop.hf_import import check_init
+
+    check_init(Path(str(job["init_from_hf"])), from_values(job | {"run_id": "check"}).model)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -664,7 +693,19 @@ def _ckpt(args: argparse.Namespace) -> int:
             line += f"; removal from {', '.join(pending)} continues in the background"
         print(line)
         return 0
-    files = checkpoints.export(args.workdir, args.ckptd, args.run, args.step, args.dest)
+    if args.format == "hf":
+        hf = checkpoints.export_hf(
+            args.workdir, args.ckptd, args.run, args.step, args.dest, args.overwrite,
+            args.shard_mb * 10**6,
+        )  # fmt: skip
+        print(
+            f"exported {args.run}@{args.step} for Hugging Face: {len(hf.shards)} safetensors "
+            f"shards ({hf.weight_bytes / 1e6:,.1f} MB) and {', '.join(hf.files)} to {args.dest}"
+        )
+        return 0
+    files = checkpoints.export(
+        args.workdir, args.ckptd, args.run, args.step, args.dest, overwrite=args.overwrite
+    )
     print(f"exported {args.run}@{args.step}: {len(files)} files to {args.dest}")
     return 0
 
