@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.add_argument(
+        "--tensorboard",
+        type=Path,
+        metavar="DIR",
+        help="when the run ends, write its curves from telemetry as TensorBoard event files "
+        "under DIR/RUN",
+    )
+    run.add_argument(
         "--max-restarts",
         type=int,
         default=0,
@@ -187,7 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _security_args(ckptd)
 
-    tel = sub.add_parser("telemetry", help="serve the telemetry service")
+    tel = sub.add_parser(
+        "telemetry", help="serve the telemetry service, or export a stored run's curves"
+    )
+    tel.add_argument(
+        "action",
+        nargs="?",
+        choices=("serve", "export"),
+        default="serve",
+        help="serve (default), or export: write --run's scalars as TensorBoard event files",
+    )
+    tel.add_argument("--tensorboard", type=Path, metavar="DIR", help="export: write under DIR/RUN")
+    tel.add_argument("--run", help="export: the run")
+    _workdir_arg(tel)
     tel.add_argument("--listen", default="127.0.0.1:50052", help="HOST:PORT")
     tel.add_argument(
         "--db",
@@ -423,6 +442,8 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(summary.to_dict(), indent=2))
     else:
         _print_summary(summary)
+    if args.tensorboard is not None:
+        _print_tensorboard(None, args, summary.run_id)
     return 0
 
 
@@ -597,6 +618,8 @@ def _ckptd(args: argparse.Namespace) -> int:
 
 
 def _telemetry(args: argparse.Namespace) -> int:
+    if args.action == "export":
+        return _telemetry_export(args)
     from scaletrain.security import ServerSecurity, database_url
     from telemetry.config import TelemetryConfig, retention_policy
     from telemetry.server import serve
@@ -615,6 +638,35 @@ def _telemetry(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _telemetry_export(args: argparse.Namespace) -> int:
+    """`telemetry export --tensorboard DIR --run RUN`: from --db, $SCALETRAIN_DB_URL or the
+    work directory's database."""
+    if args.tensorboard is None or not args.run:
+        raise UserError("telemetry export needs --tensorboard DIR and --run RUN")
+    _print_tensorboard(args.db or os.environ.get("SCALETRAIN_DB_URL"), args, args.run)
+    return 0
+
+
+def _print_tensorboard(db: str | None, args: argparse.Namespace, run_id: str) -> None:
+    """Write `run_id`'s scalars under --tensorboard and say where."""
+    from scaletrain.stack import Workdir
+    from telemetry.db import connect
+    from telemetry.tensorboard import write_tensorboard
+
+    if db is None:
+        workdir = Workdir(args.workdir)
+        if not workdir.telemetry_db.exists():
+            raise UserError(f"no telemetry database in {workdir.root}; run `scaletrain run` first")
+        db = workdir.db_url
+    engine = connect(db, read_only=True)
+    try:
+        logdir, count = write_tensorboard(engine, run_id, args.tensorboard)
+    finally:
+        engine.dispose()
+    print(f"tensorboard: {count} scalars of run {run_id} in {logdir} "
+          f"(tensorboard --logdir {args.tensorboard})", file=sys.stderr)  # fmt: skip
 
 
 def _credentials(args: argparse.Namespace) -> int:
