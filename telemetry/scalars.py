@@ -12,9 +12,8 @@ from __future__ import annotations
 import pandas as pd
 from sqlalchemy import func, select
 
-from scaletrain.errors import NotFound
 from telemetry import mfu as flops
-from telemetry.efficiency import LATEST_ROLLUP, _per_step
+from telemetry.efficiency import LATEST_ROLLUP, per_step, registered_run
 from telemetry.models import Event, RankStep, Run, StepRollup
 from telemetry.queries import LATEST_ATTEMPT, Bind, connection_of
 
@@ -34,13 +33,9 @@ def step_scalars(bind: Bind, run_id: str) -> pd.DataFrame:
     of its wall time (`telemetry.efficiency`), checkpoint stall its slowest rank's seconds
     blocked saving.
     """
-    per_step = _per_step()
+    productive = per_step()["productive_s"]
     with connection_of(bind) as connection:
-        run = connection.execute(
-            select(Run.model_params, Run.world_size, Run.peak_flops).where(Run.run_id == run_id)
-        ).first()
-        if run is None:
-            raise NotFound(f"run {run_id!r} is not registered")
+        run = registered_run(connection, run_id, Run.model_params, Run.world_size, Run.peak_flops)
         rollups = pd.DataFrame(
             connection.execute(
                 select(
@@ -49,7 +44,7 @@ def step_scalars(bind: Bind, run_id: str) -> pd.DataFrame:
                     StepRollup.grad_norm_median.label("grad_norm"),
                     StepRollup.tokens,
                     StepRollup.step_max.label("wall_s"),
-                    per_step["productive_s"].label("productive_s"),
+                    productive.label("productive_s"),
                     StepRollup.checkpoint_max.label("checkpoint_stall_s"),
                 )
                 .where(StepRollup.run_id == run_id, LATEST_ROLLUP)
