@@ -89,6 +89,7 @@ def export_hf(
     job = saved_job(reader)
     args = job.model
     refuse_moe(args)
+    tokens = special_ids(job.data)  # before any weight is read: refuses a missing tokenizer
     metadata = reader.read_metadata().state_dict_metadata
     tensors = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -111,7 +112,7 @@ def export_hf(
     )
     dcp.save(hf_state, storage_writer=writer, no_dist=True)
     dtype = str(dtypes.pop()).removeprefix("torch.")
-    config = hf_config(args, dtype, special_ids(job.data))
+    config = hf_config(args, dtype, tokens)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     files = [CONFIG_FILE, *write_tokenizer(job.data, out, args.max_seq_len)]
     shards = sorted(p.name for p in out.glob("*.safetensors"))

@@ -20,30 +20,36 @@ from trainer.data.shards import parse_blend
 TOKENIZER_CLASSES = {"hf": "PreTrainedTokenizerFast", "sentencepiece": "LlamaTokenizer"}
 
 
-def special_ids(data: str) -> dict[str, int | None]:
-    """config.json's token ids for the run's `--data` (empty: the built-in byte corpus)."""
+def _manifest_tokenizer(data: str) -> tuple[Path, dict] | None:
+    """The prepared directory of `--data` (a blend's parts share one tokenizer) and its
+    manifest's tokenizer entry; None for the built-in byte corpus."""
     if not data:
-        return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    tokenizer = read_manifest(parse_blend(data)[0].directory)["tokenizer"]
-    return {"bos_token_id": None, "eos_token_id": tokenizer["eos_id"],
-            "pad_token_id": tokenizer["pad_id"]}  # fmt: skip
+        return None
+    directory = parse_blend(data)[0].directory
+    try:
+        return directory, read_manifest(directory)["tokenizer"]
+    except UserError as exc:
+        raise UserError(f"the run's tokenizer is missing: {exc}") from None
+
+
+def special_ids(data: str) -> dict[str, int | None]:
+    """config.json's token ids for the run's `--data` (none for the built-in byte corpus)."""
+    found = _manifest_tokenizer(data)
+    tokenizer = found[1] if found else {}
+    return {"bos_token_id": None, "eos_token_id": tokenizer.get("eos_id"),
+            "pad_token_id": tokenizer.get("pad_id")}  # fmt: skip
 
 
 def write_tokenizer(data: str, out: Path, max_seq_len: int) -> list[str]:
-    """Copy the tokenizer of `--data` (a prepared directory, or a blend: its parts share one)
-    into `out` with its `tokenizer_config.json`; the names written (none for the byte corpus or
-    a bytes tokenizer, which `transformers` has no class for). UserError in one line when the
-    prepared directory or its tokenizer file is missing or is not the one the run trained on."""
-    if not data:
+    """Copy the tokenizer of `--data` into `out` with its `tokenizer_config.json`; the names
+    written (none for the byte corpus or a bytes tokenizer, which `transformers` has no class
+    for). UserError in one line when the prepared directory or its tokenizer file is missing or
+    is not the one the run trained on."""
+    found = _manifest_tokenizer(data)
+    if found is None or found[1]["kind"] not in TOKENIZER_CLASSES:
         return []
-    directory = parse_blend(data)[0].directory
-    try:
-        tokenizer = read_manifest(directory)["tokenizer"]
-    except UserError as exc:
-        raise UserError(f"the run's tokenizer is missing: {exc}") from None
+    directory, tokenizer = found
     kind = tokenizer["kind"]
-    if kind not in TOKENIZER_CLASSES:
-        return []
     source = directory / tokenizer["file"]
     try:
         raw = source.read_bytes()
@@ -53,12 +59,10 @@ def write_tokenizer(data: str, out: Path, max_seq_len: int) -> list[str]:
         raise UserError(f"{source}: not the tokenizer the run trained on (SHA-256 differs from "
                         f"{directory}/manifest.json)")  # fmt: skip
     shutil.copyfile(source, out / source.name)
-    eos = _token(kind, raw, tokenizer["eos_id"])
-    pad = _token(kind, raw, tokenizer["pad_id"])
     config = {
         "tokenizer_class": TOKENIZER_CLASSES[kind],
-        "eos_token": eos,
-        "pad_token": pad,
+        "eos_token": _token(kind, raw, tokenizer["eos_id"]),
+        "pad_token": _token(kind, raw, tokenizer["pad_id"]),
         "bos_token": None,
         "add_bos_token": False,
         "model_max_length": max_seq_len,
