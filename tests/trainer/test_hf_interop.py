@@ -41,10 +41,17 @@ from trainer.parallel.probe import CORPUS_BYTES, launch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-SHAPE = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32}
+SHAPE = {
+    "dim": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "multiple_of": 32,
+    "rope_theta": 500_000.0,
+}
 HF_SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "intermediate_size": 192, "vocab_size": 256,
-            "rope_theta": 10_000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024,
+            "rope_theta": 500_000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024,
             "tie_word_embeddings": False}  # fmt: skip
 
 
@@ -231,13 +238,24 @@ def _edit_config(**changes: object) -> object:
             _edit_config(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
             'rope_scaling = {"rope_type": "llama3", "factor": 8.0} cannot be mapped',
         ),
+        (
+            _edit_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+            'rope_type = "yarn" cannot be mapped; this trainer\'s Llama has rope_type = "default"',
+        ),
         (_mixed_dtypes, "the weights mix dtypes (bfloat16, float32); expected one"),
         (
             _edit_config(torch_dtype="bfloat16", dtype="bfloat16"),
             "config.json says torch_dtype bfloat16, the weights are float32",
         ),
     ],
-    ids=["no-config", "architecture", "rope-scaling", "mixed-dtypes", "declared-dtype"],
+    ids=[
+        "no-config",
+        "architecture",
+        "rope-scaling",
+        "rope-type",
+        "mixed-dtypes",
+        "declared-dtype",
+    ],
 )
 def test_a_bad_hf_directory_is_refused_in_one_line_naming_the_problem(
     tmp_path: Path, damage: object, message: str
@@ -270,8 +288,8 @@ def test_a_bad_hf_directory_is_refused_in_one_line_naming_the_problem(
             "layers.0.attention.wk.weight is 64x64; set --dim 64 --n-heads 4 --n-kv-heads 2",
         ),
         (
-            {"rope_theta": 500_000.0},
-            "its rope-theta is 10000, this run's 500000; set --rope-theta 10000",
+            {"rope_theta": 10_000.0},
+            "its rope-theta is 500000, this run's 10000; set --rope-theta 500000",
         ),
     ],
     ids=["vocab", "ffn", "layers", "kv-heads", "rope-theta"],
@@ -314,7 +332,7 @@ def test_hf_weights_load_into_every_layout_bit_for_bit_with_the_hf_models_first_
     """FSDP over 4 ranks, FSDP x TP (strided shards), and pipeline stages x FSDP, one job."""
     hf_llama(tmp_path / "hf")
     model = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256,
-             "ffn_multiple_of": 32}  # fmt: skip
+             "ffn_multiple_of": 32, "rope_theta": 500_000.0}  # fmt: skip
     common = {
         "model": model,
         "seq_len": 32,

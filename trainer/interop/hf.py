@@ -110,7 +110,9 @@ def hf_config(args: ModelArgs, dtype: str, tokens: dict[str, int | None]) -> dic
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "max_position_embeddings": args.max_seq_len,
+        # transformers 5 reads `rope_parameters`, earlier versions `rope_theta`: both.
         "rope_theta": args.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
         "rms_norm_eps": args.norm_eps,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -126,8 +128,9 @@ _REQUIRED: dict[str, tuple[object, ...]] = {
     "hidden_act": ("silu",),
     "attention_bias": (False, None),
     "mlp_bias": (False, None),
-    "tie_word_embeddings": (False,),
+    "tie_word_embeddings": (False, None),
     "rope_scaling": (None,),
+    "rope_type": ("default", None),  # transformers 5's rope_parameters["rope_type"]
 }
 
 
@@ -156,9 +159,15 @@ class HFModel:
             # Rounding to a multiple of the hidden size itself gives exactly that size.
             "multiple_of": intermediate,
             "ffn_dim_multiplier": 0.0 if hidden <= intermediate else intermediate / hidden,
-            "rope_theta": float(c.get("rope_theta", 10_000.0)),
+            "rope_theta": float(_rope(c).get("rope_theta", 10_000.0)),
             "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
         }
+
+
+def _rope(config: dict[str, Any]) -> dict[str, Any]:
+    """The rotary settings of an HF config: `rope_parameters` (transformers 5), else the
+    top-level keys of earlier versions."""
+    return config.get("rope_parameters") or config
 
 
 def read_hf_model(directory: Path, flag: str = "--init-from-hf") -> HFModel:
@@ -180,11 +189,12 @@ def read_hf_model(directory: Path, flag: str = "--init-from-hf") -> HFModel:
             f"{where}: architecture {', '.join(map(str, architectures))} cannot be mapped; "
             f"this trainer's model is a {ARCHITECTURE}"
         )
+    settings = config | {"rope_type": (config.get("rope_parameters") or {}).get("rope_type")}
     for key, allowed in _REQUIRED.items():
-        if config.get(key) not in allowed:
+        if settings.get(key) not in allowed:
             raise UserError(
-                f"{where}/{CONFIG_FILE}: {key} = {json.dumps(config.get(key))} cannot be mapped; "
-                f"this trainer's Llama has {key} = {json.dumps(allowed[0])}"
+                f"{where}/{CONFIG_FILE}: {key} = {json.dumps(settings.get(key))} cannot be "
+                f"mapped; this trainer's Llama has {key} = {json.dumps(allowed[0])}"
             )
     heads, dim = config.get("num_attention_heads"), config.get("hidden_size")
     if config.get("head_dim") not in (None, dim // heads if dim and heads else None):
