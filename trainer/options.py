@@ -523,7 +523,7 @@ OPTIONS: tuple[Option, ...] = (
         "",
         "a Hugging Face LlamaForCausalLM directory (config.json, safetensors) whose weights a new "
         "run starts from instead of the seed's, resharded to its layout (empty: none)",
-        alters_results=True,
+        # Not compared on resume: a resumed run's weights come from its checkpoint.
     ),
     Option(
         "allow_config_change",
