@@ -118,7 +118,8 @@ def hf_config(args: ModelArgs, dtype: str, tokens: dict[str, int | None]) -> dic
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
-        "torch_dtype": dtype,
+        "torch_dtype": dtype,  # `dtype` in transformers 5
+        "dtype": dtype,
         **tokens,
     }
 
