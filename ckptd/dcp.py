@@ -21,12 +21,12 @@ import io
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemBase
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -97,16 +97,44 @@ class _UploadStream(io.RawIOBase):
             self.close()
 
 
-class _RangeReadStream(io.RawIOBase):
-    """A seekable read-only view of one checkpoint file that fetches byte ranges lazily."""
+class RangeSource(Protocol):
+    """Where a reader's verified byte ranges come from: `CkptdClient` (a running ckptd), or a
+    work directory's store opened offline (`scaletrain.checkpoints`)."""
 
-    def __init__(self, client: CkptdClient, run: str, step: int, name: str, size: int) -> None:
+    def get(self, run: str, step: int) -> checkpoint_pb2.CheckpointInfo: ...
+
+    def read(
+        self, run: str, step: int, path: str, offset: int = 0, length: int = 0
+    ) -> bytes | bytearray: ...
+
+    def close(self) -> None: ...
+
+
+class _RangeReadStream(io.RawIOBase):
+    """A seekable read-only view of one checkpoint file that fetches byte ranges lazily.
+
+    `spans` are the (start, end) byte ranges the load will read, adjacent ones merged: a fetch
+    reads ahead a chunk but never past the end of its span, so the bytes of items the load
+    skips (the optimizer's, when only the model is loaded) are never transferred. Without them
+    a fetch reads ahead a whole chunk.
+    """
+
+    def __init__(
+        self,
+        client: RangeSource,
+        run: str,
+        step: int,
+        name: str,
+        size: int,
+        spans: list[tuple[int, int]] | None = None,
+    ) -> None:
         super().__init__()
         self._client, self._run, self._step, self._name = client, run, step, name
         self._size = size
+        self._spans = spans or []
         self._pos = 0
         self._block_start = 0
-        self._block = b""
+        self._block: bytes | bytearray = b""
 
     def readable(self) -> bool:
         return True
@@ -130,11 +158,12 @@ class _RangeReadStream(io.RawIOBase):
         start = self._pos - self._block_start
         if not (start >= 0 and start + want <= len(self._block)):
             # Read ahead a whole chunk: DCP reads many small items from one file in order.
-            length = min(max(want, CHUNK_BYTES), self._size - self._pos)
+            end = next((e for s, e in self._spans if s <= self._pos < e), self._size)
+            length = min(max(want, min(CHUNK_BYTES, end - self._pos)), self._size - self._pos)
             self._block = self._client.read(self._run, self._step, self._name, self._pos, length)
             self._block_start = self._pos
             start = 0
-        view[:want] = self._block[start : start + want]
+        view[:want] = memoryview(self._block)[start : start + want]
         self._pos += want
         return want
 
@@ -142,18 +171,21 @@ class _RangeReadStream(io.RawIOBase):
 class _CkptdFileSystem(FileSystemBase):
     """DCP's filesystem interface over one checkpoint in ckptd."""
 
-    def __init__(self, client: CkptdClient, run: str, step: int) -> None:
+    def __init__(self, client: CkptdClient | RangeSource, run: str, step: int) -> None:
         self.client, self.run, self.step = client, run, step
         self.save_id = ""
         self.rank = 0
         self._sizes: dict[str, int] | None = None
+        # The byte ranges a load will read, by file (CkptdStorageReader.read_data).
+        self.spans: dict[str, list[tuple[int, int]]] = {}
         self._held: dict[str, io.BytesIO] = {}
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         name = _name(path)
         if mode == "rb":
-            with _RangeReadStream(self.client, self.run, self.step, name, self._size(name)) as s:
+            size, spans = self._size(name), self.spans.get(name)
+            with _RangeReadStream(self.client, self.run, self.step, name, size, spans) as s:
                 yield s
         elif name.endswith(_TMP_SUFFIX):
             # DCP writes the metadata under a temporary name and renames it: hold the (small)
@@ -276,12 +308,37 @@ class CkptdStorageWriter(FileSystemWriter):
 
 
 class CkptdStorageReader(FileSystemReader):
-    """A DCP storage reader that reads byte ranges of a committed checkpoint from ckptd."""
+    """A DCP storage reader that reads byte ranges of a committed checkpoint from ckptd (or from
+    another `source` of verified ranges)."""
 
-    def __init__(self, address: str, run: str, step: int) -> None:
+    def __init__(
+        self, address: str, run: str, step: int, source: RangeSource | None = None
+    ) -> None:
         super().__init__(_checkpoint_id(run, step))
-        self.client = CkptdClient(address)
+        self.client = source or CkptdClient(address)
         self.fs = _CkptdFileSystem(self.client, run, step)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's reads, told first which byte ranges of each file the plan covers (`spans`)."""
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            ranges.setdefault(info.relative_path, []).append(
+                (info.offset, info.offset + info.length)
+            )
+        self.fs.spans = {name: _merged(spans) for name, spans in ranges.items()}
+        return super().read_data(plan, planner)
 
     def close(self) -> None:
         self.client.close()
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`spans` sorted, with overlapping or adjacent ones merged."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged

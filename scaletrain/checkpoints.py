@@ -9,11 +9,13 @@ when S3 holds a copy. Long transfers report their progress on stderr (`Progress`
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from ckptd.client import CkptdClient
 from ckptd.config import CkptdConfig
@@ -25,6 +27,10 @@ from ckptd.tiers import BlockCrcs
 from scaletrain.errors import NotFound, ScaletrainError, UserError
 from scaletrain.stack import S3_BUCKET, Workdir, s3_for_reading
 from scaletrain.v1 import checkpoint_pb2, common_pb2
+from trainer.interop.hf import DEFAULT_SHARD_BYTES
+
+if TYPE_CHECKING:
+    from trainer.interop.hf_export import Exported
 
 # Tier names as the command line prints them (it does not import the embedded stack: that would
 # cost every `ckpt` command a second of importing telemetry's query stack).
@@ -239,28 +245,103 @@ def _verify_tier(
 
 
 def export(
-    workdir: Path, ckptd: str | None, run: str, step: int, dest: Path, out: IO[str] | None = None
+    workdir: Path,
+    ckptd: str | None,
+    run: str,
+    step: int,
+    dest: Path,
+    out: IO[str] | None = None,
+    overwrite: bool = False,
 ) -> list[Path]:
     """Write checkpoint (run, step) as a plain DCP directory at `dest`, checksums verified."""
     info = _info(workdir, ckptd, run, step)
     progress = Progress(f"export {run}@{step}", info.total_bytes, out)
-    if ckptd:
-        with CkptdClient(ckptd) as client:
-            written = _export_from_client(client, info, dest, progress)
-    else:
-        needs_s3 = common_pb2.TIER_SSD not in _tiers_of(info)
-        with _offline_store(workdir, needs_s3) as store:
-            written = store.export(info.ref, dest, progress)
+    with _staged(dest, overwrite) as staging:
+        if ckptd:
+            with CkptdClient(ckptd) as client:
+                written = _export_from_client(client, info, staging, progress)
+        else:
+            needs_s3 = common_pb2.TIER_SSD not in _tiers_of(info)
+            with _offline_store(workdir, needs_s3) as store:
+                written = store.export(info.ref, staging, progress)
     progress.finish()
-    return written
+    return [dest / path.name for path in written]
+
+
+def export_hf(
+    workdir: Path,
+    ckptd: str | None,
+    run: str,
+    step: int,
+    dest: Path,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Exported:
+    """Write the model of checkpoint (run, step) as a Hugging Face Llama directory at `dest`
+    (`trainer.interop.hf_export`), read straight from the fastest tier holding it, every block's
+    CRC-32C checked on the way."""
+    from ckptd.dcp import CkptdStorageReader
+    from trainer.interop.hf_export import export_hf as write_hf
+
+    info = _info(workdir, ckptd, run, step)
+    with contextlib.ExitStack() as stack:
+        if ckptd:
+            reader = CkptdStorageReader(ckptd, run, step)
+        else:
+            store = stack.enter_context(
+                _offline_store(workdir, common_pb2.TIER_SSD not in _tiers_of(info))
+            )
+            reader = CkptdStorageReader("", run, step, source=_StoreSource(store))
+        stack.callback(reader.close)
+        with _staged(dest, overwrite) as staging:
+            return write_hf(reader, staging, max_shard_bytes)
+
+
+class _StoreSource:
+    """A work directory's store, opened offline, as a DCP reader's source of verified ranges:
+    each piece comes from the fastest tier whose copy passes its block CRC-32Cs."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+
+    def get(self, run: str, step: int) -> checkpoint_pb2.CheckpointInfo:
+        return self.store.get(checkpoint_pb2.CheckpointRef(run=run, step=step))
+
+    def read(self, run: str, step: int, path: str, offset: int = 0, length: int = 0) -> bytes:
+        ref = checkpoint_pb2.CheckpointRef(run=run, step=step)
+        return b"".join(piece.data for piece in self.store.iter_range(ref, path, offset, length))
+
+    def close(self) -> None:
+        """The store belongs to the caller's `_offline_store`."""
+
+
+@contextlib.contextmanager
+def _staged(dest: Path, overwrite: bool) -> Iterator[Path]:
+    """An empty directory beside `dest` to export into, renamed to `dest` once complete, so a
+    failed export leaves nothing partly written there. `dest` must be absent or empty, unless
+    `overwrite` (it is replaced only after the export succeeded)."""
+    if dest.exists() and not dest.is_dir():
+        raise UserError(f"export target {dest} exists and is not a directory")
+    if dest.exists() and any(dest.iterdir()) and not overwrite:
+        raise UserError(f"export target {dest} is not empty (--overwrite replaces it)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
+    try:
+        yield staging
+        if dest.exists():
+            old = staging.with_suffix(".old")
+            dest.rename(old)
+            staging.rename(dest)
+            shutil.rmtree(old)
+        else:
+            staging.rename(dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _export_from_client(
     client: CkptdClient, info: checkpoint_pb2.CheckpointInfo, dest: Path, progress: Progress
 ) -> list[Path]:
-    if dest.exists() and any(dest.iterdir()):
-        raise UserError(f"export target {dest} is not empty")
-    dest.mkdir(parents=True, exist_ok=True)
     written = []
     for file in info.files:
         path = dest / file.path

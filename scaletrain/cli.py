@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.add_argument(
+        "--tensorboard",
+        type=Path,
+        metavar="DIR",
+        help="when the run ends, write its curves from telemetry as TensorBoard event files "
+        "under DIR/RUN",
+    )
+    run.add_argument(
         "--max-restarts",
         type=int,
         default=0,
@@ -192,7 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
     _security_args(ckptd)
     _limit_args(ckptd)
 
-    tel = sub.add_parser("telemetry", help="serve the telemetry service")
+    tel = sub.add_parser(
+        "telemetry", help="serve the telemetry service, or export a stored run's curves"
+    )
+    tel.add_argument(
+        "action",
+        nargs="?",
+        choices=("serve", "export"),
+        default="serve",
+        help="serve (default), or export: write --run's scalars as TensorBoard event files",
+    )
+    tel.add_argument("--tensorboard", type=Path, metavar="DIR", help="export: write under DIR/RUN")
+    tel.add_argument("--run", help="export: the run")
+    _workdir_arg(tel)
     tel.add_argument("--listen", default="127.0.0.1:50052", help="HOST:PORT")
     tel.add_argument(
         "--db",
@@ -252,10 +271,28 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("run")
     verify.add_argument("step", type=int)
     verify.add_argument("--json", action="store_true")
-    export = _ckpt_parser(ckpt_sub, "export", "write a standard DCP checkpoint directory")
+    export = _ckpt_parser(
+        ckpt_sub, "export", "write a standard DCP checkpoint directory, or a Hugging Face model"
+    )
     export.add_argument("run")
     export.add_argument("step", type=int)
     export.add_argument("dest", type=Path)
+    export.add_argument(
+        "--format",
+        choices=("dcp", "hf"),
+        default="dcp",
+        help="dcp: the checkpoint's files as they are; hf: the model as safetensors shards, "
+        "config.json and the tokenizer, for transformers, vLLM, SGLang (default dcp)",
+    )
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace DEST if it exists and is not empty"
+    )
+    export.add_argument(
+        "--shard-mb",
+        type=int,
+        default=5000,
+        help="--format hf: largest safetensors shard in MB (default 5000, as transformers)",
+    )
     rm = _ckpt_parser(ckpt_sub, "rm", "delete a checkpoint from every tier")
     rm.add_argument("run")
     rm.add_argument("step", type=int)
@@ -448,6 +485,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(options.to_toml(job), end="")
         return 0
+    if job["init_from_hf"]:
+        _check_init_from_hf(job)
     run_options = RunOptions(
         workdir=Workdir(args.workdir),
         ranks=args.ranks,
@@ -466,7 +505,18 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(summary.to_dict(), indent=2))
     else:
         _print_summary(summary)
+    if args.tensorboard is not None:
+        _print_tensorboard(None, args, summary.run_id)
     return 0
+
+
+def _check_init_from_hf(job: dict[str, options.Value]) -> None:
+    """Refuse an HF directory the model cannot start from now, in one line, rather than after
+    the stack has started (the trainer checks it again)."""
+    from trainer.config import from_values
+    from trainer.interop.hf_import import check_init
+
+    check_init(Path(str(job["init_from_hf"])), from_values(job | {"run_id": "check"}).model)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -632,6 +682,8 @@ def _ckptd(args: argparse.Namespace) -> int:
 
 
 def _telemetry(args: argparse.Namespace) -> int:
+    if args.action == "export":
+        return _telemetry_export(args)
     from scaletrain.security import ServerSecurity, database_url
     from telemetry.config import TelemetryConfig, retention_policy
     from telemetry.server import serve
@@ -650,6 +702,35 @@ def _telemetry(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _telemetry_export(args: argparse.Namespace) -> int:
+    """`telemetry export --tensorboard DIR --run RUN`: from --db, $SCALETRAIN_DB_URL or the
+    work directory's database."""
+    if args.tensorboard is None or not args.run:
+        raise UserError("telemetry export needs --tensorboard DIR and --run RUN")
+    _print_tensorboard(args.db or os.environ.get("SCALETRAIN_DB_URL"), args, args.run)
+    return 0
+
+
+def _print_tensorboard(db: str | None, args: argparse.Namespace, run_id: str) -> None:
+    """Write `run_id`'s scalars under --tensorboard and say where."""
+    from scaletrain.stack import Workdir
+    from telemetry.db import connect
+    from telemetry.tensorboard import write_tensorboard
+
+    if db is None:
+        workdir = Workdir(args.workdir)
+        if not workdir.telemetry_db.exists():
+            raise UserError(f"no telemetry database in {workdir.root}; run `scaletrain run` first")
+        db = workdir.db_url
+    engine = connect(db, read_only=True)
+    try:
+        logdir, count = write_tensorboard(engine, run_id, args.tensorboard)
+    finally:
+        engine.dispose()
+    print(f"tensorboard: {count} scalars of run {run_id} in {logdir} "
+          f"(tensorboard --logdir {args.tensorboard})", file=sys.stderr)  # fmt: skip
 
 
 def _credentials(args: argparse.Namespace) -> int:
@@ -728,7 +809,19 @@ def _ckpt(args: argparse.Namespace) -> int:
             line += f"; removal from {', '.join(pending)} continues in the background"
         print(line)
         return 0
-    files = checkpoints.export(args.workdir, args.ckptd, args.run, args.step, args.dest)
+    if args.format == "hf":
+        hf = checkpoints.export_hf(
+            args.workdir, args.ckptd, args.run, args.step, args.dest, args.overwrite,
+            args.shard_mb * 10**6,
+        )  # fmt: skip
+        print(
+            f"exported {args.run}@{args.step} for Hugging Face: {len(hf.shards)} safetensors "
+            f"shards ({hf.weight_bytes / 1e6:,.1f} MB) and {', '.join(hf.files)} to {args.dest}"
+        )
+        return 0
+    files = checkpoints.export(
+        args.workdir, args.ckptd, args.run, args.step, args.dest, overwrite=args.overwrite
+    )
     print(f"exported {args.run}@{args.step}: {len(files)} files to {args.dest}")
     return 0
 

@@ -98,19 +98,17 @@ def mfu(bind: Bind, run_id: str, *, last_steps: int | None = None) -> Mfu:
     NotFound when no such run was registered.
     """
     with connection_of(bind) as connection:
-        run = connection.execute(
-            select(
-                Run.model_params,
-                Run.world_size,
-                Run.peak_flops,
-                Run.recompute_fraction,
-                Run.precision,
-                Run.peak_flops_source,
-                Run.attempt,
-            ).where(Run.run_id == run_id)
-        ).first()
-        if run is None:
-            raise NotFound(f"run {run_id!r} is not registered")
+        run = registered_run(
+            connection,
+            run_id,
+            Run.model_params,
+            Run.world_size,
+            Run.peak_flops,
+            Run.recompute_fraction,
+            Run.precision,
+            Run.peak_flops_source,
+            Run.attempt,
+        )
         conditions = [StepRollup.run_id == run_id, *_latest(run.attempt)]
         if last_steps is not None:
             newest = select(func.max(StepRollup.step)).where(StepRollup.run_id == run_id)
@@ -152,11 +150,7 @@ def goodput(bind: Bind, run_id: str) -> Goodput:
     sums; the steps a later attempt computed again), and one over its skipped steps.
     """
     with connection_of(bind) as connection:
-        run = connection.execute(
-            select(Run.started_at, Run.finished_at, Run.attempt).where(Run.run_id == run_id)
-        ).first()
-        if run is None:
-            raise NotFound(f"run {run_id!r} is not registered")
+        run = registered_run(connection, run_id, Run.started_at, Run.finished_at, Run.attempt)
         spans = connection.execute(
             select(StepRollup.attempt, func.min(StepRollup.step), func.max(StepRollup.ended_at))
             .where(StepRollup.run_id == run_id)
@@ -173,7 +167,7 @@ def goodput(bind: Bind, run_id: str) -> Goodput:
             zip(
                 _SUMMED,
                 connection.execute(
-                    select(*(func.sum(c) for c in _per_step().values())).where(*latest)
+                    select(*(func.sum(c) for c in per_step().values())).where(*latest)
                 ).one(),
                 strict=True,
             )
@@ -215,7 +209,15 @@ def goodput(bind: Bind, run_id: str) -> Goodput:
 _SUMMED = ("data_s", "checkpoint_s", "replay_s", "productive_s")
 
 
-def _per_step() -> dict[str, ColumnElement[Any]]:
+def registered_run(connection: Any, run_id: str, *columns: Any) -> Any:
+    """`columns` of run `run_id`'s row; NotFound when no such run was registered."""
+    run = connection.execute(select(*columns).where(Run.run_id == run_id)).first()
+    if run is None:
+        raise NotFound(f"run {run_id!r} is not registered")
+    return run
+
+
+def per_step() -> dict[str, ColumnElement[Any]]:
     """Each step's badput phases (the slowest rank in each) and its productive rest, never below
     zero, from its rollup."""
     wall = StepRollup.step_max
@@ -259,7 +261,7 @@ def _skipped_steps_seconds(
     if not skipped:
         return 0.0
     seconds = connection.execute(
-        select(func.sum(_per_step()["productive_s"])).where(*latest, StepRollup.step.in_(skipped))
+        select(func.sum(per_step()["productive_s"])).where(*latest, StepRollup.step.in_(skipped))
     ).scalar()
     return float(seconds or 0.0)
 

@@ -240,10 +240,10 @@ def loss_points(bind: Bind, run_id: str, *, max_points: int = 1000) -> pd.DataFr
     )
 
 
-def eval_points(bind: Bind, run_id: str, *, limit: int = 1000) -> pd.DataFrame:
+def eval_points(bind: Bind, run_id: str, *, limit: int | None = 1000) -> pd.DataFrame:
     """The validation losses of `run_id` (its "eval" events): EVAL_POINT_COLUMNS by step, the
     latest report of a step when a restarted run evaluated it again; at most the `limit` latest
-    steps."""
+    steps (None: every one)."""
     query = (
         select(Event.step, Event.attributes)
         .where(Event.run_id == run_id, Event.kind == "eval")
@@ -252,7 +252,7 @@ def eval_points(bind: Bind, run_id: str, *, limit: int = 1000) -> pd.DataFrame:
     latest: dict[int, float] = {}
     with connection_of(bind) as connection:
         for step, attributes in connection.execute(query):
-            if step not in latest and len(latest) < limit:
+            if step not in latest and (limit is None or len(latest) < limit):
                 latest[step] = float(attributes["loss"])
     frame = pd.DataFrame(sorted(latest.items()), columns=EVAL_POINT_COLUMNS)
     return frame.astype({"step": int, "eval_loss": float})

@@ -53,6 +53,8 @@ class TrainConfig:
     ckpt_policy: str = _default("ckpt_policy")
     replicas: int = _default("replicas")
     resume: bool = False
+    # A Hugging Face Llama directory a new run takes its weights from (trainer.interop.hf_import).
+    init_from_hf: str = _default("init_from_hf")
     allow_config_change: bool = False
     seed: int = _default("seed")
     seq_len: int = _default("seq_len")

@@ -549,6 +549,15 @@ OPTIONS: tuple[Option, ...] = (
         "resume", "checkpoint", bool, False, "continue from the latest checkpoint", launcher=True
     ),
     Option(
+        "init_from_hf",
+        "checkpoint",
+        str,
+        "",
+        "a Hugging Face LlamaForCausalLM directory (config.json, safetensors) whose weights a new "
+        "run starts from instead of the seed's, resharded to its layout (empty: none)",
+        # Not compared on resume: a resumed run's weights come from its checkpoint.
+    ),
+    Option(
         "allow_config_change",
         "checkpoint",
         bool,

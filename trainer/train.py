@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ from trainer.health.guard import StepGuard, replica_groups
 from trainer.health.inject import FaultInjector
 from trainer.health.preflight import check_ranks
 from trainer.health.watchdog import REPORT_WAIT_S, PeerBoard, Watchdog
+from trainer.interop.hf_import import load_hf_weights
 from trainer.model.llama import Transformer
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel.dims import MESH_DIMS, ParallelMesh, validate_layout
@@ -192,6 +194,9 @@ def train(cfg: TrainConfig) -> None:
     if cfg.resume or restart_count() > 0:
         start_step = resume(cfg, checkpointer, reporter, loader, rank, required=cfg.resume)
         reporter.restarted(start_step, checkpointer.restored_from if checkpointer else {})
+    if cfg.init_from_hf and start_step == 0:
+        # A fine-tuning run starts from published weights (a resumed one from its checkpoint).
+        load_hf_weights(model, Path(cfg.init_from_hf), cfg.model)
     watchdog = Watchdog(
         cfg.watchdog, rank, heartbeat=reporter.heartbeat,
         on_hang=lambda hang: reporter.hang(hang, REPORT_WAIT_S), peers=_peer_board(rank, world),

@@ -69,6 +69,12 @@ def test_the_model_build_memory_benchmark_runs_both_paths_and_prints_their_ratio
     assert "ratio old/new peak RSS added" in printed
 
 
+def test_the_hf_interop_benchmark_exports_and_imports_a_tiny_model_and_prints_both_ratios():
+    printed = run_bench("hf_interop.py", "--dim", "64", "--layers", "1", "--vocab", "256",
+                        "--ranks", "2", "--runs", "1")  # fmt: skip
+    assert "ratio HF export / DCP export" in printed and "ratio HF import / dcp.load" in printed
+
+
 def test_the_fp8_speed_benchmark_runs_on_a_cpu_and_says_where_the_step_time_went() -> None:
     printed = run_bench(
         "fp8_gpu.py", "--device", "cpu", "--dims", "256,128,2,4,4,384,2,128", "--steps", "1",

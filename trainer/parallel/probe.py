@@ -12,7 +12,8 @@ plain model, a plain loss and torch's own clipping: the single-process run layou
     torchrun --nproc-per-node 4 -m trainer.parallel.probe --layouts layouts.json --out out.pt
 
 A layout is a JSON object: {"name": ..., "parallel": {ParallelConfig fields}, "model": {ModelArgs
-fields, "moe": {MoEArgs fields}}, any of seq_len, global_batch, lr, seed, grad_accum_steps, and
+fields, "moe": {MoEArgs fields}}, any of seq_len, global_batch, lr, seed, grad_accum_steps,
+init_from_hf (a Hugging Face directory the layout's weights are loaded from), and
 "checkpoint": true}.
 The name is also the checkpoint's run id.
 """
@@ -38,6 +39,7 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.config import ParallelConfig, TrainConfig
 from trainer.data.corpus import stdlib_corpus
 from trainer.data.loader import DeterministicLoader
+from trainer.interop.hf_import import load_hf_weights
 from trainer.model.llama import ModelArgs, Transformer, next_token_loss
 from trainer.model.moe import MoEArgs
 from trainer.optim import build_optimizer
@@ -77,7 +79,7 @@ def config_from_layout(layout: dict[str, Any]) -> TrainConfig:
     model = dict(layout.get("model", {}))
     moe = model.pop("moe", None)
     args = ModelArgs(**model, moe=MoEArgs(**moe) if moe else None)
-    known = ("seq_len", "global_batch", "lr", "seed", "grad_accum_steps")
+    known = ("seq_len", "global_batch", "lr", "seed", "grad_accum_steps", "init_from_hf")
     extra = {k: layout[k] for k in known if k in layout}
     return TrainConfig(
         run_id=layout["name"],
@@ -143,6 +145,8 @@ class _Job:
 def _build(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, seed: int) -> _Job:
     parallel, _ = build_model(dataclasses.replace(cfg, seed=seed), mesh, device)
     model = parallel.model
+    if cfg.init_from_hf:
+        load_hf_weights(model, Path(cfg.init_from_hf), cfg.model)
     loader = DeterministicLoader(stdlib_corpus(cfg.corpus_bytes), cfg.seq_len, cfg.global_batch,
                                  mesh.dp_rank, mesh.dims.dp_size, seed=cfg.seed)  # fmt: skip
     return _Job(parallel, build_optimizer(model, cfg), loader)
