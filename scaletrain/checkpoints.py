@@ -23,11 +23,13 @@ from ckptd.datadir import ckptd_running, list_offline
 from ckptd.manifest import file_crc32c
 from ckptd.store import CheckpointStore
 from ckptd.tiers import TIER_NAMES as _TIER_NAMES
-from ckptd.tiers import BlockCrcs
+from ckptd.tiers import BlockCrcs, CheckpointKey
 from scaletrain.errors import NotFound, ScaletrainError, UserError
 from scaletrain.stack import S3_BUCKET, Workdir, s3_for_reading
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 from trainer.interop.hf import DEFAULT_SHARD_BYTES
+
+TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
 
 if TYPE_CHECKING:
     from trainer.interop.hf_export import Exported
@@ -92,7 +94,7 @@ def _row(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
 
 def _committed(tiers: list[checkpoint_pb2.TierStatus]) -> bool:
     return any(
-        t.tier != common_pb2.TIER_S3 and t.state == checkpoint_pb2.TIER_STATE_COMMITTED
+        t.tier != common_pb2.TIER_S3 and t.state == TIER_COMMITTED
         for t in tiers
     )
 
@@ -186,8 +188,23 @@ def _offline_store(workdir: Path, needs_s3: bool) -> Iterator[CheckpointStore]:
             yield store
 
 
+@contextlib.contextmanager
+def _reading_store(workdir: Path, info: checkpoint_pb2.CheckpointInfo) -> Iterator[CheckpointStore]:
+    """An offline store to read checkpoint `info` from: without S3 while its SSD copy is good as
+    the store finds it on opening (a copy deleted or lost since ckptd stopped is not, whatever the
+    catalog said), else with the work directory's S3 server."""
+    key = CheckpointKey(info.ref.run, info.ref.step)
+    if common_pb2.TIER_SSD in _tiers_of(info):
+        with _offline_store(workdir, needs_s3=False) as store:
+            if store.catalog.tier_state(key, common_pb2.TIER_SSD) == TIER_COMMITTED:
+                yield store
+                return
+    with _offline_store(workdir, needs_s3=True) as store:
+        yield store
+
+
 def _tiers_of(info: checkpoint_pb2.CheckpointInfo) -> list[int]:
-    return [t.tier for t in info.tiers if t.state == checkpoint_pb2.TIER_STATE_COMMITTED]
+    return [t.tier for t in info.tiers if t.state == TIER_COMMITTED]
 
 
 def verify(
@@ -261,8 +278,7 @@ def export(
             with CkptdClient(ckptd) as client:
                 written = _export_from_client(client, info, staging, progress)
         else:
-            needs_s3 = common_pb2.TIER_SSD not in _tiers_of(info)
-            with _offline_store(workdir, needs_s3) as store:
+            with _reading_store(workdir, info) as store:
                 written = store.export(info.ref, staging, progress)
     progress.finish()
     return [dest / path.name for path in written]
@@ -288,9 +304,7 @@ def export_hf(
         if ckptd:
             reader = CkptdStorageReader(ckptd, run, step)
         else:
-            store = stack.enter_context(
-                _offline_store(workdir, common_pb2.TIER_SSD not in _tiers_of(info))
-            )
+            store = stack.enter_context(_reading_store(workdir, info))
             reader = CkptdStorageReader("", run, step, source=_StoreSource(store))
         stack.callback(reader.close)
         with _staged(dest, overwrite) as staging:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -27,10 +28,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from e2e_procs import processes_mentioning, trainer_pids
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ckptd.client import CkptdClient
+from telemetry.tensorboard import TAGS
 from trainer.checkpoint.digest import probe_logits_sha256, state_sha256
 from trainer.data.prepare import EXAMPLE_VOCAB
 from trainer.model.llama import ModelArgs, Transformer
@@ -141,9 +146,47 @@ def run_and_kill(workdir: Path, kill_after: int, victim: int, *args: str) -> str
 def reference(tmp_path_factory: pytest.TempPathFactory, data: list[str]) -> dict:
     workdir = tmp_path_factory.mktemp("reference")
     summary = run_json(
-        workdir, "--ranks", str(RANKS), "--steps", str(STEPS), "--ckpt-every", str(EVERY), *data
-    )
+        workdir, "--ranks", str(RANKS), "--steps", str(STEPS), "--ckpt-every", str(EVERY), *data,
+        "--tensorboard", str(workdir / "tensorboard"),
+    )  # fmt: skip
     return summary | {"workdir": workdir, "data": data}
+
+
+def test_the_run_writes_its_curves_with_the_validation_loss_for_tensorboard(reference: dict):
+    """`scaletrain run --tensorboard DIR`, read back with TensorBoard's own reader."""
+    logdir = reference["workdir"] / "tensorboard" / reference["run_id"]
+    curves = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    curves.Reload()
+    assert set(curves.Tags()["scalars"]) >= {TAGS[c] for c in ("loss", "eval_loss", "lr", "mfu")}
+    assert [e.step for e in curves.Scalars(TAGS["loss"])] == list(range(1, STEPS + 1))
+    recorded = eval_losses(reference["workdir"], reference["run_id"])
+    assert {e.step: e.value for e in curves.Scalars(TAGS["eval_loss"])} == pytest.approx(
+        {step: float(loss) for step, loss in recorded.items()}
+    )
+
+
+def test_a_checkpoint_held_only_on_s3_exports_to_hugging_face_as_from_ssd(
+    reference: dict, tmp_path: Path
+):
+    """The HF export reads the fastest tier holding the checkpoint: with the first one's SSD copy
+    gone (the memory tier died with ckptd), S3; the tensors are those of the SSD export."""
+    workdir, run_id = reference["workdir"], reference["run_id"]
+
+    def export(dest: Path) -> dict[str, torch.Tensor]:
+        result = scaletrain("ckpt", "export", "--format", "hf", "--workdir", str(workdir),
+                            run_id, str(EVERY), str(dest))  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return {k: v for p in dest.glob("*.safetensors") for k, v in load_file(p).items()}
+
+    from_ssd = export(tmp_path / "from-ssd")
+    (copy,) = [p for p in (workdir / "ckptd").rglob(str(EVERY)) if (p / ".metadata").exists()]
+    shutil.rmtree(copy)
+    from_s3 = export(tmp_path / "from-s3")
+    assert from_ssd and from_s3.keys() == from_ssd.keys()
+    assert all(torch.equal(from_s3[k], v) for k, v in from_ssd.items())
+    listed = scaletrain("ckpt", "ls", "--workdir", str(workdir), "--json")
+    tiers = {c["step"]: c["tiers"] for c in json.loads(listed.stdout) if c["run"] == run_id}
+    assert tiers[EVERY] == ["s3"], tiers
 
 
 def test_the_run_trains_every_step_and_reports_its_loss(reference: dict):
