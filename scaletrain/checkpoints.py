@@ -93,10 +93,7 @@ def _row(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
 
 
 def _committed(tiers: list[checkpoint_pb2.TierStatus]) -> bool:
-    return any(
-        t.tier != common_pb2.TIER_S3 and t.state == TIER_COMMITTED
-        for t in tiers
-    )
+    return any(t.tier != common_pb2.TIER_S3 and t.state == TIER_COMMITTED for t in tiers)
 
 
 def list_checkpoints(workdir: Path, ckptd: str | None, run: str | None) -> list[dict[str, object]]:
