@@ -370,11 +370,12 @@ def evaluate(
     held_out: DeterministicLoader,
     batches: int,
     device: torch.device,
-    progress: Callable[[], None],
+    progress: Callable[[], None] = lambda: None,
 ) -> EvalLoss:
     """The validation loss over the first `batches` global batches of the held-out data (a
-    collective: every rank takes part). `progress` is called before each batch: a long
-    evaluation is progress to the watchdog, batch by batch, not one phase past its deadline."""
+    collective: every rank takes part), as the loop and the layout proof take it. `progress` is
+    called before each batch: a long evaluation is progress to the watchdog, batch by batch, not
+    one phase past its deadline."""
     start = time.perf_counter()
     held_out.load_state_dict({"global_sample": 0})
 

@@ -47,6 +47,7 @@ from trainer.parallel.dims import ParallelMesh, validate_layout
 from trainer.parallel.expert import ExpertLoad, balance_experts
 from trainer.parallel.parallelize import ParallelModel, build_model
 from trainer.parallel.pipeline import evaluates, scheduled_bubble
+from trainer.train import evaluate
 
 CORPUS_BYTES = 1 << 18
 # Global batches of the validation loss taken after the last step (the held-out order: another
@@ -186,9 +187,7 @@ def run_layout(
     result.state = job.parallel.full_state()
     if mesh.dims.pp == 1 or evaluates(cfg.parallel.pp_schedule):
         eval_loader = _eval_loader(cfg, mesh.dp_rank, mesh.dims.dp_size)
-        result.eval_loss = job.parallel.evaluate(
-            tuple(x.to(device) for x in eval_loader.next_batch()) for _ in range(EVAL_BATCHES)
-        )
+        result.eval_loss = evaluate(job.parallel, eval_loader, EVAL_BATCHES, device).loss
     if job.parallel.pipeline is not None:
         result.scheduled_bubble = scheduled_bubble(job.parallel.pipeline.schedule)
     if ckptd is not None:
