@@ -1,15 +1,18 @@
-"""The training loop, readable top to bottom.
+"""The training loop, readable top to bottom: `train` is `setup`, `run_loop` and `finish`.
 
 One process per rank (torchrun). Gloo on CPU, NCCL on CUDA, the same code otherwise. Each step:
-read this rank's slice of the global batch, forward, backward, clip, optimizer step (under the step
-guard, which replays the step when it looks corrupted), report the step's record to telemetry; every
-`ckpt_every` steps save the whole state to ckptd through DCP.
+read this rank's slice of the global batch, train it (`trainer.step.train_step`: forward, backward,
+clip, optimizer step, under the step guard, which replays the step when it looks corrupted), save
+the whole state to ckptd through DCP when the checkpointer's policy says so, report the step's
+record to telemetry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import math
 import os
 import signal
 import socket
@@ -23,8 +26,7 @@ import torch
 import torch.distributed as dist
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from ckptd.readpath import describe_sources
-from scaletrain.errors import NotFound, ScaletrainError, UserError
+from scaletrain.errors import ScaletrainError, UserError
 from trainer import options
 from trainer.checkpoint.checkpointer import (
     Checkpointer,
@@ -36,7 +38,6 @@ from trainer.checkpoint.digest import probe_logits_sha256, state_sha256
 from trainer.config import TrainConfig
 from trainer.data.loader import (
     DeterministicLoader,
-    LoaderOffset,
     Source,
     open_source,
     source_identity,
@@ -49,9 +50,10 @@ from trainer.health.watchdog import REPORT_WAIT_S, PeerBoard, Watchdog
 from trainer.interop.hf_import import load_hf_weights
 from trainer.model.llama import Transformer
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.parallel.dims import MESH_DIMS, ParallelMesh, validate_layout
+from trainer.parallel.dims import MESH_DIMS, ParallelDims, ParallelMesh, validate_layout
 from trainer.parallel.parallelize import ParallelModel, build_model
 from trainer.reporting import Reporter
+from trainer.step import StepResult, train_step
 
 # Global batches the loader reads ahead in a background thread while a step trains.
 PREFETCH_BATCHES = 2
@@ -59,7 +61,7 @@ PREFETCH_BATCHES = 2
 
 @dataclass
 class Phases:
-    """Seconds spent in each phase of the current step."""
+    """Seconds spent in each phase of a step, as telemetry records them."""
 
     data: float = 0.0
     forward: float = 0.0
@@ -135,7 +137,49 @@ def build(
     return parallel, fp8, whole.num_params(), param_bytes
 
 
+@dataclass
+class Run:
+    """Everything the loop needs, built by `setup`; the loop updates only `global_loss`."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    dims: ParallelDims
+    parallel: ParallelModel
+    fp8: Fp8Training | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: DeterministicLoader
+    held_out: DeterministicLoader | None
+    reporter: Reporter
+    faults: FaultInjector
+    guard: StepGuard
+    checkpointer: Checkpointer | None
+    watchdog: Watchdog
+    # Steps start_step + 1 .. cfg.steps are left to train (start_step > 0 after a resume).
+    start_step: int
+    # time.perf_counter() when the first step began.
+    started: float = 0.0
+    # The mean loss over ranks of the latest step.
+    global_loss: float = math.nan
+
+
 def train(cfg: TrainConfig) -> None:
+    """Set up, train, finish. However the run ends, telemetry is handed the records not yet sent
+    and the watchdog and the loader's reader stop: a run that fails keeps the records of the
+    steps before the failure."""
+    with contextlib.ExitStack() as cleanup:
+        run = setup(cfg, cleanup)
+        run_loop(run)
+        finish(run)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
+    """Join the job, build the model, optimizer, data, telemetry, guard and checkpointer, and
+    resume where the run left off. What must stop on any exit is pushed on `cleanup`."""
     launched_at = Timestamp()
     launched_at.GetCurrentTime()
     # The layout is checked against the model and data before any process group exists.
@@ -157,8 +201,10 @@ def train(cfg: TrainConfig) -> None:
         source, cfg.seq_len, cfg.global_batch, mesh.dp_rank, dims.dp_size, seed=cfg.seed,
         prefetch=PREFETCH_BATCHES,
     )  # fmt: skip
+    cleanup.callback(loader.close)
     held_out = open_held_out(cfg, source, mesh.dp_rank, dims.dp_size)
     reporter = Reporter(cfg.telemetry, cfg.run_id, rank)
+    cleanup.callback(reporter.close)
     reporter.register_run(
         cfg, world, dims.layout(), n_params, _hardware(device), source_identity(source),
         device=device, param_dtype=next(model.parameters()).dtype, launched_at=launched_at,
@@ -173,26 +219,22 @@ def train(cfg: TrainConfig) -> None:
     )  # fmt: skip
     checkpointer = (
         Checkpointer(
-            cfg.ckptd,
-            cfg.run_id,
-            model,
-            optimizer,
-            scheduler,
-            loader,
-            SavePolicy(cfg.ckpt_policy),
-            fp8=fp8,
-            replicas=cfg.replicas,
-            timeout=timeout,
+            cfg.ckptd, cfg.run_id, model, optimizer, scheduler, loader,
+            SavePolicy(cfg.ckpt_policy), fp8=fp8, replicas=cfg.replicas, timeout=timeout,
             config=options.to_toml(cfg.job) if cfg.job else "",
+            every=cfg.ckpt_every, last_step=cfg.steps,
         )
         if cfg.ckptd
         else None
-    )
+    )  # fmt: skip
 
     start_step = 0
     # After torchrun restarted the job, every rank resumes from the latest committed checkpoint.
     if cfg.resume or restart_count() > 0:
-        start_step = resume(cfg, checkpointer, reporter, loader, rank, required=cfg.resume)
+        if checkpointer is not None:
+            start_step = checkpointer.resume(cfg, reporter)
+        elif cfg.resume:
+            raise UserError("--resume needs --ckptd: there is no checkpoint store to resume from")
         reporter.restarted(start_step, checkpointer.restored_from if checkpointer else {})
     if cfg.init_from_hf and start_step == 0:
         # A fine-tuning run starts from published weights (a resumed one from its checkpoint).
@@ -201,6 +243,7 @@ def train(cfg: TrainConfig) -> None:
         cfg.watchdog, rank, heartbeat=reporter.heartbeat,
         on_hang=lambda hang: reporter.hang(hang, REPORT_WAIT_S), peers=_peer_board(rank, world),
     ).start()  # fmt: skip
+    cleanup.callback(watchdog.stop)
 
     # Every rank probes its FP8 paths now: under --compile, a probe inside a step breaks its graph.
     compute_dtype = torch.bfloat16 if cfg.parallel.mixed_precision else torch.float32
@@ -213,126 +256,132 @@ def train(cfg: TrainConfig) -> None:
         )
         if fp8_paths is not None:
             print(f"[trainer] {fp8_paths}", flush=True)
-    tokens_per_step = cfg.global_batch * cfg.seq_len
-    accum = cfg.grad_accum_steps
+    return Run(
+        cfg=cfg, rank=rank, world=world, device=device, dims=dims, parallel=parallel, fp8=fp8,
+        optimizer=optimizer, scheduler=scheduler, loader=loader, held_out=held_out,
+        reporter=reporter, faults=faults, guard=guard, checkpointer=checkpointer,
+        watchdog=watchdog, start_step=start_step,
+    )  # fmt: skip
+
+
+def run_loop(run: Run) -> None:
+    """Train the steps left: read the batch, train a step under the guard, save when due, report
+    the step's record, evaluate and log when due."""
+    cfg, watchdog = run.cfg, run.watchdog
     # Each rank reports its share, so the tokens of all ranks add up to the global batch's.
-    local_tokens = tokens_per_step // world
-    global_loss = float("nan")
-    run_start = time.perf_counter()
-    for step in range(start_step + 1, cfg.steps + 1):
-        phases = Phases()
-        watchdog.enter(step, "data")
+    local_tokens = cfg.global_batch * cfg.seq_len // run.world
+    run.started = time.perf_counter()
+    for step in range(run.start_step + 1, cfg.steps + 1):
+        progress = functools.partial(watchdog.enter, step)
+        progress("data")
         t = time.perf_counter()
-        inputs, targets = (x.to(device) for x in loader.next_batch())
-        inputs, targets = faults.corrupt_batch(step, inputs, targets)
-        phases.data, t = _lap(t)
-        if fp8 is not None:
-            fp8.begin_step(step)
+        inputs, targets = (x.to(run.device) for x in run.loader.next_batch())
+        batch = run.faults.corrupt_batch(step, inputs, targets)
+        data_s = time.perf_counter() - t
+        if run.fp8 is not None:
+            run.fp8.begin_step(step)
 
-        for attempt in guard.attempts(step, phases):  # once; twice if the step is replayed
-            t = time.perf_counter()
-            phases.forward = phases.backward = 0.0
-            # Gradient accumulation: FSDP reduces gradients in the last micro-batch's backward.
-            losses = []
-            for micro_inputs, micro_targets in parallel.micro_batches(inputs, targets, accum):
-                watchdog.enter(step, "forward")
-                # Under pipeline parallelism forward runs the whole schedule, backward included.
-                losses.append(parallel.forward(micro_inputs, micro_targets))
-                elapsed, t = _lap(t)
-                phases.forward += elapsed
-                watchdog.enter(step, "backward")
-                parallel.backward(losses[-1], accum)
-                elapsed, t = _lap(t)
-                phases.backward += elapsed
-            loss = parallel.mean_of(losses)
-            attempt.gradients_ready()
-            watchdog.enter(step, "optimizer")
-            grad_norm = parallel.clip_grad_norm_(cfg.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            phases.optimizer, t = _lap(t)
-            watchdog.enter(step, "loss all-reduce")
+        result = train_step(
+            run.parallel, run.optimizer, batch, max_grad_norm=cfg.max_grad_norm,
+            grad_accum_steps=cfg.grad_accum_steps, guard=run.guard, step=step, progress=progress,
+        )  # fmt: skip
+        run.global_loss = result.global_loss
+        lr = run.scheduler.get_last_lr()[0]
+        run.scheduler.step()
 
-            # The mean loss over ranks is what the run reports; its all-reduce is our comm wait.
-            global_loss = parallel.mean_loss(loss)
-            phases.comm_wait, t = _lap(t)
-            attempt.finished(global_loss if loss is None else float(loss), global_loss, grad_norm)
-        t = time.perf_counter()
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        expert_load = parallel.after_optimizer_step()
+        progress("checkpoint")
+        saved, checkpoint_s = _save_if_due(run, step)
 
-        saved = None
-        watchdog.enter(step, "checkpoint")
-        if checkpointer:
-            # Background saves that ended are reported (and their failures surfaced) here.
-            _report_saves(checkpointer.poll(), reporter, rank)
-            if cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps):
-                saved = checkpointer.save(step, labels={"layout": json.dumps(dims.layout())})
-                _report_save_start(saved, step, reporter, rank)
-                phases.checkpoint, t = _lap(t)
-
+        health = result.health
+        assert health is not None  # the step ran under the guard
+        phases = Phases(
+            data=data_s, **vars(result.times), checkpoint=checkpoint_s, replay=health.replay_s
+        )
         step_seconds = sum(vars(phases).values())
         watchdog.step_done(step_seconds)
-        reporter.step(
-            step=step,
-            # Pipeline ranks without the last stage have no loss of their own.
-            loss=global_loss if loss is None else float(loss),
-            grad_norm=grad_norm,
-            tokens=local_tokens,
-            phases=phases,
-            step_seconds=step_seconds,
-            lr=lr,
-            offset=loader.offset(),
-            device=device,
-            compute_seconds=guard.compute_s,
-            state_checksum=guard.state_checksum if guard.enabled else None,
-        )
-        if held_out is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-            progress = functools.partial(watchdog.enter, step, "evaluate")
-            eval_loss = evaluate(parallel, held_out, cfg.eval_batches, device, progress)
-            reporter.evaluated(step, eval_loss.loss, cfg.eval_batches, eval_loss.tokens,
-                               eval_loss.seconds)  # fmt: skip
-            if rank == 0:
-                print(f"[trainer] step {step} validation loss {eval_loss.loss:.4f} "
-                      f"({eval_loss.seconds:.2f}s)", flush=True)  # fmt: skip
-        if rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps or saved):
-            elapsed = time.perf_counter() - run_start
-            done = step - start_step
-            note = f" | checkpoint staged in {saved.blocking_s:.3f}s" if saved else ""
-            if expert_load is not None:
-                note += f" | expert load max/mean {expert_load.imbalance:.2f}"
-            if parallel.pipeline is not None:
-                note += f" | pipeline bubble {parallel.pipeline.bubble_report()}"
-            note += f" | fp8 on rank 0: {fp8.summary()}" if fp8 is not None else ""
-            print(
-                f"[trainer] step {step} loss {global_loss:.4f} "
-                f"tok/s {done * tokens_per_step / elapsed:,.0f}{note}",
-                flush=True,
-            )
+        run.reporter.step(
+            step=step, loss=result.loss, grad_norm=result.grad_norm, tokens=local_tokens,
+            phases=phases, step_seconds=step_seconds, lr=lr, offset=run.loader.offset(),
+            device=run.device, compute_seconds=health.compute_s,
+            state_checksum=health.state_checksum,
+        )  # fmt: skip
+        if run.held_out is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+            _evaluate(run, step)
+        if run.rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps or saved):
+            _log_step(run, step, result, saved)
 
-    watchdog.enter(cfg.steps, "finish")
-    if checkpointer:
-        final = checkpointer.finish()
-        _report_saves(final, reporter, rank)
-        checkpointer.close()
+
+def _save_if_due(run: Run, step: int) -> tuple[SaveStarted | None, float]:
+    """Report the background saves that ended (surfacing their failures) and start this step's
+    save when the checkpointer's policy says so; returns the save started (None when not due or
+    skipped) and the seconds it blocked the loop."""
+    checkpointer = run.checkpointer
+    if checkpointer is None:
+        return None, 0.0
+    t = time.perf_counter()
+    _report_saves(checkpointer.poll(), run.reporter, run.rank)
+    if not checkpointer.should_save(step):
+        return None, 0.0
+    saved = checkpointer.save(step, labels={"layout": json.dumps(run.dims.layout())})
+    _report_save_start(saved, step, run.reporter, run.rank)
+    return saved, time.perf_counter() - t
+
+
+def _evaluate(run: Run, step: int) -> None:
+    """The validation loss after `step`, reported; a long evaluation is progress to the watchdog,
+    batch by batch."""
+    assert run.held_out is not None
+    cfg = run.cfg
+    progress = functools.partial(run.watchdog.enter, step, "evaluate")
+    eval_loss = evaluate(run.parallel, run.held_out, cfg.eval_batches, run.device, progress)
+    run.reporter.evaluated(
+        step, eval_loss.loss, cfg.eval_batches, eval_loss.tokens, eval_loss.seconds
+    )
+    if run.rank == 0:
+        print(
+            f"[trainer] step {step} validation loss {eval_loss.loss:.4f} "
+            f"({eval_loss.seconds:.2f}s)",
+            flush=True,
+        )
+
+
+def _log_step(run: Run, step: int, result: StepResult, saved: SaveStarted | None) -> None:
+    """Rank 0's log line of `step`: the loss, throughput since the loop began, and the notes."""
+    elapsed = time.perf_counter() - run.started
+    tokens = (step - run.start_step) * run.cfg.global_batch * run.cfg.seq_len
+    note = f" | checkpoint staged in {saved.blocking_s:.3f}s" if saved else ""
+    if result.expert_load is not None:
+        note += f" | expert load max/mean {result.expert_load.imbalance:.2f}"
+    if run.parallel.pipeline is not None:
+        note += f" | pipeline bubble {run.parallel.pipeline.bubble_report()}"
+    note += f" | fp8 on rank 0: {run.fp8.summary()}" if run.fp8 is not None else ""
+    print(
+        f"[trainer] step {step} loss {result.global_loss:.4f} tok/s {tokens / elapsed:,.0f}{note}",
+        flush=True,
+    )
+
+
+def finish(run: Run) -> None:
+    """Wait for the last checkpoint (refusing to end well if it failed), then rank 0 reports the
+    run finished with the digests of its final parameters."""
+    run.watchdog.enter(run.cfg.steps, "finish")
+    if run.checkpointer:
+        final = run.checkpointer.finish()
+        _report_saves(final, run.reporter, run.rank)
+        run.checkpointer.close()
         if any(done.error for done in final):
             raise ScaletrainError(f"the final checkpoint failed: {final[-1].error}")
 
-    full_state = parallel.full_state()  # a collective: every rank takes part
-    if rank == 0:
-        elapsed = time.perf_counter() - run_start
+    full_state = run.parallel.full_state()  # a collective: every rank takes part
+    if run.rank == 0:
+        elapsed = time.perf_counter() - run.started
         digest = state_sha256(full_state)
-        logits_digest = probe_logits_sha256(full_state, cfg.model)
-        reporter.run_finished(cfg.steps, global_loss, digest, logits_digest, elapsed)
+        logits_digest = probe_logits_sha256(full_state, run.cfg.model)
+        run.reporter.run_finished(run.cfg.steps, run.global_loss, digest, logits_digest, elapsed)
         print(
-            f"[trainer] done: final loss {global_loss:.4f}, params sha256 {digest[:16]}", flush=True
+            f"[trainer] done: final loss {run.global_loss:.4f}, params sha256 {digest[:16]}",
+            flush=True,
         )
-    watchdog.stop()
-    loader.close()
-    reporter.close()
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
@@ -436,133 +485,6 @@ def _report_saves(done: list[SaveDone], reporter: Reporter, rank: int) -> None:
             )
         if rank == 0:
             reporter.save_done(save)
-
-
-def resume(
-    cfg: TrainConfig,
-    checkpointer: Checkpointer | None,
-    reporter: Reporter,
-    loader: DeterministicLoader,
-    rank: int,
-    required: bool = True,
-) -> int:
-    """Restore the latest committed checkpoint; refuse if telemetry disagrees with it.
-
-    ckptd serves it from its fastest tier with a verified copy: memory first, then SSD, then S3.
-    Not `required` (a restart by torchrun), a run without a checkpoint yet starts over at step 0.
-    """
-    if checkpointer is None:
-        if not required:
-            return 0
-        raise UserError("--resume needs --ckptd: there is no checkpoint store to resume from")
-    step, none_because = _latest_step(cfg, rank)
-    if step < 0:
-        if required:
-            raise NotFound(none_because)
-        if rank == 0:
-            print(f"[trainer] run {cfg.run_id}: no checkpoint yet, starting over", flush=True)
-        return 0
-    train_state = checkpointer.load(step)
-    check_config(cfg, step, train_state.get("config", ""), reporter, rank)
-    expected = loader.offset()
-    recorded = reporter.resume_offsets(step)
-    if recorded is not None and (recorded or required):
-        check_offsets(cfg.run_id, step, rank, expected, recorded, loader.dp_size)
-    elif recorded is not None and rank == 0:
-        # A rank killed right after the save took its unsent records of the step with it.
-        print(
-            f"[trainer] telemetry has no record of step {step} (lost with the failed attempt): "
-            "resuming at the checkpoint's own data-loader offsets",
-            flush=True,
-        )
-    if rank == 0:
-        print(
-            f"[trainer] resumed run {cfg.run_id} from step {train_state['step']} "
-            f"(global sample {expected.global_sample}); read "
-            f"{describe_sources(checkpointer.restored_from)}",
-            flush=True,
-        )
-    return int(train_state["step"])
-
-
-def check_config(
-    cfg: TrainConfig, step: int, saved_toml: str, reporter: Reporter, rank: int
-) -> None:
-    """Refuse to resume with options that alter results changed since the checkpoint (model
-    shape, seed, data, optimizer, schedule), listing them; with --allow-config-change, go on and
-    record the changes in telemetry. A checkpoint saved without its config is not compared."""
-    if not saved_toml or not cfg.job:
-        return
-    changed = options.differences(options.from_toml(saved_toml), cfg.job)
-    if not changed:
-        return
-    listed = "; ".join(changed)
-    if not cfg.allow_config_change:
-        raise UserError(
-            f"refusing to resume run {cfg.run_id} at step {step}: the job config changed in "
-            f"ways that alter results: {listed} (--allow-config-change accepts them)"
-        )
-    if rank == 0:
-        print(f"[trainer] resuming with a changed config (--allow-config-change): {listed}")
-        reporter.config_changed(step, changed)
-
-
-def _latest_step(cfg: TrainConfig, rank: int) -> tuple[int, str]:
-    """The step every rank restores, or -1 and ckptd's reason there is none: rank 0 asks its
-    node's ckptd and tells the others, so that ranks on nodes whose ckptds learned of a commit at
-    different instants still restore the same step."""
-    from ckptd.client import CkptdClient
-
-    step, none_because, error = -1, "", ""
-    if rank == 0:
-        assert cfg.ckptd is not None
-        with CkptdClient(cfg.ckptd) as client:
-            try:
-                step = int(client.get(cfg.run_id).ref.step)
-            except NotFound as exc:
-                none_because = str(exc)
-            except ScaletrainError as exc:
-                error = str(exc)
-    shared: list[object] = [step, none_because, error]
-    dist.broadcast_object_list(shared, src=0)
-    if shared[2]:
-        raise ScaletrainError(str(shared[2]))
-    return int(shared[0]), str(shared[1])  # type: ignore[call-overload]
-
-
-def check_offsets(
-    run_id: str,
-    step: int,
-    rank: int,
-    expected: LoaderOffset,
-    recorded: dict[int, LoaderOffset],
-    dp_size: int,
-) -> None:
-    """Refuse to resume unless telemetry's record of `step` agrees with the checkpoint.
-
-    Every recorded rank must have been at the checkpoint's global sample. A rank's own slice is
-    compared too when the data-parallel degree is unchanged; at another degree the slices differ
-    by design while the global order stays the same.
-    """
-    refuse = f"refusing to resume run {run_id} at step {step}"
-    if not recorded:
-        raise UserError(f"{refuse}: telemetry has no data-loader offsets for that step")
-    for other, offset in sorted(recorded.items()):
-        if offset.global_sample != expected.global_sample:
-            raise UserError(
-                f"{refuse}: the checkpoint resumes at global sample {expected.global_sample}, "
-                f"telemetry recorded {offset.global_sample} for rank {other}"
-            )
-    if len(recorded) == dp_size and recorded.get(rank) != expected:
-        raise UserError(
-            f"{refuse}: rank {rank}'s data-loader offset in the checkpoint is {expected}, "
-            f"telemetry recorded {recorded.get(rank)}"
-        )
-
-
-def _lap(start: float) -> tuple[float, float]:
-    now = time.perf_counter()
-    return now - start, now
 
 
 def _hardware(device: torch.device) -> str:

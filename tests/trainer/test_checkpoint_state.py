@@ -1,4 +1,5 @@
-"""Staging and RNG capture: the pieces that let a save cost training only a memcpy."""
+"""Staging and RNG capture, the pieces that let a save cost training only a memcpy, and the
+checkpointer's policy of which steps it saves."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from trainer.checkpoint import rng
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.stager import HostStager
+from trainer.data.corpus import stdlib_corpus
+from trainer.data.loader import DeterministicLoader
 
 
 def _state() -> dict:
@@ -96,3 +100,22 @@ def test_a_shard_of_a_gpu_mesh_is_staged_into_host_memory_and_stays_there(one_pr
     assert second.to_local().device.type == "cpu"
     assert torch.equal(second.to_local(), torch.arange(8.0).view(2, 4) * 3)
     assert second.to_local().data_ptr() == first.to_local().data_ptr()  # the reused buffer
+
+
+def test_the_checkpointer_saves_every_n_steps_and_the_last_and_never_at_zero(one_process_group):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    loader = DeterministicLoader(stdlib_corpus(1 << 16), 8, 4, 0, 1, seed=0)
+
+    def due(every: int) -> list[int]:
+        saver = Checkpointer("unused:1", "r", model, optimizer, schedule, loader, every=every,
+                             last_step=25)  # fmt: skip
+        try:
+            return [step for step in range(1, 26) if saver.should_save(step)]
+        finally:
+            saver.close()
+
+    assert due(10) == [10, 20, 25]
+    assert due(5) == [5, 10, 15, 20, 25]
+    assert due(0) == []

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from scaletrain.errors import UserError
+from trainer.checkpoint.resume import check_offsets
 from trainer.data.loader import LoaderOffset
-from trainer.train import check_offsets
 
 AT_96 = {r: LoaderOffset(96, 96 + 4 * r, 0) for r in range(4)}
 

@@ -8,9 +8,9 @@ import pytest
 
 from scaletrain.errors import UserError
 from trainer import options
+from trainer.checkpoint.resume import check_config
 from trainer.config import from_args, parser
 from trainer.reporting import Reporter
-from trainer.train import check_config
 
 SAVED = ["--run-id", "r", "--model", "moe-small", "--seed", "7", "--lr", "1e-3"]
 

@@ -1,12 +1,13 @@
 """The step guard on a real model and optimizer in a one-rank gloo group, in this process.
 
-Each test trains the same tiny model for a few steps with the loop shape of trainer.train, with and
+Each test trains the same tiny model for a few steps with the step shape of trainer.step, with and
 without an injected fault, and compares the final parameters bit for bit. The multi-rank behaviour
 (which rank is named, stragglers) is proven by tests/trainer/test_health_e2e.py under torchrun.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.health.faults import FaultPlan
-from trainer.health.guard import StepGuard, replica_groups
+from trainer.health.guard import Attempt, StepGuard, replica_groups
 from trainer.health.inject import FaultInjector
 from trainer.health.snapshot import checksum
 
@@ -31,10 +32,11 @@ def one_rank_group() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-@dataclass
-class Phases:
-    forward: float = 0.0
-    replay: float = 0.0
+@dataclass(frozen=True)
+class Numbers:
+    loss: float
+    global_loss: float
+    grad_norm: float
 
 
 @dataclass
@@ -66,26 +68,34 @@ def train(policy: str, *faults: str, loss_spike: int | None = None) -> Outcome:
     )
     data = torch.Generator().manual_seed(1)
     losses, replays = [], []
-    loss_sum = torch.zeros(())
     for step in range(1, STEPS + 1):
         # Counting sequences over the first half of the vocabulary: learnable in a few steps.
         starts = torch.randint(0, VOCAB // 2, (4, 1), generator=data)
         tokens = (starts + torch.arange(9)) % (VOCAB // 2)
         inputs, targets = injector.corrupt_batch(step, tokens[:, :-1], tokens[:, 1:])
-        phases = Phases()
-        for attempt in guard.attempts(step, phases):
-            loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-            loss.backward()
-            attempt.gradients_ready()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum.copy_(loss.detach())
-            dist.all_reduce(loss_sum)
-            attempt.finished(loss.detach(), loss_sum, grad_norm)
-        losses.append(loss_sum.item())
-        replays.append(phases.replay)
+        guarded = guard.run(step, functools.partial(step_body, model, optimizer, inputs, targets))
+        losses.append(guarded.kept.global_loss)
+        replays.append(guarded.health.replay_s)
     return Outcome(checksum(model.parameters()), losses, events, replays)
+
+
+def step_body(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    attempt: Attempt,
+) -> Numbers:
+    """The body of a step as trainer.step runs it: backward, clip, optimizer step, the mean loss."""
+    loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    loss.backward()
+    attempt.gradients_ready()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = loss.detach().clone()
+    dist.all_reduce(loss_sum)
+    return Numbers(loss.item(), loss_sum.item(), grad_norm.item())
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Asynchronous checkpoints of the whole training state, saved to and restored from ckptd.
+"""Asynchronous checkpoints of the whole training state, saved to and restored from ckptd, and
+the policy of when to save and where to resume.
 
 A save blocks training only while the state is copied into reused host buffers (`HostStager`);
 a background thread then runs DCP with scaletrain's storage writer, on a process group of its own
@@ -37,10 +38,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.utils.serialization import config as serialization_config
 
 from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter, first_cause
-from scaletrain.errors import ScaletrainError
+from ckptd.readpath import describe_sources
+from scaletrain.errors import NotFound, ScaletrainError
 from scaletrain.v1 import checkpoint_pb2
 from trainer.checkpoint import rng
+from trainer.checkpoint.resume import ResumeRecords, check_config, check_offsets, latest_step
 from trainer.checkpoint.stager import HostStager
+from trainer.config import TrainConfig
 from trainer.data.loader import DeterministicLoader
 from trainer.fp8 import Fp8Training
 
@@ -83,6 +87,9 @@ class SaveDone:
 
 
 class Checkpointer:
+    """Saves this rank's part of the training state every `every` steps and at `last_step` (never
+    when `every` is 0), and restores it."""
+
     def __init__(
         self,
         address: str,
@@ -96,8 +103,11 @@ class Checkpointer:
         fp8: Fp8Training | None = None,
         timeout: timedelta | None = None,
         config: str = "",
+        every: int = 0,
+        last_step: int = 0,
     ) -> None:
         self.address, self.run_id = address, run_id
+        self.every, self.last_step = every, last_step
         # The run's resolved job config (TOML), saved in every checkpoint for resume to compare.
         self.config = config
         self.model, self.optimizer = model, optimizer
@@ -132,6 +142,10 @@ class Checkpointer:
         if fp8_state:
             state["fp8"] = fp8_state
         return state
+
+    def should_save(self, step: int) -> bool:
+        """Whether the loop saves after `step`: every `every` steps, and the last step."""
+        return bool(self.every) and (step % self.every == 0 or step == self.last_step)
 
     def save(self, step: int, labels: dict[str, str]) -> SaveStarted | None:
         """Stage the state and start streaming it; None when skipped by policy (on every rank)."""
@@ -236,6 +250,44 @@ class Checkpointer:
         if "fp8" in state:
             self.fp8.load_state_dict(state["fp8"])
         return train
+
+    def resume(self, cfg: TrainConfig, records: ResumeRecords) -> int:
+        """Restore the latest committed checkpoint and return its step; refuse if the job config
+        changed in ways that alter results, or telemetry's `records` disagree with it.
+
+        ckptd serves it from its fastest tier with a verified copy: memory first, then SSD, then
+        S3. Without --resume (a restart by torchrun), a run without a checkpoint yet starts over
+        at step 0.
+        """
+        required = cfg.resume
+        step, none_because = latest_step(self.address, self.run_id, self.rank)
+        if step < 0:
+            if required:
+                raise NotFound(none_because)
+            if self.rank == 0:
+                print(f"[trainer] run {self.run_id}: no checkpoint yet, starting over", flush=True)
+            return 0
+        train_state = self.load(step)
+        check_config(cfg, step, train_state.get("config", ""), records, self.rank)
+        expected = self.loader.offset()
+        recorded = records.resume_offsets(step)
+        if recorded is not None and (recorded or required):
+            check_offsets(self.run_id, step, self.rank, expected, recorded, self.loader.dp_size)
+        elif recorded is not None and self.rank == 0:
+            # A rank killed right after the save took its unsent records of the step with it.
+            print(
+                f"[trainer] telemetry has no record of step {step} (lost with the failed "
+                "attempt): resuming at the checkpoint's own data-loader offsets",
+                flush=True,
+            )
+        if self.rank == 0:
+            print(
+                f"[trainer] resumed run {self.run_id} from step {train_state['step']} "
+                f"(global sample {expected.global_sample}); read "
+                f"{describe_sources(self.restored_from)}",
+                flush=True,
+            )
+        return int(train_state["step"])
 
 
 def _summed(counts: Mapping[str, int], group: dist.ProcessGroup) -> dict[str, int]:

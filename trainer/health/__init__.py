@@ -1,7 +1,8 @@
 """Training health: the dense peak MFU divides by, silent-data-corruption and loss-spike detection
 with step replay, and the faults that prove them (bit flips, stragglers, bad batches).
 
-The loop in `trainer.train` calls into here from a few lines; everything that decides lives here.
+The loop in `trainer.train` and the step in `trainer.step` call into here from a few lines;
+everything that decides lives here.
 Straggler detection needs every rank's times, so it runs in the telemetry service on what arrives.
 """
 

@@ -1,13 +1,14 @@
 """The step guard: checks each step for silent data corruption and loss spikes, replays a suspicious
 step from the in-memory state before it, and applies the policy.
 
-The loop runs its step body inside `for attempt in guard.attempts(step, phases)`, which yields once,
-and a second time when the step must be replayed. Per step the guard
+The step runs its body through `guard.run(step, body)`, which calls it once, and a second time when
+the step must be replayed, and returns both runs' results with what it did (`Guarded`). Per step
+the guard
   - before the body, verifies that the state is still what the previous step left (a checksum of
     the in-memory copy): if not, memory corrupted it in between, and the copy is put back;
-  - after backward (`attempt.gradients_ready`), checksums this rank's gradients;
-  - after the body (`attempt.finished`), checksums the new state and gathers every rank's view of
-    the step to every rank (one all_gather of a few integers), so that all ranks decide the same;
+  - after backward (the body calls `attempt.gradients_ready`), checksums this rank's gradients;
+  - after the body, checksums the new state and gathers every rank's view of the step to every
+    rank (one all_gather of a few integers), so that all ranks decide the same;
   - on a suspicious step, restores the copy, replays the body on the same batch, classifies
     (`trainer.health.sdc.classify`) and applies the policy;
   - copies the state for the next step.
@@ -25,11 +26,11 @@ rank's parameters and optimizer state (see `trainer.health.snapshot`).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,44 @@ GRAD_NORM_RULE = SpikeRule(min_rise=2.0)
 Report = Callable[[str, int, int, str, dict[str, str]], None]
 
 
-class HasReplayPhase(Protocol):
-    replay: float
+class StepNumbers(Protocol):
+    """What the guard compares of a run of the step body: this rank's own loss, the mean loss
+    over ranks (which every rank must hold) and the gradient norm."""
+
+    @property
+    def loss(self) -> float: ...
+
+    @property
+    def global_loss(self) -> float: ...
+
+    @property
+    def grad_norm(self) -> float: ...
+
+
+Numbers = TypeVar("Numbers", bound=StepNumbers)
+
+
+@dataclass(frozen=True)
+class StepHealth:
+    """What the guard did with one step, for the step's record."""
+
+    # This rank's own work in the step's first run, in seconds (CPU time on a CPU rank), the
+    # guard's checks excluded.
+    compute_s: float
+    # The checksum of this rank's state after the step; None when the policy is off.
+    state_checksum: int | None
+    # Seconds spent replaying the step and deciding; 0 when it was not replayed.
+    replay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Guarded(Generic[Numbers]):
+    """The runs of one step's body: `first`, and `kept`, whose numbers the run reports (the
+    replay's when the step was replayed, else the first again)."""
+
+    first: Numbers
+    kept: Numbers
+    health: StepHealth
 
 
 class StepGuard:
@@ -85,70 +122,68 @@ class StepGuard:
         self._snapshot = StateSnapshot(model, optimizer)
         self._loss = RollingSignal(LOSS_RULE)
         self._grad_norm = RollingSignal(GRAD_NORM_RULE)
-        # Of the latest step: this rank's own work in seconds (CPU time on a CPU rank) and the
-        # checksum of its state afterwards.
-        self.compute_s = 0.0
-        self.state_checksum = 0
 
     @property
     def enabled(self) -> bool:
         return self.policy != "off"
 
-    def attempts(self, step: int, phases: HasReplayPhase) -> Iterator[Attempt]:
-        """Yield the attempt the loop runs the step body for; again if it must be replayed."""
+    def run(self, step: int, body: Callable[[Attempt], Numbers]) -> Guarded[Numbers]:
+        """Run the step body for `step` (twice when it must be replayed) and apply the policy."""
         at_rest_ok = self._verify_at_rest() if self.enabled else True
         first = Attempt(self, step, replay=False, at_rest_ok=at_rest_ok)
-        yield first
+        first_numbers = body(first)
+        first.finished(first_numbers)
+        kept, replay_s, state_checksum = first_numbers, 0.0, first.state
         if self.enabled:
             self._report_at_rest(step, first.stats)
             if first.suspicion is None:
                 self._loss.add(first.loss)
                 self._grad_norm.add(first.grad_norm)
                 self._snapshot.commit()
-                self.state_checksum = first.state
             else:
-                yield from self._replay(step, first, phases)
+                kept, replay_s, state_checksum = self._replay(step, first, body)
         self._faults.flip_parameter(step, self._params)
+        health = StepHealth(first.compute_s, state_checksum if self.enabled else None, replay_s)
+        return Guarded(first_numbers, kept, health)
 
-    def _replay(self, step: int, first: Attempt, phases: HasReplayPhase) -> Iterator[Attempt]:
-        """Replay the step body from the state before it; classify; apply the policy."""
+    def _replay(
+        self, step: int, first: Attempt, body: Callable[[Attempt], Numbers]
+    ) -> tuple[Numbers, float, int]:
+        """Replay the step body from the state before it; classify; apply the policy. Returns
+        the replay's numbers, its seconds and the checksum of the state the policy kept."""
         started = time.perf_counter()
-        kept = dataclasses.replace(phases)  # type: ignore[type-var]
         if self.policy == "alert":
             self._snapshot.hold()
         self._snapshot.restore()
         second = Attempt(self, step, replay=True, at_rest_ok=True)
-        yield second
+        numbers = body(second)
+        second.finished(numbers)
         verdict = classify(first.stats, second.stats, self._replicas)
-        action = self._apply(verdict, first, second)
-        for name, value in vars(kept).items():
-            setattr(phases, name, value)
-        phases.replay = time.perf_counter() - started
+        action, state_checksum = self._apply(verdict, first, second)
+        seconds = time.perf_counter() - started
         assert first.suspicion is not None
-        self._report_verdict(step, first.suspicion, verdict, action, phases.replay)
+        self._report_verdict(step, first.suspicion, verdict, action, seconds)
+        return numbers, seconds, state_checksum
 
-    def _apply(self, verdict: Verdict, first: Attempt, second: Attempt) -> str:
+    def _apply(self, verdict: Verdict, first: Attempt, second: Attempt) -> tuple[str, int]:
         """Put the state the policy wants in place, make it the next step's starting point, and
-        return what was done with the step."""
+        return what was done with the step and the checksum of that state."""
         if verdict.corrupted and self.policy == "alert":
             self._snapshot.restore_held()
             self._snapshot.capture()
-            self.state_checksum = first.state
-            return "kept corrupted"
+            return "kept corrupted", first.state
         if not verdict.corrupted and self.policy == "skip":
             self._snapshot.restore()
-            self.state_checksum = self._snapshot.before_checksum()
-            return "skipped"
+            return "skipped", self._snapshot.before_checksum()
         # The replay's result: the step redone on healthy hardware, or the same result again.
         self._snapshot.commit()
-        self.state_checksum = second.state
         if verdict.corrupted:
             # Normal training, unlike a spike that the data caused, which stays out of the
             # statistics it would widen.
             self._loss.add(second.loss)
             self._grad_norm.add(second.grad_norm)
-            return "replayed"
-        return "kept"
+            return "replayed", second.state
+        return "kept", second.state
 
     def _verify_at_rest(self) -> bool:
         """Whether the live state still is what the previous step left; a state changed in memory
@@ -241,7 +276,7 @@ class StepGuard:
 
 
 class Attempt:
-    """One run of a step body; the loop tells it when gradients are ready and when it finished."""
+    """One run of a step body, which tells it when its gradients are ready."""
 
     def __init__(self, guard: StepGuard, step: int, *, replay: bool, at_rest_ok: bool) -> None:
         self._guard = guard
@@ -253,6 +288,8 @@ class Attempt:
         self._overhead = 0.0
         self._grads = 0
         self.state = 0
+        # This rank's own work in seconds (CPU time on a CPU rank), the guard's checks excluded.
+        self.compute_s = 0.0
         self.stats: list[RankStats] = []
         self.suspicion: Suspicion | None = None
         # The run's loss and gradient norm at this attempt, as most ranks hold them.
@@ -271,24 +308,21 @@ class Attempt:
             self._grads = checksum(grads)
             self._overhead += self._clock() - started
 
-    def finished(self, loss: float, global_loss: float, grad_norm: float) -> None:
-        """After the optimizer step and the loss all-reduce: gather, check (first attempt).
-
-        `loss` is this rank's own loss, `global_loss` the mean over ranks every rank must hold.
-        """
+    def finished(self, numbers: StepNumbers) -> None:
+        """After the body (the optimizer step and the loss all-reduce): gather every rank's view
+        of its `numbers` and check them."""
         guard = self._guard
         if guard._device.type == "cuda":
             # Kernels run asynchronously: the step's compute is done only once they are.
             torch.cuda.synchronize(guard._device)
-        if not self.replay:
-            guard.compute_s = self._clock() - self._clock_started - self._overhead
+        self.compute_s = self._clock() - self._clock_started - self._overhead
         if not guard.enabled:
             return
         self.state = guard._snapshot.stage()
         mine = RankStats(
-            global_loss=float_bits(global_loss),
-            grad_norm=float_bits(float(grad_norm)),
-            local_loss=float_bits(float(loss)),
+            global_loss=float_bits(numbers.global_loss),
+            grad_norm=float_bits(float(numbers.grad_norm)),
+            local_loss=float_bits(float(numbers.loss)),
             grads=self._grads,
             state=self.state,
             at_rest_ok=int(self._at_rest_ok),

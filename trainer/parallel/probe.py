@@ -8,6 +8,7 @@ time. With --ckptd, layouts marked "checkpoint" are then saved
 to ckptd with the trainer's Checkpointer and restored into a fresh copy of the layout, whose
 parameters must come back equal. `reference` computes the same numbers in one process with a
 plain model, a plain loss and torch's own clipping: the single-process run layouts must match.
+Both train with the trainer's own step (`trainer.step.train_step`).
 
     torchrun --nproc-per-node 4 -m trainer.parallel.probe --layouts layouts.json --out out.pt
 
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ from trainer.parallel.dims import ParallelMesh, validate_layout
 from trainer.parallel.expert import ExpertLoad, balance_experts
 from trainer.parallel.parallelize import ParallelModel, build_model
 from trainer.parallel.pipeline import evaluates, scheduled_bubble
+from trainer.step import StepModel, train_step
 from trainer.train import evaluate
 
 CORPUS_BYTES = 1 << 18
@@ -91,6 +94,37 @@ def config_from_layout(layout: dict[str, Any]) -> TrainConfig:
     )
 
 
+@dataclass
+class OneProcess:
+    """The plain model as a step sees it, for the reference: the whole model in this process, the
+    plain loss, torch's own gradient clipping, and no collective."""
+
+    model: Transformer
+    mean_of = staticmethod(ParallelModel.mean_of)
+
+    def micro_batches(
+        self, inputs: torch.Tensor, targets: torch.Tensor, count: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return zip(inputs.chunk(count), targets.chunk(count), strict=True)
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return next_token_loss(self.model(inputs), targets)
+
+    def backward(self, loss: torch.Tensor | None, micro_batches: int = 1) -> None:
+        assert loss is not None
+        (loss / micro_batches).backward()
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+
+    def mean_loss(self, loss: torch.Tensor | None) -> float:
+        assert loss is not None
+        return loss.item()
+
+    def after_optimizer_step(self) -> ExpertLoad | None:
+        return balance_experts(self.model, None)
+
+
 def reference(cfg: TrainConfig, steps: int) -> ProbeResult:
     """The same steps in this process on the whole global batch, with no parallelism."""
     model = Transformer(cfg.model)
@@ -100,17 +134,8 @@ def reference(cfg: TrainConfig, steps: int) -> ProbeResult:
                                  0, 1, seed=cfg.seed)  # fmt: skip
     result = ProbeResult(initial_state=_copy(model.state_dict()))
     for _ in range(steps):
-        start = time.perf_counter()
-        inputs, targets = loader.next_batch()
-        loss = next_token_loss(model(inputs), targets)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        result.expert_loads.append(balance_experts(model, None))
-        result.losses.append(loss.item())
-        result.grad_norms.append(norm.item())
-        result.step_seconds.append(time.perf_counter() - start)
+        # The whole global batch in one pass, with no accumulation: what accumulation must equal.
+        _train_step(result, OneProcess(model), optimizer, loader, cfg, torch.device("cpu"), 1)
     result.state = _copy(model.state_dict())
     model.eval()
     with torch.no_grad():
@@ -123,6 +148,26 @@ def reference(cfg: TrainConfig, steps: int) -> ProbeResult:
             / EVAL_BATCHES
         )
     return result
+
+
+def _train_step(
+    result: ProbeResult,
+    model: StepModel,
+    optimizer: torch.optim.Optimizer,
+    loader: DeterministicLoader,
+    cfg: TrainConfig,
+    device: torch.device,
+    grad_accum_steps: int,
+) -> None:
+    """Train one step on the loader's next batch with the trainer's step; record it in `result`."""
+    start = time.perf_counter()
+    inputs, targets = (x.to(device) for x in loader.next_batch())
+    step = train_step(model, optimizer, (inputs, targets), max_grad_norm=cfg.max_grad_norm,
+                      grad_accum_steps=grad_accum_steps)  # fmt: skip
+    result.losses.append(step.global_loss)
+    result.grad_norms.append(step.grad_norm)
+    result.expert_loads.append(step.expert_load)
+    result.step_seconds.append(time.perf_counter() - start)
 
 
 def _eval_loader(cfg: TrainConfig, dp_rank: int, dp_size: int) -> DeterministicLoader:
@@ -167,19 +212,9 @@ def run_layout(
     result = ProbeResult(initial_state=_copy(job.parallel.full_state()))
     for _ in range(steps):
         dist.barrier()
-        start = time.perf_counter()
-        inputs, targets = (x.to(device) for x in job.loader.next_batch())
-        losses, accum = [], cfg.grad_accum_steps
-        for x, y in job.parallel.micro_batches(inputs, targets, accum):
-            losses.append(job.parallel.forward(x, y))
-            job.parallel.backward(losses[-1], accum)
-        loss = job.parallel.mean_of(losses)
-        result.grad_norms.append(job.parallel.clip_grad_norm_(cfg.max_grad_norm))
-        job.optimizer.step()
-        job.optimizer.zero_grad(set_to_none=True)
-        result.expert_loads.append(job.parallel.after_optimizer_step())
-        result.losses.append(job.parallel.mean_loss(loss))
-        result.step_seconds.append(time.perf_counter() - start)
+        _train_step(
+            result, job.parallel, job.optimizer, job.loader, cfg, device, cfg.grad_accum_steps
+        )
         if (pipeline := job.parallel.pipeline) is not None:
             bubble = torch.tensor(pipeline.last_bubble)
             dist.all_reduce(bubble, group=mesh.pp.get_group())
