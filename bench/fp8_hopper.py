@@ -1,9 +1,9 @@
 """An H200's FP8 products on a CPU: what torch's CUDA `_scaled_mm` accepts, computed exactly.
 
-A GPU is lent to few sessions, and the last one found the blockwise backward products refused
-("Invalid scaling configuration": cuBLAS block scaling takes E4M3 operands only) after the device
-time was spent. These stand-ins for `torch._scaled_mm` and `torch._scaled_mm_v2` (what
-`F.scaled_mm` calls) refuse what torch 2.11 refuses on sm90 with cuBLAS 12.9 (ScaledBlas.cpp:
+A GPU is rarely at hand, and a refusal found only there costs a whole device session (the
+blockwise backward products, for one: "Invalid scaling configuration", cuBLAS block scaling takes
+E4M3 operands only). These stand-ins for `torch._scaled_mm` and `torch._scaled_mm_v2` (what
+`F.scaled_mm` calls) refuse what torch refuses on sm90 with cuBLAS 12.9 (ScaledBlas.cpp:
 `get_joint_scaling`, `check_deepseek_recipe`, `_check_deepseek_scale_stride`, cuBLASLt's
 row-major-by-column-major rule), with its error text, and otherwise return the exact product of
 the dequantized operands. With them a CPU plans every product as an H200 would: tests check that

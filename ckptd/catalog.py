@@ -24,8 +24,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ckptd.manifest import FileRecord, Manifest
 from ckptd.retention import RetentionPolicy
-from ckptd.tiers import TIER_NAMES, CheckpointKey
+from ckptd.tiers import CheckpointKey
 from scaletrain.errors import UserError
+from scaletrain.names import TIER_LABELS
 from scaletrain.v1 import checkpoint_pb2
 
 CATALOG_FILE = "catalog.db"
@@ -315,10 +316,6 @@ class Catalog:
                 "DELETE FROM files WHERE run = ? AND step = ? AND path = ?",
                 (key.run, key.step, path),
             )
-
-    def remove_files(self, key: CheckpointKey) -> None:
-        with self._tx() as db:
-            db.execute("DELETE FROM files WHERE run = ? AND step = ?", (key.run, key.step))
 
     def abort_save(self, key: CheckpointKey, reason: str) -> None:
         """Mark a save aborted (kept only for listing, until purged) and forget its files."""
@@ -621,7 +618,7 @@ class Catalog:
                 )
                 if policy[0] is not None:
                     info.retention.CopyFrom(RetentionPolicy(*policy).to_proto())
-                for tier in TIER_NAMES:
+                for tier in TIER_LABELS:
                     tier_state, nbytes, updated_at, error = tiers.get(
                         tier, (checkpoint_pb2.TIER_STATE_ABSENT, 0, None, "")
                     )

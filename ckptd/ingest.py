@@ -40,11 +40,14 @@ from ckptd.tiers.memory import MemoryBudget, MemoryFile
 from ckptd.tiers.ssd import IncomingFile
 from ckptd.wire import BlockChunk, Chunk, crc32c
 from scaletrain.errors import InvalidArgument, ScaletrainError, Unavailable
+from scaletrain.names import TIER_LABELS
 from scaletrain.rpc import MAX_CHUNK_BYTES
-from scaletrain.v1 import checkpoint_pb2
+from scaletrain.v1 import checkpoint_pb2, common_pb2
 
 # A chunk's bytes: a view into the received message (ckptd.wire), or bytes from protobuf.
 Data = bytes | memoryview
+# The SSD tier's metrics label, for the bytes and seconds this pipeline's writer spends on it.
+_SSD = TIER_LABELS[common_pb2.TIER_SSD]
 
 
 class FileUpload:
@@ -310,8 +313,8 @@ class FileUpload:
                 self.spill()
             else:
                 self.incoming.sync_and_close()
-                self._metrics.bytes.labels("SSD", "write").inc(self._size)
-                self._metrics.seconds.labels("SSD", "write").observe(time.perf_counter() - started)
+                self._metrics.bytes.labels(_SSD, "write").inc(self._size)
+                self._metrics.seconds.labels(_SSD, "write").observe(time.perf_counter() - started)
                 self._on_written(self)
         except OSError as exc:
             self._fail(Unavailable(f"{self.path}: ckptd cannot write to its SSD: {exc}"))

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from time import perf_counter
-from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from ckptd.tiers import TIER_NAMES
+from scaletrain.names import TIER_LABELS
+from scaletrain.serving import HttpEndpoint, serve_http
 
 _SECONDS_BUCKETS = (0.001, 0.005, 0.02, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 
@@ -103,7 +103,7 @@ class Metrics:
     @contextmanager
     def timed(self, tier: int, op: str, nbytes: int = 0) -> Iterator[None]:
         """Count `nbytes` and the seconds of the block; a raising block counts as a failure."""
-        name = TIER_NAMES[tier]
+        name = TIER_LABELS[tier]
         started = perf_counter()
         try:
             yield
@@ -115,13 +115,11 @@ class Metrics:
             self.bytes.labels(name, op).inc(nbytes)
 
     def failed(self, tier: int, op: str) -> None:
-        self.failures.labels(TIER_NAMES[tier], op).inc()
+        self.failures.labels(TIER_LABELS[tier], op).inc()
 
 
-def serve_metrics(metrics: Metrics, listen: str) -> tuple[WSGIServer, int]:
-    """Serve /metrics on `listen` (HOST:PORT, port 0 picks one); returns the server and port."""
-    host, _, port = listen.rpartition(":")
-    server, _thread = start_http_server(
-        int(port), addr=host or "0.0.0.0", registry=metrics.registry
-    )
-    return server, server.server_port
+def serve_metrics(metrics: Metrics, listen: str) -> HttpEndpoint:
+    """Serve /metrics on `listen` (HOST:PORT, port 0 picks one); UserError in one line when the
+    address is malformed or cannot be bound."""
+    registry = metrics.registry
+    return serve_http(listen, lambda host, port: start_http_server(port, host, registry))

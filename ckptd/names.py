@@ -8,29 +8,21 @@ point of the store checks its names here first.
 
 from __future__ import annotations
 
-import re
-
 from ckptd.manifest import MARKER, Manifest
 from ckptd.tiers import BLOCK_BYTES, CheckpointKey
 from scaletrain.errors import InvalidArgument
+from scaletrain.names import check_run_id
 from scaletrain.v1 import checkpoint_pb2
 
 MAX_WORLD_SIZE = 1 << 20
 _MAX_PATH_BYTES = 1024
 _MAX_NAME_BYTES = 255
-_RUN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+=@-]{0,127}")
 
 
 def check_run(run: str) -> str:
-    """A run name is one path component and one S3 key segment: a safe, short token."""
-    if not run:
-        raise InvalidArgument("run name is empty")
-    if not _RUN_RE.fullmatch(run):
-        raise InvalidArgument(
-            f"run name {run!r} is invalid: use 1-128 letters, digits and . _ : + = @ -, "
-            "starting with a letter or digit"
-        )
-    return run
+    """A run name is one path component and one S3 key segment: the run-id rule every service
+    applies (`scaletrain.names`), in ckptd's words for the field."""
+    return check_run_id(run, "run name")
 
 
 def check_step(step: int) -> int:

@@ -33,9 +33,10 @@ from typing import NamedTuple
 
 import grpc
 
-from ckptd.tiers import BLOCK_BYTES, TIER_NAMES
+from ckptd.tiers import BLOCK_BYTES
 from ckptd.wire import crc32c
 from scaletrain.errors import DataLoss, ResourceExhausted, ScaletrainError, Unavailable
+from scaletrain.names import TIER_LABELS
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ Pieces = Iterator[Piece]
 
 def source_label(tier: int, node: str) -> str:
     """Whose copy served bytes, as restores report it: "memory@node0", "SSD@node1", "S3"."""
-    name = TIER_NAMES.get(tier, f"tier {tier}")
+    name = TIER_LABELS.get(tier, f"tier {tier}")
     return name if tier == common_pb2.TIER_S3 or not node else f"{name}@{node}"
 
 

@@ -30,7 +30,6 @@ from ckptd.readpath import Piece, spans_of
 from ckptd.replicas import ReplicaTiers
 from ckptd.tiers import (
     BLOCK_BYTES,
-    TIER_NAMES,
     BlockCrcs,
     CheckpointKey,
     Tier,
@@ -47,6 +46,7 @@ from scaletrain.errors import (
     NotFound,
     ScaletrainError,
 )
+from scaletrain.names import TIER_LABELS
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 
 # The store's logger still: log queries select on it.
@@ -160,7 +160,7 @@ class Reader:
                 f"{path}: range {offset}+{end - offset} is beyond its {record.size} bytes"
             )
         if tier:
-            if tier not in TIER_NAMES:
+            if tier not in TIER_LABELS:
                 raise InvalidArgument(f"unknown tier {tier}")
             committed = (
                 self._catalog.tier_state(key, S3) == TIER_COMMITTED
@@ -168,7 +168,7 @@ class Reader:
                 else any(t.tier == tier for t in self.copies_here(key, self._owner(record)))
             )
             if not committed:
-                raise NotFound(f"{key} has no committed copy on {TIER_NAMES[tier]}")
+                raise NotFound(f"{key} has no committed copy on {TIER_LABELS[tier]}")
         only = (tier,) if tier else (MEMORY, SSD) if local_only else None
         if local_only and not self.copies_here(key, self._owner(record)):
             raise NotFound(f"node {self._peers.node} holds no copy of {key}/{path}")
@@ -226,7 +226,7 @@ class Reader:
                     served, data = found
                     return _piece(record, served, start, end, lo, data, tier.node)
                 continue
-            name = TIER_NAMES[tier.tier]
+            name = TIER_LABELS[tier.tier]
             began = time.perf_counter()
             done = None
             try:

@@ -24,6 +24,7 @@ from ckptd.reads import Reader
 from ckptd.retention import RetentionPolicy, wanted
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.s3 import S3Tier, describe
+from scaletrain.names import TIER_LABELS
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 
 # The store's logger still: log queries select on it.
@@ -181,7 +182,7 @@ class S3Replication:
                 return
             if self._catalog.save_of(key) is not None:
                 self._catalog.set_tier(key, S3, TIER_COMMITTED, nbytes)
-                self._metrics.commits.labels("S3").inc()
+                self._metrics.commits.labels(TIER_LABELS[S3]).inc()
                 self._notify(key, S3, nbytes)
                 self._apply_retention(key.run)
             else:

@@ -8,16 +8,12 @@ and the store must stay usable offline.
 from __future__ import annotations
 
 import logging
-import queue
-import signal
 import threading
-import time
 from collections.abc import Iterator
-from wsgiref.simple_server import WSGIServer
 
 import google_crc32c
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
+from grpc_health.v1.health import HealthServicer
 
 from ckptd import logs
 from ckptd.catalog import Coordination
@@ -27,9 +23,9 @@ from ckptd.manifest import FileRecord
 from ckptd.metrics import serve_metrics
 from ckptd.retention import RetentionPolicy
 from ckptd.store import CheckpointStore, TierCommit
-from ckptd.tiers import TIER_NAMES
 from ckptd.wire import decode_write_request
-from scaletrain.errors import InvalidArgument, UserError
+from scaletrain.errors import InvalidArgument
+from scaletrain.names import TIER_LABELS
 from scaletrain.rpc import (
     CHUNK_BYTES,
     Limits,
@@ -37,23 +33,21 @@ from scaletrain.rpc import (
     add_health,
     bind,
     caller_of,
-    make_channel,
     make_server,
     maps_errors,
     peer_is_loopback,
 )
 from scaletrain.security import ALL_RUNS, Role, ServerSecurity, TokenTable
-from scaletrain.v1 import (
-    checkpoint_pb2,
-    checkpoint_pb2_grpc,
-    telemetry_pb2,
-    telemetry_pb2_grpc,
-)
+from scaletrain.serving import HttpEndpoint, serve_until_signalled
+from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc, telemetry_pb2
+from telemetry.client import TelemetryClient, event
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "scaletrain.v1.CheckpointService"
 CLUSTER_SERVICE_NAME = "scaletrain.v1.ClusterService"
+# Tier-commit events queued for telemetry: a few per save, so an outage drops only the oldest.
+_TELEMETRY_QUEUE = 1000
 
 
 def _written(record: FileRecord) -> checkpoint_pb2.WriteFileResponse:
@@ -368,96 +362,26 @@ def access_rules(store: CheckpointStore, data: DataPlane | None = None) -> dict[
     }
 
 
-class TelemetryReporter:
-    """Reports tier commits to the telemetry service as events: queued, batched, retried.
-
-    Best effort by design: a slow or absent telemetry service costs a save nothing; when the
-    queue is full or every attempt fails, the event is dropped with a warning.
-    """
-
-    def __init__(
-        self, address: str, attempts: int = 5, backoff_s: float = 0.5, max_queued: int = 1000
-    ) -> None:
-        self.address = address
-        self._attempts = attempts
-        self._backoff_s = backoff_s
-        self._channel = make_channel(address)
-        self._stub = telemetry_pb2_grpc.TelemetryServiceStub(self._channel)
-        self._queue: queue.Queue[telemetry_pb2.Event | None] = queue.Queue(max_queued)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ckptd-telemetry", daemon=True)
-        self._thread.start()
-
-    def __call__(self, commit: TierCommit) -> None:
-        now = Timestamp()
-        now.GetCurrentTime()
-        copy = f" (a copy of {commit.replica_of}'s part)" if commit.replica_of else ""
-        where = f"{TIER_NAMES[commit.tier]} of {commit.node}{copy}"
-        event = telemetry_pb2.Event(
-            run_id=commit.run,
-            step=commit.step,
-            rank=-1,
-            kind=telemetry_pb2.EVENT_KIND_CHECKPOINT_FAILED
-            if commit.failed
-            else telemetry_pb2.EVENT_KIND_CHECKPOINT_COMMITTED,
-            message=f"damaged copy on {where}: {commit.failed}; reads use the next copy"
-            if commit.failed
-            else f"checkpoint committed on {where}",
-            time=now,
-            checkpoint=telemetry_pb2.CheckpointEvent(
-                tier=commit.tier,
-                bytes=commit.bytes,
-                seconds=commit.seconds,
-                node=commit.node,
-                replica_of=commit.replica_of,
-            ),
-        )
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
-            log.warning("telemetry queue full; dropping the event for %s", event.message)
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued for up to `timeout_s`, then stop."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-        self._stop.set()
-        self._thread.join(1.0)
-        self._channel.close()
-
-    def _run(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            batch = [first]
-            while len(batch) < 100:
-                try:
-                    event = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if event is None:
-                    self._send(batch)
-                    return
-                batch.append(event)
-            self._send(batch)
-
-    def _send(self, batch: list[telemetry_pb2.Event]) -> None:
-        for attempt in range(1, self._attempts + 1):
-            try:
-                self._stub.ReportEvents(telemetry_pb2.EventBatch(events=batch), timeout=10)
-                return
-            except grpc.RpcError as exc:
-                if attempt == self._attempts or self._stop.wait(
-                    self._backoff_s * 2 ** (attempt - 1)
-                ):
-                    log.warning(
-                        "dropping %d telemetry event(s) for %s: %s",
-                        len(batch),
-                        self.address,
-                        exc.code() if hasattr(exc, "code") else exc,
-                    )
-                    return
+def tier_commit_event(commit: TierCommit) -> telemetry_pb2.Event:
+    """The telemetry event of a checkpoint committed on a tier, or of a copy found damaged there."""
+    copy = f" (a copy of {commit.replica_of}'s part)" if commit.replica_of else ""
+    where = f"{TIER_LABELS[commit.tier]} of {commit.node}{copy}"
+    if commit.failed:
+        kind = "checkpoint_failed"
+        message = f"damaged copy on {where}: {commit.failed}; reads use the next copy"
+    else:
+        kind, message = "checkpoint_committed", f"checkpoint committed on {where}"
+    return event(
+        commit.run,
+        kind,
+        step=commit.step,
+        message=message,
+        tier=commit.tier,
+        bytes=commit.bytes,
+        seconds=commit.seconds,
+        node=commit.node,
+        replica_of=commit.replica_of,
+    )
 
 
 class RunningCkptd:
@@ -466,23 +390,25 @@ class RunningCkptd:
     def __init__(
         self,
         server: grpc.Server,
+        health: HealthServicer,
         store: CheckpointStore,
-        reporter: TelemetryReporter | None,
+        telemetry: TelemetryClient | None,
         host: str,
         port: int,
-        metrics: WSGIServer | None = None,
+        metrics: HttpEndpoint | None = None,
         data: DataPlane | None = None,
     ) -> None:
         self.address = f"{host}:{port}"
         self.port = port
         self.store = store
+        self.health = health
         self._server = server
-        self._reporter = reporter
+        self._telemetry = telemetry
         self._metrics = metrics
         self.data = data
         # Talks to the peers in the background, once they greeted this ckptd (None: no peers).
         self.sync: PeerSync | None = None
-        self.metrics_port = metrics.server_port if metrics is not None else None
+        self.metrics_port = metrics.port if metrics is not None else None
 
     def stop(self, grace: float = 5.0) -> None:
         """Refuse new calls, let calls in flight (and an S3 upload) finish within `grace`."""
@@ -493,28 +419,36 @@ class RunningCkptd:
         if self.data is not None:
             self.data.close()
         if self._metrics is not None:
-            self._metrics.shutdown()
-            self._metrics.server_close()
+            self._metrics.stop()
         self.store.close(timeout_s=grace)
-        if self._reporter is not None:
-            self._reporter.close(timeout_s=grace)
+        if self._telemetry is not None:
+            self._telemetry.close(timeout_s=grace)
 
 
 def start(config: CkptdConfig) -> RunningCkptd:
     """Open the store on `config.data_dir` and serve it on `config.listen` (port 0: any free)."""
-    reporter = TelemetryReporter(config.telemetry) if config.telemetry else None
+    # Tier commits go to telemetry best effort: a slow or absent service costs a save nothing
+    # (a full queue drops the oldest events, counted and logged).
+    telemetry = (
+        TelemetryClient(config.telemetry, max_queue=_TELEMETRY_QUEUE) if config.telemetry else None
+    )
     try:
-        store = CheckpointStore(config, on_tier_commit=reporter)
+        store = CheckpointStore(
+            config,
+            on_tier_commit=None
+            if telemetry is None
+            else lambda commit: telemetry.report_event(tier_commit_event(commit)),
+        )
     except BaseException:
-        if reporter is not None:
-            reporter.close(0)
+        if telemetry is not None:
+            telemetry.close(0)
         raise
     security = config.security if config.security is not None else ServerSecurity.from_env()
     host = config.listen.rsplit(":", 1)[0]
     # With TLS the data socket (plaintext) stays on loopback, for clients on this host only.
     loopback_only = security.tls is not None
     data: DataPlane | None = None
-    metrics: WSGIServer | None = None
+    metrics: HttpEndpoint | None = None
     try:
         if config.data_socket:
             data = DataPlane(store, "127.0.0.1" if loopback_only else host,
@@ -537,23 +471,20 @@ def start(config: CkptdConfig) -> RunningCkptd:
             },
         )
         checkpoint_pb2_grpc.add_ClusterServiceServicer_to_server(ClusterServicer(store), server)
-        add_health(server, SERVICE_NAME)
+        health = add_health(server, SERVICE_NAME)
         port = bind(server, config.listen)
         store.peers.set_address(f"{host}:{port}")
         if config.metrics_listen is not None:
-            try:
-                metrics, _ = serve_metrics(store.metrics, config.metrics_listen)
-            except OSError as exc:
-                raise UserError(f"cannot serve metrics on {config.metrics_listen}: {exc}") from None
+            metrics = serve_metrics(store.metrics, config.metrics_listen)
     except BaseException:
         if data is not None:
             data.close()
         store.close(0)
-        if reporter is not None:
-            reporter.close(0)
+        if telemetry is not None:
+            telemetry.close(0)
         raise
     server.start()
-    running = RunningCkptd(server, store, reporter, host, port, metrics, data)
+    running = RunningCkptd(server, health, store, telemetry, host, port, metrics, data)
     if store.peers.enabled:
         try:
             # Serving already, so that a peer list naming this very process gets its answer.
@@ -572,22 +503,8 @@ def serve(config: CkptdConfig, grace: float = 5.0, log_format: str = "json") -> 
     line = f"ckptd listening on {running.address}"
     if running.metrics_port is not None:
         line += f", metrics on port {running.metrics_port}"
-    print(line, flush=True)
     log.info(
         "ckptd started on %s", running.address,
         extra={"data_dir": str(config.data_dir), "s3": config.s3 is not None},
     )  # fmt: skip
-    stopping = threading.Event()
-    previous = {
-        sig: signal.signal(sig, lambda *_: stopping.set())
-        for sig in (signal.SIGTERM, signal.SIGINT)
-    }
-    try:
-        while not stopping.wait(1.0):
-            pass
-    finally:
-        started = time.monotonic()
-        running.stop(grace)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        log.info("ckptd stopped in %.1fs", time.monotonic() - started)
+    serve_until_signalled(running, [line], name="ckptd", grace=grace, log=log)

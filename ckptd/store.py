@@ -48,7 +48,7 @@ from ckptd.reads import READ_PIECE_BYTES, Piece, Reader
 from ckptd.replicas import ReplicaTiers, Replicator
 from ckptd.replication import S3Replication
 from ckptd.retention import RetentionPolicy, droppable, wanted
-from ckptd.tiers import TIER_NAMES, CheckpointKey
+from ckptd.tiers import CheckpointKey
 from ckptd.tiers.memory import MemoryBudget, MemoryTier
 from ckptd.tiers.s3 import S3Tier
 from ckptd.tiers.ssd import SsdTier
@@ -62,6 +62,7 @@ from scaletrain.errors import (
     ScaletrainError,
     Unavailable,
 )
+from scaletrain.names import TIER_LABELS
 from scaletrain.rpc import DEFAULT_TIMEOUT_S
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 
@@ -222,7 +223,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             lambda: len(self._saves),
         )
         for tier in (MEMORY, SSD):
-            self.metrics.replica_bytes.labels(TIER_NAMES[tier]).set_function(
+            self.metrics.replica_bytes.labels(TIER_LABELS[tier]).set_function(
                 lambda tier=tier: self.catalog.replica_bytes(tier)
             )
         if config.maintain:
@@ -274,20 +275,8 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             if save_id not in self._saves:
                 self.ssd.discard_staging(save_id)
         for key in self.catalog.committed_on(SSD):
-            if key in on_disk:
-                continue
-            manifest = self.catalog.manifest(key)
-            if manifest is not None and self._files_present(key, manifest):
-                self.ssd.write_marker(manifest)  # a directory from before markers existed
-            else:
+            if key not in on_disk:  # the marker is written before the rename: no marker, no copy
                 self.catalog.set_tier(key, SSD, FAILED, error="directory missing at startup")
-
-    def _files_present(self, key: CheckpointKey, manifest: Manifest) -> bool:
-        for f in manifest.files_on(self.node):
-            path = self.ssd.path_of(key, f.path)
-            if not path.is_file() or path.stat().st_size != f.size:
-                return False
-        return True
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Give an S3 job in flight `timeout_s` to finish, drop the memory tier, release."""
@@ -646,7 +635,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             self._saves.pop(save.record.save_id, None)
             self.catalog.record_commit(manifest, SSD)
             crash_point("ssd-committed")
-            self.metrics.commits.labels("SSD").inc()
+            self.metrics.commits.labels(TIER_LABELS[SSD]).inc()
             self._notify(key, SSD, total)
             memory = {path: upload.take_memory() for path, upload in save.files.items()}
             if all(m is not None for m in memory.values()) and set(memory) == {
@@ -654,8 +643,8 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             }:
                 self.memory.put(key, memory)  # type: ignore[arg-type]
                 self.catalog.set_tier(key, MEMORY, TIER_COMMITTED, total)
-                self.metrics.commits.labels("memory").inc()
-                self.metrics.bytes.labels("memory", "write").inc(total)
+                self.metrics.commits.labels(TIER_LABELS[MEMORY]).inc()
+                self.metrics.bytes.labels(TIER_LABELS[MEMORY], "write").inc(total)
                 self._notify(key, MEMORY, total)
             else:
                 for m in memory.values():
@@ -786,7 +775,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             self.catalog.queue_deletion(key)
             self._s3_jobs().queue_removal(key)
         self.catalog.set_tier(key, tier, ABSENT)
-        log.info("retention dropped the %s copy of %s", TIER_NAMES[tier], key)
+        log.info("retention dropped the %s copy of %s", TIER_LABELS[tier], key)
 
     # -- read (`ckptd.reads`) -------------------------------------------------------------------
 

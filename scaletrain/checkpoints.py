@@ -22,9 +22,9 @@ from ckptd.config import CkptdConfig
 from ckptd.datadir import ckptd_running, list_offline
 from ckptd.manifest import file_crc32c
 from ckptd.store import CheckpointStore
-from ckptd.tiers import TIER_NAMES as _TIER_NAMES
 from ckptd.tiers import BlockCrcs, CheckpointKey
 from scaletrain.errors import NotFound, ScaletrainError, UserError
+from scaletrain.names import TIER_NAMES
 from scaletrain.stack import S3_BUCKET, Workdir, s3_for_reading
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 from trainer.interop.hf import DEFAULT_SHARD_BYTES
@@ -33,10 +33,6 @@ TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
 
 if TYPE_CHECKING:
     from trainer.interop.hf_export import Exported
-
-# Tier names as the command line prints them (it does not import the embedded stack: that would
-# cost every `ckpt` command a second of importing telemetry's query stack).
-TIER_NAMES = {tier: name.lower() for tier, name in _TIER_NAMES.items()}
 
 
 class Progress:

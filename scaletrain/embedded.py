@@ -18,18 +18,13 @@ from typing import IO
 from ckptd.client import CkptdClient
 from ckptd.datadir import list_offline
 from scaletrain.errors import UserError
+from scaletrain.names import TIER_NAMES
 from scaletrain.security import ClientSecurity, Role
 from scaletrain.stack import Stack, Workdir, check_nodes
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 from telemetry import queries
 from telemetry.db import connect
 from telemetry.health import run_health
-
-TIER_NAMES = {
-    common_pb2.TIER_MEMORY: "memory",
-    common_pb2.TIER_SSD: "ssd",
-    common_pb2.TIER_S3: "s3",
-}
 
 
 @dataclass(frozen=True)
@@ -99,7 +94,8 @@ def whole_tiers(info: checkpoint_pb2.CheckpointInfo) -> list[str]:
     if not info.parts:
         return committed_tiers(info)
     parts = [set(committed_tiers(p)) if p.reachable else set() for p in info.parts]
-    whole = (set(committed_tiers(info)) & {"s3"}) | set.intersection(*parts)
+    whole = set(committed_tiers(info)) & {TIER_NAMES[common_pb2.TIER_S3]}
+    whole |= set.intersection(*parts)
     return [name for name in TIER_NAMES.values() if name in whole]
 
 

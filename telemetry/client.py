@@ -54,7 +54,7 @@ _PERMANENT = frozenset(
 )
 # Deadline of one background report call: a base, plus time for every record it carries, so that
 # a service storing a few thousand records a second still acknowledges a catch-up call of tens of
-# thousands in time (a fixed 10 s was missed under load, and each miss resent the whole call).
+# thousands in time; a fixed deadline would expire under load, and every expiry resends the call.
 _SEND_TIMEOUT_S = 10.0
 _SEND_TIMEOUT_PER_RECORD_S = 0.002
 # Batches per client stream: enough to catch up quickly after an outage, small enough to retry.

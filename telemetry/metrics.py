@@ -8,16 +8,13 @@ Ratios (MFU, scores) are plain numbers between 0 and 1; times are seconds, sizes
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from scaletrain.errors import UserError
+from scaletrain.serving import HttpEndpoint, serve_http
 from telemetry.columns import PHASES
 from telemetry.live import LiveRuns
 
@@ -121,32 +118,11 @@ def _gauges(prefix: str, labels: list[str], **docs: str) -> dict[str, GaugeMetri
     }
 
 
-@dataclass
-class MetricsServer:
-    """The HTTP endpoint serving /metrics; `stop` closes it."""
-
-    server: WSGIServer
-    thread: threading.Thread
-    address: str
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
-
-
-def serve_metrics(live: LiveRuns, listen: str) -> MetricsServer:
+def serve_metrics(live: LiveRuns, listen: str) -> HttpEndpoint:
     """Serve the metrics of `live` over HTTP on `listen` (HOST:PORT, port 0 picks a free one).
 
     Raises UserError with one line when the address cannot be bound.
     """
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit():
-        raise UserError(f"bad metrics address {listen!r}: expected HOST:PORT")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RunCollector(live))
-    try:
-        server, thread = start_http_server(int(port), addr=host, registry=registry)
-    except OSError as exc:
-        raise UserError(f"cannot serve metrics on {listen}: {exc.strerror or exc}") from None
-    return MetricsServer(server, thread, f"{host}:{server.server_port}")
+    return serve_http(listen, lambda host, port: start_http_server(port, host, registry))

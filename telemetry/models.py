@@ -28,11 +28,14 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from scaletrain.names import TIER_NAMES
+from scaletrain.v1 import common_pb2
+
 RUN_STATUSES = ("running", "finished", "failed")
 # The `tier` of a checkpoint row that describes the save as the trainer saw it.
 TRAINER_TIER = "trainer"
 # The storage tier that holds the whole checkpoint (every node's part): one row per step, node "".
-WHOLE_TIER = "s3"
+WHOLE_TIER = TIER_NAMES[common_pb2.TIER_S3]
 
 # Deterministic constraint names, so that later migrations can name what they alter.
 NAMING_CONVENTION = {

@@ -8,24 +8,23 @@ calls them directly. What the detectors flag is stored as events like any other.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from types import FrameType
 
 import grpc
+from grpc_health.v1.health import HealthServicer
 from sqlalchemy import Engine
 
 from scaletrain.errors import ScaletrainError
 from scaletrain.rpc import Rule, add_health, bind, make_server, maps_errors
 from scaletrain.security import Role
+from scaletrain.serving import HttpEndpoint, serve_until_signalled
 from scaletrain.v1 import telemetry_pb2, telemetry_pb2_grpc
 from telemetry.config import TelemetryConfig
 from telemetry.db import connect, migrate
 from telemetry.ingest import GroupCommit
 from telemetry.live import LiveRuns
-from telemetry.metrics import MetricsServer, serve_metrics
+from telemetry.metrics import serve_metrics
 from telemetry.retention import Retention
 from telemetry.rollup import StepSummary
 from telemetry.store import TelemetryStore
@@ -136,13 +135,14 @@ class RunningTelemetry:
     """A started telemetry service; `stop` ends it and releases the database."""
 
     server: grpc.Server
+    health: HealthServicer
     engine: Engine
     address: str
     port: int
     live: LiveRuns
     retention: Retention
     # The Prometheus endpoint, when the config asked for one.
-    metrics: MetricsServer | None = None
+    metrics: HttpEndpoint | None = None
 
     def stop(self, grace: float | None = None) -> None:
         """Stop accepting calls, let running ones finish for `grace` seconds, then close."""
@@ -172,7 +172,7 @@ def start(config: TelemetryConfig) -> RunningTelemetry:
         telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(
             TelemetryServicer(store, live), server
         )
-        add_health(server, SERVICE_NAME)
+        health = add_health(server, SERVICE_NAME)
         port = bind(server, config.listen)
         if config.metrics_listen is not None:
             metrics = serve_metrics(live, config.metrics_listen)
@@ -187,6 +187,7 @@ def start(config: TelemetryConfig) -> RunningTelemetry:
     host = config.listen.rpartition(":")[0]
     return RunningTelemetry(
         server=server,
+        health=health,
         engine=engine,
         address=f"{host}:{port}",
         port=port,
@@ -204,18 +205,7 @@ def serve(config: TelemetryConfig) -> None:
     endpoint, a second line `metrics on http://HOST:PORT/metrics`.
     """
     running = start(config)
-    stopping = threading.Event()
-
-    def request_stop(_signum: int, _frame: FrameType | None) -> None:
-        stopping.set()
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        print(f"telemetry listening on {running.address}", flush=True)
-        if running.metrics is not None:
-            print(f"metrics on http://{running.metrics.address}/metrics", flush=True)
-        stopping.wait()
-    finally:
-        running.stop(grace=5.0)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    lines = [f"telemetry listening on {running.address}"]
+    if running.metrics is not None:
+        lines.append(f"metrics on http://{running.metrics.address}/metrics")
+    serve_until_signalled(running, lines, name="telemetry", grace=5.0, log=_log)

@@ -21,6 +21,7 @@ from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
 from scaletrain.errors import InvalidArgument, NotFound, Unavailable
+from scaletrain.names import TIER_NAMES, check_run_id
 from scaletrain.v1 import common_pb2, telemetry_pb2
 from telemetry.db import sessions
 from telemetry.ingest import (
@@ -35,16 +36,11 @@ from telemetry.models import TRAINER_TIER, WHOLE_TIER, Checkpoint, Event, Rank, 
 from telemetry.rollup import NodeMap, StepSummary, node_map, roll_up_from_database, roll_up_missing
 from telemetry.rollup import write as write_rollups
 
-# "EVENT_KIND_CHECKPOINT_COMMITTED" is stored as "checkpoint_committed"; "TIER_SSD" as "ssd".
+# "EVENT_KIND_CHECKPOINT_COMMITTED" is stored as "checkpoint_committed" (tiers: TIER_NAMES).
 EVENT_KIND_NAMES: dict[int, str] = {
     value: name.removeprefix("EVENT_KIND_").lower()
     for name, value in telemetry_pb2.EventKind.items()
     if value != telemetry_pb2.EVENT_KIND_UNSPECIFIED
-}
-TIER_NAMES: dict[int, str] = {
-    value: name.removeprefix("TIER_").lower()
-    for name, value in common_pb2.Tier.items()
-    if value != common_pb2.TIER_UNSPECIFIED
 }
 CHECKPOINT_COMMITTED = EVENT_KIND_NAMES[telemetry_pb2.EVENT_KIND_CHECKPOINT_COMMITTED]
 # The column of the checkpoints table that each checkpoint event stamps with its time.
@@ -59,7 +55,6 @@ _FINAL_STATUS = {
     EVENT_KIND_NAMES[telemetry_pb2.EVENT_KIND_RUN_FINISHED]: "finished",
     EVENT_KIND_NAMES[telemetry_pb2.EVENT_KIND_RUN_FAILED]: "failed",
 }
-_MAX_ID_CHARS = 128
 _MAX_NODE_CHARS = 128
 # Rows per INSERT statement: far below SQLite's and PostgreSQL's limits on bound parameters.
 _ROWS_PER_INSERT = 500
@@ -94,7 +89,7 @@ class TelemetryStore:
         description (a resumed run may have a new world size or layout), keeps its start time and
         adds or updates the ranks it lists. Race-free when several ranks register at once.
         """
-        run_id = _check_id(request.run_id, "run_id")
+        run_id = check_run_id(request.run_id, "run_id")
         if request.world_size < 1:
             raise InvalidArgument(f"world_size must be at least 1, got {request.world_size}")
         layout = _layout(request)
@@ -301,7 +296,7 @@ class TelemetryStore:
         step (its latest attempt), sorted by rank; a rank whose record never arrived is missing
         from them, which the trainer must notice. found is False when the run has no committed step.
         """
-        run_id = _check_id(run_id, "run_id")
+        run_id = check_run_id(run_id, "run_id")
         if step is not None and step < 0:
             raise InvalidArgument(f"step must not be negative, got {step}")
         with self._transaction() as session:
@@ -430,13 +425,6 @@ def _reason(exc: DBAPIError) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def _check_id(value: str, what: str) -> str:
-    if not value:
-        raise InvalidArgument(f"{what} is empty")
-    _check_length(value, what, _MAX_ID_CHARS)
-    return value
-
-
 def _check_length(value: str, what: str, limit: int) -> None:
     if len(value) > limit:
         raise InvalidArgument(f"{what} has {len(value)} characters, at most {limit} are allowed")
@@ -500,8 +488,10 @@ def _event_row(index: int, event: telemetry_pb2.Event) -> dict[str, Any]:
     def bad(problem: str) -> InvalidArgument:
         return InvalidArgument(f"event {index} (step {event.step}): {problem}")
 
-    if not event.run_id:
-        raise bad("run_id is empty")
+    try:
+        check_run_id(event.run_id, "run_id")
+    except InvalidArgument as exc:
+        raise bad(str(exc)) from None
     if event.step < 0:
         raise bad(f"step must not be negative, got {event.step}")
     if event.rank < -1:

@@ -26,6 +26,8 @@ import pandas as pd
 from sqlalchemy import ColumnElement, Select, and_, case, exists, func, select, true
 from sqlalchemy.orm import aliased
 
+from scaletrain.names import TIER_NAMES
+from scaletrain.v1 import common_pb2
 from telemetry.efficiency import LATEST_ROLLUP, mfu
 from telemetry.models import (
     TRAINER_TIER,
@@ -40,8 +42,10 @@ from telemetry.models import (
 )
 from telemetry.queries import LATEST_ATTEMPT, Bind, connection_of
 
-# Storage tiers, fastest first, as ckptd names them.
-TIERS = ("memory", "ssd", "s3")
+# Storage tiers, fastest first, as telemetry stores them.
+TIERS = tuple(TIER_NAMES.values())
+# The tiers of one node (its memory and SSD), where its part and its peers' replicas live.
+NODE_TIERS = (TIER_NAMES[common_pb2.TIER_MEMORY], TIER_NAMES[common_pb2.TIER_SSD])
 # Events that say something is wrong now; counted as a run's open alerts since its latest start.
 ALERT_KINDS = ("alert", "straggler", "sdc", "loss_spike")
 # Events drawn as markers on the loss curve (besides committed checkpoints).
@@ -566,7 +570,7 @@ def checkpoint_copies(bind: Bind, run_id: str) -> pd.DataFrame:
         rows = connection.execute(
             select(Checkpoint.step, Checkpoint.node, Checkpoint.part).where(
                 Checkpoint.run_id == run_id,
-                Checkpoint.tier.in_(("memory", "ssd")),
+                Checkpoint.tier.in_(NODE_TIERS),
                 Checkpoint.node != "",
                 *COMMITTED,
             )

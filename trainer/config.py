@@ -8,6 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from scaletrain.errors import InvalidArgument
+from scaletrain.names import check_run_id
 from trainer import health, options
 from trainer.fp8 import make_recipe
 from trainer.fp8.fsdp import check_all_gather
@@ -115,8 +117,11 @@ class TrainConfig:
             raise ValueError(
                 f"--seq-len must be between 1 and {self.model.max_seq_len}, got {self.seq_len}"
             )
-        if not self.run_id or "/" in self.run_id or self.run_id.startswith("."):
-            raise ValueError(f"--run-id {self.run_id!r} must be a non-empty name without '/'")
+        try:
+            # The rule ckptd and telemetry apply, so a run id is refused here, not at a first save.
+            check_run_id(self.run_id, options.BY_DEST["run_id"].where)
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
         if self.health_policy not in health.POLICIES:
             raise ValueError(
                 f"--health-policy {self.health_policy!r}: use one of {', '.join(health.POLICIES)}"

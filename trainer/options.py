@@ -20,7 +20,7 @@ import argparse
 import json
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +68,9 @@ class Option:
     launcher: bool = False
     # The flag when it is not `--` + dest with dashes (a repeated flag names one item).
     flag_name: str = ""
+    # A rule another service applies to the value too, called with a non-empty value and
+    # `where`: it raises scaletrain.errors.InvalidArgument in that service's words.
+    rule: Callable[[str, str], object] | None = None
 
     @property
     def flag(self) -> str:
@@ -122,7 +125,23 @@ class Option:
             value < self.minimum or (self.exclusive and value == self.minimum)
         ):
             raise bad
+        if self.rule is not None and value:
+            from scaletrain.errors import InvalidArgument
+
+            try:
+                self.rule(str(value), self.where)
+            except InvalidArgument as exc:
+                raise ValueError(str(exc)) from None
         return value
+
+
+def _run_id_rule(value: str, where: str) -> None:
+    """The run-id rule of ckptd and telemetry (`scaletrain.names`), so that a run id they would
+    refuse at the first save or report is refused before anything starts. Imported when a run
+    id is given: the rule's module brings gRPC and protobuf, which this module does without."""
+    from scaletrain.names import check_run_id
+
+    check_run_id(value, where)
 
 
 def _model(dest: str, kind: type, help: str, **kw: object) -> Option:
@@ -160,6 +179,7 @@ OPTIONS: tuple[Option, ...] = (
         "",
         "name of the run (checkpoints and telemetry); required",
         launcher=True,
+        rule=_run_id_rule,
     ),
     Option(
         "seed", "", int, 1234, "seed of the initial weights and the data order", alters_results=True

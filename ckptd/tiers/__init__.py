@@ -15,15 +15,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ckptd.wire import crc32c
-from scaletrain.v1 import common_pb2
 
 # Verification granularity: a small read costs at most one block of extra I/O.
 BLOCK_BYTES = 256 * 1024
-TIER_NAMES = {
-    common_pb2.TIER_MEMORY: "memory",
-    common_pb2.TIER_SSD: "SSD",
-    common_pb2.TIER_S3: "S3",
-}
 
 
 @dataclass(frozen=True, order=True)

@@ -51,16 +51,6 @@ class MemoryBudget:
     def used(self) -> int:
         return self._used
 
-    def set_relief(self, relieve: Callable[[], None]) -> None:
-        self._relieve = relieve
-
-    def try_reserve(self, n: int) -> bool:
-        with self._cond:
-            if self._used + n > self.total:
-                return False
-            self._used += n
-            return True
-
     def reserve(self, n: int, holding: Callable[[], int]) -> None:
         """Reserve `n` bytes, waiting (and asking for relief) while they do not fit.
 

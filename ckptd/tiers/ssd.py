@@ -223,10 +223,6 @@ class SsdTier:
         fsync_path(run_dir, directory=True)
         fsync_path(self.root / _STAGING, directory=True)
 
-    def write_marker(self, manifest: Manifest) -> None:
-        """Give a committed directory its marker (one made before markers existed)."""
-        self._write_marker(self.dir_of(manifest.key), manifest)
-
     @staticmethod
     def _write_marker(directory: Path, manifest: Manifest) -> None:
         tmp = directory / f"{MARKER}.tmp"

@@ -18,6 +18,7 @@ from ckptd.config import S3Config
 from ckptd.crash import ENV as CRASH_ENV
 from ckptd.manifest import data_crc32c
 from ckptd.store import CheckpointStore
+from scaletrain.names import TIER_NAMES
 from scaletrain.v1 import checkpoint_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,9 +100,8 @@ def store_save(
 
 def tier_states(info: checkpoint_pb2.CheckpointInfo) -> dict[str, str]:
     """{"memory": "COMMITTED", ...} of a CheckpointInfo, readable in assertion messages."""
-    names = {1: "memory", 2: "ssd", 3: "s3"}
     return {
-        names[t.tier]: checkpoint_pb2.TierState.Name(t.state).removeprefix("TIER_STATE_")
+        TIER_NAMES[t.tier]: checkpoint_pb2.TierState.Name(t.state).removeprefix("TIER_STATE_")
         for t in info.tiers
     }
 

@@ -21,7 +21,8 @@ from e2e_runs import TINY, events, injected, restart_after, scaletrain, scaletra
 
 from scaletrain.chaos import DEFAULT_SCHEDULE, KINDS, MULTI_NODE, default_schedule, parse_schedule
 from scaletrain.cli import _print_summary, main
-from scaletrain.embedded import TIER_NAMES, RunSummary, checkpoint_row, whole_tiers
+from scaletrain.embedded import RunSummary, checkpoint_row, whole_tiers
+from scaletrain.names import TIER_NAMES
 from scaletrain.stack import Stack, Workdir
 from scaletrain.v1 import checkpoint_pb2
 

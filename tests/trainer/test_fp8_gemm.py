@@ -110,8 +110,9 @@ def test_mx_scales_are_laid_out_in_cublas_128x4_tiles():
 
 
 def test_a_block_scaled_product_stays_inside_one_compiled_graph_and_computes_as_eager():
-    """Block scaling needs `F.scaled_mm`, where torch.compile 2.11 breaks the graph; through
-    the `block_scaled_mm` operator it compiles whole (checked with the scalings a CPU has)."""
+    """Block scaling needs `F.scaled_mm`; through the `block_scaled_mm` operator the product
+    compiles whole, whatever the compiler makes of `F.scaled_mm` itself (checked with the
+    scalings a CPU has)."""
     a, b = varied(M, K, seed=1), varied(K, N, seed=2)
     qa = quantize(a, RECIPES["tensorwise"].forward_format, tuple(a.shape))
     qb = quantize(b.t().contiguous(), RECIPES["tensorwise"].forward_format, (N, K)).t()

@@ -267,9 +267,10 @@ def block_scaled_mm(
     """`F.scaled_mm` of a (M, K) by b (K, N) with scalings named as `scaling_of` names them, MX
     scales swizzled: one opaque operator to torch.compile.
 
-    torch 2.11's compiler breaks the graph at `F.scaled_mm` (a Python function it does not trace),
-    which under block scaling split every layer's graph three times and kept the casts around
-    each product out of the fused kernels; an operator with a shape function stays in the graph.
+    An operator with a shape function stays in the compiled graph without the compiler tracing
+    into `F.scaled_mm`, a Python function whose tracing depends on the scaling and the torch
+    release; a graph break there would split every layer's graph three times under block scaling
+    and keep the casts around each product out of the fused kernels.
     """
     swizzle = SwizzleType.SWIZZLE_32_4_4 if "1x32" in (a_scaling, b_scaling) else None
     return F.scaled_mm(
