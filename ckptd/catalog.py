@@ -30,10 +30,8 @@ from scaletrain.names import TIER_LABELS
 from scaletrain.v1 import checkpoint_pb2
 
 CATALOG_FILE = "catalog.db"
-# 2 added `runs` (retention per run) and `deletions`; a version-1 catalog gains them on open.
-# 3 dropped files.sha256 (a file's checksum is derived from its block CRCs: ckptd.manifest).
-# 4 added the node holding each file, and each save's epoch, coordinator and vote (clusters).
-# 5 added `replicas` (the copies this node holds of other nodes' parts) and runs.replicas.
+# The catalog's schema (SQLite's user_version). No released ckptd wrote another: a data dir of
+# any other version is refused, and a lost catalog is rebuilt from the markers on disk.
 SCHEMA_VERSION = 5
 
 OPEN, COMMITTED, ABORTED = "open", "committed", "aborted"
@@ -106,17 +104,6 @@ CREATE TABLE IF NOT EXISTS deletions (
 );
 """
 
-
-# Columns added by schema 4 (table, column, type), for catalogs made before it.
-_MIGRATE_4 = (
-    ("checkpoints", "epoch", "INTEGER NOT NULL DEFAULT 0"),
-    ("checkpoints", "coordinator", "TEXT NOT NULL DEFAULT ''"),
-    ("checkpoints", "coordinator_address", "TEXT NOT NULL DEFAULT ''"),
-    ("checkpoints", "prepared", "INTEGER NOT NULL DEFAULT 0"),
-    ("files", "node", "TEXT NOT NULL DEFAULT ''"),
-)
-# Columns added by schema 5.
-_MIGRATE_5 = (("runs", "replicas", "INTEGER NOT NULL DEFAULT 0"),)
 _FILE_COLUMNS = "path, rank, kind, size, block_crcs, node"
 
 
@@ -183,17 +170,11 @@ class Catalog:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = FULL")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in range(SCHEMA_VERSION + 1):
+            if version not in (0, SCHEMA_VERSION):
                 raise UserError(
-                    f"{path} has catalog schema {version}; this ckptd knows 1 to {SCHEMA_VERSION}"
+                    f"{path} has catalog schema {version}; this ckptd knows {SCHEMA_VERSION} "
+                    "(move the file away: ckptd rebuilds the catalog from the checkpoints on disk)"
                 )
-            if version in (1, 2):
-                self._db.execute("ALTER TABLE files DROP COLUMN sha256")
-            if version:
-                for table, column, kind in (*_MIGRATE_4, *_MIGRATE_5):
-                    columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
-                    if column not in columns:
-                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
             self._db.executescript(_SCHEMA)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 

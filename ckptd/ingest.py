@@ -16,9 +16,9 @@ commit waits for the disk, because a checkpoint is committed only once it is dur
 
 Every byte is checked once on each side: a data socket frame carries the CRC-32C of each of its
 blocks, which are the CRCs the file keeps at rest; a WriteFile chunk carries one CRC-32C, so
-ckptd computes the block CRCs beside it. (A SHA-256 of each file, kept until format 2 of the
-manifest, cost more CPU than the transfer itself and protected against nothing the CRCs miss
-short of deliberate forgery, which the TLS channel and the tokens guard against.)
+ckptd computes the block CRCs beside it. There is no cryptographic hash of each file: one would
+cost more CPU than the transfer itself and protect against nothing the CRCs miss short of
+deliberate forgery, which the TLS channel and the tokens guard against.
 
 A chunk whose bytes do not match its CRC, or a file whose bytes do not match its trailer, is bad
 input (INVALID_ARGUMENT): the client sent something other than what it described and must send

@@ -24,7 +24,6 @@ from scaletrain.v1 import checkpoint_pb2
 
 MARKER = "_COMMITTED"
 FORMAT = 2
-READABLE_FORMATS = (1, 2)
 
 
 def file_crc32c(block_crcs: bytes) -> int:
@@ -169,7 +168,7 @@ class Manifest:
         """Parse a marker; ValueError naming `where` when it is not a manifest of this format."""
         try:
             doc = _object(json.loads(raw), "the document")
-            if doc.get("format") not in READABLE_FORMATS or doc.get("block_bytes") != BLOCK_BYTES:
+            if doc.get("format") != FORMAT or doc.get("block_bytes") != BLOCK_BYTES:
                 raise ValueError(f"format {doc.get('format')}, block size {doc.get('block_bytes')}")
             files = tuple(
                 FileRecord(
@@ -183,7 +182,7 @@ class Manifest:
                 for f in (_object(f, "a file") for f in doc["files"])
             )
             for record, f in zip(files, doc["files"], strict=True):
-                if "crc32c" in f and int(f["crc32c"], 16) != record.crc32c:
+                if int(f["crc32c"], 16) != record.crc32c:
                     raise ValueError(f"{record.path}: its crc32c does not match its block CRCs")
             return cls(
                 key=CheckpointKey(doc["run"], int(doc["step"])),

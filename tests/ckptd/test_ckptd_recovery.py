@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from ckptd_testing import (
     FAST_RETRIES,
     checkpoint_files,
@@ -19,10 +18,10 @@ from ckptd_testing import (
 
 from ckptd.catalog import CATALOG_FILE
 from ckptd.config import S3Config
-from ckptd.manifest import MARKER, data_crc32c
+from ckptd.manifest import data_crc32c
 from ckptd.retention import RetentionPolicy
 from ckptd.store import CheckpointStore
-from ckptd.tiers import CheckpointKey
+from scaletrain.errors import UserError
 from scaletrain.seaweed import SeaweedS3
 
 OpenStore = Callable[..., CheckpointStore]
@@ -93,44 +92,29 @@ def test_uploads_complete_after_s3_is_stopped_for_a_while_and_started_again(
             assert store.read_range(ref("run", 20), path) == data
 
 
-def _as_stored_by_format_1(store_dir: Path, key: CheckpointKey, files: dict) -> None:
-    """Rewrite a checkpoint's SSD marker and the catalog as the previous ckptd left them: a
-    format-1 manifest with each file's SHA-256, a schema-2 catalog with a sha256 column."""
-    marker = store_dir / "ssd" / key.run / str(key.step) / MARKER
-    doc = json.loads(marker.read_bytes())
-    doc["format"] = 1
-    for entry in doc["files"]:
-        del entry["crc32c"]
-        entry["sha256"] = hashlib.sha256(files[entry["path"]][2]).hexdigest()
-    marker.write_text(json.dumps(doc))
-    db = sqlite3.connect(store_dir / CATALOG_FILE, isolation_level=None)
-    try:
-        db.execute("ALTER TABLE files ADD COLUMN sha256 TEXT NOT NULL DEFAULT 'x'")
-        db.execute("PRAGMA user_version = 2")
-    finally:
-        db.close()
-
-
-def test_checkpoints_stored_by_the_previous_format_still_list_read_and_verify(
+def test_a_catalog_of_another_schema_is_refused_in_one_line_and_rebuilt_once_moved_away(
     open_store: OpenStore, tmp_path: Path
 ) -> None:
     files = checkpoint_files(2, 300_000, seed=4)
     store = open_store()
     store_save(store, "run", 4, files)
     store.close()
-    _as_stored_by_format_1(tmp_path / "ckptd", CheckpointKey("run", 4), files)
+    catalog = tmp_path / "ckptd" / CATALOG_FILE
+    db = sqlite3.connect(catalog, isolation_level=None)
+    try:
+        db.execute("PRAGMA user_version = 4")
+    finally:
+        db.close()
+    with pytest.raises(UserError, match=r"has catalog schema 4; this ckptd knows 5 \(move"):
+        open_store()
 
-    store = open_store()  # migrates the catalog
+    for name in (CATALOG_FILE, f"{CATALOG_FILE}-wal", f"{CATALOG_FILE}-shm"):
+        (tmp_path / "ckptd" / name).unlink(missing_ok=True)
+    store = open_store()  # rebuilds the catalog from the markers
     (info,) = store.list("run")
+    assert tier_states(info)["ssd"] == "COMMITTED"
     assert {f.path: f.crc32c for f in info.files} == {
         path: data_crc32c(data) for path, (_, _, data) in files.items()
     }
-    store.close()
-    for name in (CATALOG_FILE, f"{CATALOG_FILE}-wal", f"{CATALOG_FILE}-shm"):
-        (tmp_path / "ckptd" / name).unlink(missing_ok=True)
-    store = open_store()  # rebuilds the catalog from the format-1 marker
-    (info,) = store.list("run")
-    assert tier_states(info)["ssd"] == "COMMITTED"
     for path, (_, _, data) in files.items():
         assert store.read_range(ref("run", 4), path) == data
-    assert len(store.export(ref("run", 4), tmp_path / "export")) == len(files)
