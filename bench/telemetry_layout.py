@@ -1,24 +1,27 @@
-"""Which PostgreSQL layout of `rank_steps` serves ingest, the pages and retention better: today's
-plain table, whose retention deletes by primary-key ranges in bounded batches
-(`telemetry.retention`), or declarative partitioning by run and step range, whose retention drops
-whole partitions? Both in one command, on the same rows, in two schemas of one database.
+"""The PostgreSQL layout of `rank_steps` the service uses, declarative partitioning by run and
+step range (`telemetry.partitions`: `PARTITION BY LIST (run_id)`, each run `BY RANGE (step)`,
+retention dropping whole ranges), against the plain table it replaced (revision 0005, retention
+deleting by primary-key ranges in bounded batches): ingest, the pages and retention, in one
+command, on the same rows, in two schemas of one database.
 
-Each schema is migrated to today's schema; in the partitioned one `rank_steps` is then replaced by
-a table `PARTITION BY RANGE (run_id, step)` with one partition per `--partition-steps` steps (same
-columns, same primary key, which includes the partition key as PostgreSQL requires). Then, with
-the two layouts taking turns step by step so that other jobs' load falls on both alike:
+One schema is migrated to revision 0005 (the plain table), the other to the newest revision (the
+partitioned one), whose ranges of `--partition-steps` steps the store prepares as the service
+does: when the run registers, and the next ones as the steps near the end of what is prepared
+(outside the timed writes, as the service's background thread does). Then, with the two layouts
+taking turns step by step so that other jobs' load falls on both alike:
   ingest     each step's rows through the service's own write path (`telemetry.ingest.insert_steps`:
              one binary COPY) and its rollup (`telemetry.rollup.write`), as the service stores
              them; records/s of the rank rows
   pages      the rank-row reads of the run page, best of 3: the latest 20 steps of every rank
              (`views.rank_phases` of all ranks), one node's ranks at 100 steps sampled over the
              window (`views.rank_steps`)
-  retention  everything but the latest `--keep-steps` steps goes: the plain table through
-             `Retention.sweep_run` (batches of 50,000 rows, the service's pause between two), then
-             the `VACUUM` that makes the deleted rows' space reusable; the partitioned one by
-             `DROP TABLE` of each partition wholly below the window (a partition straddling it
-             keeps its rows until it is wholly below). Meanwhile a thread goes on ingesting the
-             next steps, as the service would: its slowest step is how long ingest waited.
+  retention  everything but the latest `--keep-steps` steps goes, through the service's own
+             `Retention.sweep_run` on each: on the plain table batches of 50,000 rows (the
+             service's pause between two), then the `VACUUM` that makes the deleted rows' space
+             reusable; on the partitioned one a `DROP TABLE` of each range wholly past the window
+             (a range straddling it keeps its rows until it is wholly past). Meanwhile a thread
+             goes on ingesting the next steps, as the service would: its slowest step is how long
+             ingest waited.
 and the tables' bytes after retention.
 
     nice -n 10 .venv/bin/python bench/telemetry_layout.py --db postgresql+psycopg://postgres@127.0.0.1:5432/test
@@ -36,10 +39,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from alembic import command
 from sqlalchemy import Engine, text
 
-from telemetry import views
-from telemetry.db import connect, migrate
+from telemetry import partitions, views
+from telemetry.db import alembic_config, connect, migrate
 from telemetry.ingest import insert_steps, step_values, time_format
 from telemetry.retention import Retention, RetentionPolicy
 from telemetry.rollup import NodeMap, summarise, write
@@ -78,33 +82,24 @@ def schemas(url: str) -> Iterator[dict[str, Engine]]:
         admin.dispose()
 
 
-def partition(engine: Engine, steps: int, per_partition: int) -> list[tuple[str, int]]:
-    """Replace the empty rank_steps by the partitioned layout; (partition, last step) of each."""
-    made = []
+def migrate_to(engine: Engine, revision: str) -> None:
+    """Bring the schema to `revision` ("head": what `telemetry.db.migrate` does)."""
+    if revision == "head":
+        migrate(engine)
+        return
+    config = alembic_config()
     with engine.begin() as connection:
-        connection.exec_driver_sql("ALTER TABLE rank_steps RENAME TO rank_steps_plain")
-        connection.exec_driver_sql(
-            "CREATE TABLE rank_steps (LIKE rank_steps_plain INCLUDING DEFAULTS, "
-            "PRIMARY KEY (run_id, step, rank, attempt), "
-            "FOREIGN KEY (run_id) REFERENCES runs (run_id) ON DELETE CASCADE) "
-            "PARTITION BY RANGE (run_id, step)"
-        )
-        connection.exec_driver_sql("DROP TABLE rank_steps_plain")
-        for first in range(1, steps + 1, per_partition):
-            name = f"rank_steps_{first:08d}"
-            connection.exec_driver_sql(
-                f"CREATE TABLE {name} PARTITION OF rank_steps FOR VALUES "
-                f"FROM ('{RUN_ID}', {first}) TO ('{RUN_ID}', {first + per_partition})"
-            )
-            made.append((name, first + per_partition - 1))
-    return made
+        config.attributes["connection"] = connection
+        command.upgrade(config, revision)
 
 
 class Ingest:
     """Stores the simulated run's steps into one layout as the service does, timing each."""
 
-    def __init__(self, engine: Engine, cluster: Cluster) -> None:
-        self.engine, self.cluster = engine, cluster
+    def __init__(self, store: TelemetryStore, engine: Engine, cluster: Cluster) -> None:
+        self.store, self.engine, self.cluster = store, engine, cluster
+        self.partitioned = store.partitioned()
+        self.prepared = 0
         self.nodes = NodeMap.of_hosts(
             cluster.ranks, {r: cluster.host(r) for r in range(cluster.ranks)}
         )
@@ -115,7 +110,12 @@ class Ingest:
         rows = [step_values(0, r, time_format("postgresql")) for r in records]
         return rows, summarise(RUN_ID, 0, step, rows, self.nodes)
 
-    def store(self, rows: list[tuple[Any, ...]], summary: Any) -> None:
+    def store_step(self, step: int, rows: list[tuple[Any, ...]], summary: Any) -> None:
+        if self.partitioned and step + self.store.partition_steps > self.prepared:
+            # What the store's background thread does as the steps near the prepared end.
+            self.prepared = self.store.prepare_partitions(
+                RUN_ID, step + 2 * self.store.partition_steps
+            )
         started = time.perf_counter()
         with self.engine.begin() as connection:
             insert_steps(connection, [rows])
@@ -131,7 +131,7 @@ class Ingest:
         def keep_ingesting() -> None:
             step = first_step
             while not done.is_set():
-                self.store(*self.rows(step))
+                self.store_step(step, *self.rows(step))
                 step += 1
 
         thread = threading.Thread(target=keep_ingesting)
@@ -167,18 +167,6 @@ def pages(engine: Engine, cluster: Cluster) -> dict[str, float]:
     }
 
 
-def drop_partitions(engine: Engine, made: list[tuple[str, int]], horizon: int) -> list[float]:
-    """Seconds of each DROP of a partition whose every step is below the horizon."""
-    seconds = []
-    for name, last in made:
-        if last < horizon:
-            started = time.perf_counter()
-            with engine.begin() as connection:
-                connection.exec_driver_sql(f"DROP TABLE {name}")
-            seconds.append(time.perf_counter() - started)
-    return seconds
-
-
 def table_bytes(engine: Engine) -> int:
     with engine.connect() as connection:
         return int(
@@ -202,29 +190,25 @@ def main() -> None:
     parser.add_argument("--partition-steps", type=int, default=40)
     args = parser.parse_args()
     cluster = Cluster(RUN_ID, ranks=args.ranks, steps=args.steps)
-    horizon = args.steps - args.keep_steps
     with schemas(args.db) as engines:
         stores, ingests = {}, {}
-        made: list[tuple[str, int]] = []
         for layout, engine in engines.items():
-            migrate(engine)
-            if layout == "partitioned":
-                # Room for the steps ingested during retention too.
-                made = partition(engine, 2 * args.steps, args.partition_steps)
-            stores[layout] = TelemetryStore(engine)
+            migrate_to(engine, "0005" if layout == "plain" else "head")
+            stores[layout] = TelemetryStore(engine, partition_steps=args.partition_steps)
             stores[layout].register_run(cluster.registration(STARTED))
-            ingests[layout] = Ingest(engine, cluster)
+            ingests[layout] = Ingest(stores[layout], engine, cluster)
+        assert [ingest.partitioned for ingest in ingests.values()] == [False, True]
         for step in range(1, args.steps + 1):
             rows, summary = ingests["plain"].rows(step)
             for ingest in ingests.values():
-                ingest.store(rows, summary)
+                ingest.store_step(step, rows, summary)
         for engine in engines.values():
             with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
                 connection.exec_driver_sql("ANALYZE")
         read = {layout: pages(engine, cluster) for layout, engine in engines.items()}
+        policy = RetentionPolicy(keep_steps=args.keep_steps)
 
         def plain_retention() -> tuple[int, float, float]:
-            policy = RetentionPolicy(keep_steps=args.keep_steps)
             started = time.perf_counter()
             deleted = Retention(stores["plain"], policy).sweep_run(RUN_ID, args.ranks)
             deleted_at = time.perf_counter()
@@ -236,12 +220,22 @@ def main() -> None:
                 connection.exec_driver_sql("VACUUM rank_steps")
             return deleted, deleted_at - started, time.perf_counter() - deleted_at
 
+        def partitioned_retention() -> tuple[int, int, float]:
+            with engines["partitioned"].connect() as connection:
+                ranges_before = len(partitions.ranges(connection, RUN_ID))
+            started = time.perf_counter()
+            dropped = Retention(stores["partitioned"], policy).sweep_run(RUN_ID, args.ranks)
+            seconds = time.perf_counter() - started
+            with engines["partitioned"].connect() as connection:
+                ranges_after = len(partitions.ranges(connection, RUN_ID))
+            return dropped, ranges_before - ranges_after, seconds
+
         after_fill = args.steps + 1
         (deleted, delete_s, vacuum_s), plain_waits = ingests["plain"].during(
             plain_retention, after_fill
         )
-        drops, partitioned_waits = ingests["partitioned"].during(
-            lambda: drop_partitions(engines["partitioned"], made, horizon + 1), after_fill
+        (dropped, ranges_dropped, drop_s), partitioned_waits = ingests["partitioned"].during(
+            partitioned_retention, after_fill
         )
         after = {layout: pages(engine, cluster) for layout, engine in engines.items()}
         sizes = {layout: table_bytes(engine) for layout, engine in engines.items()}
@@ -250,6 +244,13 @@ def main() -> None:
 
     def rounded(figures: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         return {k: {name: round(s, 4) for name, s in v.items()} for k, v in figures.items()}
+
+    def ratios(figures: dict[str, dict[str, float]]) -> dict[str, float]:
+        """Partitioned over plain, per read: below 1 is faster partitioned."""
+        return {
+            name: round(figures["partitioned"][name] / figures["plain"][name], 3)
+            for name in figures["plain"]
+        }
 
     def waits(seconds: list[float], fill_seconds: list[float]) -> dict[str, Any]:
         return {
@@ -262,12 +263,15 @@ def main() -> None:
     report = {
         "rows": f"{args.ranks} ranks x {args.steps} steps = {records:,} per layout, "
         f"partitions of {args.partition_steps} steps, keep {args.keep_steps}",
+        "load_average": [round(x, 1) for x in os.getloadavg()],
         "ingest_records_per_s": {k: round(records / sum(v)) for k, v in fill.items()},
         "ratio_ingest_partitioned_to_plain": round(
             sum(fill["plain"]) / sum(fill["partitioned"]), 3
         ),
         "pages_before_retention_s": rounded(read),
+        "pages_before_retention_partitioned_over_plain": ratios(read),
         "pages_after_retention_s": rounded(after),
+        "pages_after_retention_partitioned_over_plain": ratios(after),
         "retention": {
             "plain": {
                 "rows_deleted": deleted,
@@ -276,10 +280,9 @@ def main() -> None:
                 "ingest": waits(plain_waits, fill["plain"]),
             },
             "partitioned": {
-                "partitions_dropped": len(drops),
-                "rows_dropped": len(drops) * args.partition_steps * args.ranks,
-                "drop_s": round(sum(drops), 3),
-                "longest_drop_s": round(max(drops, default=0.0), 3),
+                "partitions_dropped": ranges_dropped,
+                "rows_dropped": dropped,
+                "sweep_s": round(drop_s, 3),
                 "ingest": waits(partitioned_waits, fill["partitioned"]),
             },
         },

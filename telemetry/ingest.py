@@ -232,7 +232,32 @@ def insert_steps(connection: Connection, batches: Sequence[Sequence[tuple[Any, .
         return _copy_steps(cursor, columns, batches)
 
 
+# How often a write that met a partition being attached concurrently is tried again.
+_ROUTING_RETRIES = 3
+
+
 def _copy_steps(
+    cursor: Any, columns: str, batches: Sequence[Sequence[tuple[Any, ...]]]
+) -> list[int]:
+    """`_copy_steps_once`, again if a partition was attached under it (PostgreSQL's partitioned
+    rank_steps): a row routed to a run's default partition just as the range it belongs to was
+    attached fails the default's new partition constraint; written again, it goes to the range.
+    Only steps beyond the prepared ranges meet this (`telemetry.partitions`)."""
+    for attempt in range(_ROUTING_RETRIES + 1):
+        cursor.execute("SAVEPOINT rank_steps_routing")
+        try:
+            accepted = _copy_steps_once(cursor, columns, batches)
+        except psycopg.errors.CheckViolation:
+            cursor.execute("ROLLBACK TO SAVEPOINT rank_steps_routing")
+            if attempt == _ROUTING_RETRIES:
+                raise
+        else:
+            cursor.execute("RELEASE SAVEPOINT rank_steps_routing")
+            return accepted
+    raise AssertionError("unreachable")
+
+
+def _copy_steps_once(
     cursor: Any, columns: str, batches: Sequence[Sequence[tuple[Any, ...]]]
 ) -> list[int]:
     """PostgreSQL: one binary COPY of every row straight into rank_steps, the common case where

@@ -147,9 +147,15 @@ class RankStep(Base):
     (run_id, step, rank, attempt) identifies a record, which is what makes reports idempotent. It is
     the primary key rather than a unique index beside a surrogate id: its index is the only one the
     table needs (per-step lookups use its (run_id, step) prefix), which keeps bulk inserts cheap.
+
+    On PostgreSQL the table is partitioned by run, each run's partition by step range (migration
+    0006, `telemetry.partitions`), so that retention drops whole ranges instead of deleting rows;
+    SQLite keeps one plain table. The partition key is the primary key's prefix, as PostgreSQL
+    requires of a partitioned table's unique indexes.
     """
 
     __tablename__ = "rank_steps"
+    __table_args__ = {"postgresql_partition_by": "LIST (run_id)"}
 
     run_id: Mapped[str] = mapped_column(
         String(128), ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True

@@ -10,6 +10,18 @@ their turn between two batches, so ingest never waits for more than one batch.
 It never deletes a rank row a rollup still needs: only rows of a (step, attempt) that has its
 rollup go. Nor the rows of the run's latest `keep_checkpoints` committed checkpoints: a resume
 reads each rank's data-loader offset there.
+
+On PostgreSQL, whose rank_steps is partitioned by run and step range (`telemetry.partitions`),
+rank rows go a range partition at a time, once every step of it is past the window: a DROP frees
+its space at once, where deleting the same rows and vacuuming took 10x longer and left the space
+with the table (`bench/telemetry_layout.py`). The window is thus rounded out to whole partitions:
+up to `partition_steps - 1` steps more than `keep_steps` keep their rows (deleting the older part
+of a partition row by row first would be the plain table's cost again, for every row). A
+partition holding rows that must stay (a step not rolled up, a protected checkpoint's step) is
+rewritten with only those rows; the run's default partition (steps outside every prepared range)
+is trimmed by the bounded batch deletes. Each drop waits at most `lock_timeout_s` for its lock,
+which readers and writers of the run hold for a moment: behind a long read it gives up until the
+next sweep rather than queue ingest behind it.
 """
 
 from __future__ import annotations
@@ -18,9 +30,10 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from sqlalchemy import delete, exists, func, select
+from sqlalchemy import Connection, MetaData, Table, delete, exists, func, select, text
 
-from scaletrain.errors import ScaletrainError
+from scaletrain.errors import ScaletrainError, Unavailable
+from telemetry import partitions
 from telemetry.models import TRAINER_TIER, Checkpoint, NodeStep, RankStep, Run, StepRollup
 from telemetry.store import TelemetryStore
 
@@ -37,6 +50,8 @@ class RetentionPolicy:
     # Seconds between two sweeps of every run, and between two batches of one sweep.
     every_s: float = 30.0
     pause_s: float = 0.05
+    # The longest a partition drop waits for its lock (PostgreSQL): ingest queues behind it.
+    lock_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.keep_steps < 1:
@@ -63,8 +78,17 @@ class Retention:
         return sum(self.sweep_run(run_id, world) for run_id, world in runs)
 
     def sweep_run(self, run_id: str, world_size: int) -> int:
-        """Delete the rows of `run_id` the policy no longer keeps, a batch at a time."""
+        """Delete the rows of `run_id` the policy no longer keeps, a batch (or a partition) at a
+        time; returns the rank rows deleted."""
         policy = self.policy
+        partitioned = self.store.partitioned()
+        if partitioned:
+            # Catch up on ranges the store's thread could not make (rows in the default partition
+            # move into them), so that what follows finds them where the drops look.
+            try:
+                self.store.prepare_partitions(run_id)
+            except Unavailable as exc:
+                _log.warning("telemetry: preparing partitions of %r failed: %s", run_id, exc)
         with self.store.transaction() as session:
             latest = session.scalar(
                 select(func.max(StepRollup.step)).where(StepRollup.run_id == run_id)
@@ -85,39 +109,81 @@ class Retention:
                 )
             )
             start = self._from_step.get(run_id)
-            if start is None:
+            default = None
+            if partitioned:
+                # Batches trim the run's default partition and the node rows; the ranges go whole.
+                default = _partition_table(partitions.run_table(run_id) + "_default")
+                firsts = [
+                    session.scalar(
+                        select(func.min(default.c.step)).where(default.c.step.not_in(protected))
+                    ),
+                    start
+                    if start is not None
+                    else session.scalar(
+                        select(func.min(NodeStep.step)).where(NodeStep.run_id == run_id)
+                    ),
+                ]
+                start = min((f for f in firsts if f is not None), default=None)
+            elif start is None:
                 start = session.scalar(
                     select(func.min(RankStep.step)).where(
                         RankStep.run_id == run_id, RankStep.step.not_in(protected)
                     )
                 )
         horizon = latest - policy.keep_steps
-        if start is None or start > horizon:
-            return 0
-        per_batch = max(1, policy.batch_rows // max(1, world_size))
         deleted = 0
+        if partitioned:
+            deleted += self._drop_partitions(run_id, horizon, protected)
+        if start is None or start > horizon:
+            return deleted
+        per_batch = max(1, policy.batch_rows // max(1, world_size))
         while start <= horizon and not self._stop.is_set():
             end = min(start + per_batch - 1, horizon)
-            deleted += self._delete(run_id, start, end, protected)
+            deleted += self._delete(run_id, start, end, protected, default)
             start = end + 1
             self._from_step[run_id] = start
             self._stop.wait(policy.pause_s)
         return deleted
 
-    def _delete(self, run_id: str, first: int, last: int, protected: list[int]) -> int:
-        """One batch: the rolled-up rank rows and the node rows of steps first..last."""
+    def _drop_partitions(self, run_id: str, horizon: int, protected: list[int]) -> int:
+        """Drop (or rewrite with only the rows that must stay) each range partition of the run
+        whose steps are all at or below `horizon`; returns the rank rows that went."""
+        with self.store.transaction() as session:
+            spans = partitions.ranges(session.connection(), run_id)
+        deleted = 0
+        for span in spans:
+            if span.end - 1 > horizon or self._stop.is_set():
+                break
+            try:
+                with self.store.transaction() as session:
+                    deleted += _drop_range(
+                        session.connection(), run_id, span, protected, self.policy.lock_timeout_s
+                    )
+            except Unavailable as exc:
+                # A lock not had in time: readers or writers of the run; the next sweep retries.
+                _log.info("telemetry: retention left %s for the next sweep: %s", span.name, exc)
+                break
+            self._stop.wait(self.policy.pause_s)
+        return deleted
+
+    def _delete(
+        self, run_id: str, first: int, last: int, protected: list[int], table: Table | None = None
+    ) -> int:
+        """One batch: the rolled-up rank rows (of `table`, a partition, when given) and the node
+        rows of steps first..last."""
+        rows_of = RankStep.__table__ if table is None else table
         rolled_up = exists().where(
-            StepRollup.run_id == RankStep.run_id,
-            StepRollup.step == RankStep.step,
-            StepRollup.attempt == RankStep.attempt,
+            StepRollup.run_id == rows_of.c.run_id,
+            StepRollup.step == rows_of.c.step,
+            StepRollup.attempt == rows_of.c.attempt,
         )
         with self.store.transaction() as session:
             rows = session.execute(
-                delete(RankStep)
+                delete(rows_of)
                 .where(
-                    RankStep.run_id == run_id,
-                    RankStep.step.between(first, last),
-                    RankStep.step.not_in(protected),
+                    rows_of.c.run_id == run_id,
+                    rows_of.c.step.between(first, last),
+                    rows_of.c.step.not_in(protected),
                     rolled_up,
                 )
                 .execution_options(synchronize_session=False)
@@ -146,3 +212,56 @@ class Retention:
             except ScaletrainError as exc:
                 # The database is down or locked for long: the next sweep tries again.
                 _log.warning("telemetry: retention sweep failed: %s", exc)
+
+
+def _partition_table(name: str) -> Table:
+    """A partition as a Core table with rank_steps' columns, to delete from it alone."""
+    return RankStep.__table__.to_metadata(MetaData(), name=name)
+
+
+def _drop_range(
+    connection: Connection,
+    run_id: str,
+    span: partitions.StepRange,
+    protected: list[int],
+    lock_timeout_s: float,
+) -> int:
+    """Drop one range partition past the window, keeping the rows a rollup or a resume needs.
+
+    Writes into the partition are locked out first (SHARE: readers go on), so no row arrives
+    between the count and the drop. Its rows are counted, and those to keep (their step has no
+    rollup of their attempt, or is a protected checkpoint's) found by one scan joined to the
+    range's rollups. Without any, the partition is dropped; otherwise, unless they are all it
+    holds, a new table gets them and takes the partition's place. Returns the rows that went.
+    """
+    connection.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(lock_timeout_s * 1000)}ms'")
+    connection.exec_driver_sql(f'LOCK TABLE "{span.name}" IN SHARE MODE')
+    keep = (
+        f'FROM "{span.name}" r LEFT JOIN step_rollups s ON s.run_id = r.run_id '
+        "AND s.step = r.step AND s.attempt = r.attempt "
+        "AND s.run_id = :run_id AND s.step >= :first AND s.step < :end"
+    )
+    must_stay = "s.run_id IS NULL OR r.step = ANY(:protected)"
+    params = {"run_id": run_id, "first": span.first, "end": span.end, "protected": protected}
+    total, kept = connection.execute(
+        text(f"SELECT count(*), count(*) FILTER (WHERE {must_stay}) {keep}"), params
+    ).one()
+    if total == kept and total:
+        return 0
+    parent = partitions.run_table(run_id)
+    if kept:
+        staying = f"{span.name}_kept"
+        connection.exec_driver_sql(
+            f'CREATE TABLE "{staying}" (LIKE {partitions.TABLE} INCLUDING DEFAULTS)'
+        )
+        connection.execute(
+            text(f'INSERT INTO "{staying}" SELECT r.* {keep} WHERE {must_stay}'), params
+        )
+    connection.exec_driver_sql(f'DROP TABLE "{span.name}"')
+    if kept:
+        connection.exec_driver_sql(f'ALTER TABLE "{staying}" RENAME TO "{span.name}"')
+        connection.exec_driver_sql(
+            f'ALTER TABLE "{parent}" ATTACH PARTITION "{span.name}" '
+            f"FOR VALUES FROM ({span.first}) TO ({span.end})"
+        )
+    return int(total - kept)

@@ -7,11 +7,14 @@ delegates here, so every rule is tested against SQLite and PostgreSQL without a 
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import UTC, datetime, timedelta
+from operator import itemgetter
 from typing import Any
 
 from google.protobuf.message import Message
@@ -23,10 +26,12 @@ from sqlalchemy.orm import Session
 from scaletrain.errors import InvalidArgument, NotFound, Unavailable
 from scaletrain.names import TIER_NAMES, check_run_id
 from scaletrain.v1 import common_pb2, telemetry_pb2
+from telemetry import partitions
 from telemetry.db import sessions
 from telemetry.ingest import (
     RANK,
     RUN_ID,
+    STEP,
     column_rows,
     insert_steps,
     step_values,
@@ -59,6 +64,8 @@ _MAX_NODE_CHARS = 128
 # Rows per INSERT statement: far below SQLite's and PostgreSQL's limits on bound parameters.
 _ROWS_PER_INSERT = 500
 _LAYOUT_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+_log = logging.getLogger(__name__)
+_run_of, _step_of = itemgetter(RUN_ID), itemgetter(STEP)
 
 
 class TelemetryStore:
@@ -67,7 +74,11 @@ class TelemetryStore:
     Safe to share between threads: every call opens its own short transaction.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, *, partition_steps: int = partitions.DEFAULT_PARTITION_STEPS
+    ) -> None:
+        if partition_steps < 1:
+            raise ValueError(f"partition_steps must be at least 1, got {partition_steps}")
         self._sessions = sessions(engine)
         self._dialect = engine.dialect.name
         # SQLite has one writer at a time, and a writer that finds the lock taken sleeps for
@@ -78,6 +89,17 @@ class TelemetryStore:
         # World size of each run seen, so that a batch of records costs no query; registering
         # here updates it, a rank outside it makes the store look again.
         self._world_size_of: dict[str, int] = {}
+        # PostgreSQL's partitioned rank_steps (`telemetry.partitions`): steps per range partition,
+        # whether the table is partitioned (looked up once, on first use), the last step prepared
+        # per run, and the steps a background thread is asked to prepare.
+        self.partition_steps = partition_steps
+        self._partitioned: bool | None = None
+        self._prepared: dict[str, int] = {}
+        self._entered: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}
+        self._wanted: dict[str, int] = {}
+        self._preparing = threading.Lock()
+        self._preparer: threading.Thread | None = None
 
     def register_run(
         self, request: telemetry_pb2.RegisterRunRequest
@@ -154,7 +176,61 @@ class TelemetryStore:
                     )
                 )
         self._world_size_of[run_id] = request.world_size
+        if self.partitioned():
+            # Before the run's first record: its partition and ranges from where it stands.
+            self.prepare_partitions(run_id)
         return telemetry_pb2.RegisterRunResponse(created=created, attempt=attempt)
+
+    def wait_for_partitions(self, timeout_s: float = 30.0) -> None:
+        """Until the background thread made the ranges asked for (tests, benchmarks)."""
+        thread = self._preparer
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def partitioned(self) -> bool:
+        """Whether rank_steps is PostgreSQL's partitioned table (`telemetry.partitions`)."""
+        if self._partitioned is None:
+            with self._transaction() as session:
+                self._partitioned = partitions.is_partitioned(session.connection())
+        return self._partitioned
+
+    def prepare_partitions(
+        self,
+        run_id: str,
+        through_step: int | None = None,
+        *,
+        lock_timeout_s: float = 2.0,
+        analyze: bool = True,
+    ) -> int:
+        """Make the range partitions of `run_id` from its latest stored step (0 without one)
+        through `through_step` (default: AHEAD_RANGES ranges past it); the last step covered.
+
+        Short lock waits only (`lock_timeout_s`): a reader or a retention drop in the way makes
+        it give up with Unavailable, and rows meanwhile land in the run's default partition.
+        With `analyze`, then takes the statistics of the complete ranges that have none
+        (`partitions.analyze_written`).
+        """
+        size = self.partition_steps
+        timeout_ms = int(lock_timeout_s * 1000)
+        with self._transaction() as session:
+            connection = session.connection()
+            connection.exec_driver_sql(f"SET LOCAL lock_timeout = '{timeout_ms}ms'")
+            latest = session.scalar(
+                select(func.max(RankStep.step)).where(RankStep.run_id == run_id)
+            )
+            start = max(latest or 0, 1)
+            if through_step is None:
+                through_step = start + partitions.AHEAD_RANGES * size
+            covered = partitions.prepare(connection, run_id, start, through_step, size)
+        self._prepared[run_id] = covered
+        if not analyze:
+            return covered
+        # Apart, so that the run's lock is not held while ANALYZE reads.
+        with self._transaction() as session:
+            connection = session.connection()
+            connection.exec_driver_sql(f"SET LOCAL lock_timeout = '{timeout_ms}ms'")
+            partitions.analyze_written(connection, run_id, partitions.range_of(start, size)[0])
+        return covered
 
     def add_steps(self, records: Sequence[telemetry_pb2.RankStep]) -> tuple[int, int]:
         """Store step records; return (accepted, duplicates). See `add_step_batches`."""
@@ -177,13 +253,96 @@ class TelemetryStore:
         rows = [self._checked_rows(batch, to_stored) for batch in batches]
         if not any(rows):
             return [(0, 0, batch_rows) for batch_rows in rows]
+        highest = self._highest_steps(rows) if self.partitioned() else {}
+        if highest:
+            self._make_room(highest)
         with self._transaction() as session:
             connection = session.connection()
             accepted = insert_steps(connection, rows)
+        if highest:
+            self._ask_ahead(highest)
         return [
             (new, len(batch_rows) - new, batch_rows)
             for new, batch_rows in zip(accepted, rows, strict=True)
         ]
+
+    @staticmethod
+    def _highest_steps(rows: Sequence[Sequence[tuple[Any, ...]]]) -> dict[str, int]:
+        """The highest step of each run in the batches: two C-level passes over a batch of one
+        run (nearly every batch), a Python loop only over one that mixes runs."""
+        highest: dict[str, int] = {}
+        for batch in rows:
+            if not batch:
+                continue
+            runs = set(map(_run_of, batch))
+            if len(runs) == 1:
+                (run_id,) = runs
+                highest[run_id] = max(highest.get(run_id, 0), max(map(_step_of, batch)))
+            else:
+                for row in batch:
+                    highest[row[RUN_ID]] = max(highest.get(row[RUN_ID], 0), row[STEP])
+        return highest
+
+    def _make_room(self, highest: dict[str, int]) -> None:
+        """Before a batch whose steps are beyond the prepared ranges (the background thread fell
+        behind, or a run's first batch since the service started): make their ranges now, under
+        the layout's lock, so that the rows land in them and never need moving. A lock not had
+        within 0.2 s leaves the rows to the run's default partition, and this is not tried
+        again for the run for 10 s; the ranges made later take the rows in."""
+        size = self.partition_steps
+        for run_id, step in highest.items():
+            if step <= self._prepared.get(run_id, 0):
+                continue
+            if time.monotonic() < self._retry_at.get(run_id, 0.0):
+                continue
+            try:
+                self.prepare_partitions(
+                    run_id,
+                    step + partitions.AHEAD_RANGES * size,
+                    lock_timeout_s=0.2,
+                    analyze=False,
+                )
+            except Exception as exc:  # the batch goes on into the run's default partition
+                self._retry_at[run_id] = time.monotonic() + 10.0
+                _log.warning("telemetry: no range for run %r step %d yet: %s", run_id, step, exc)
+
+    def _ask_ahead(self, highest: dict[str, int]) -> None:
+        """Ask the background thread for the next ranges when a run's step comes within a range
+        of the last one prepared, so that a batch does not wait for one."""
+        size = self.partition_steps
+        wanted = {}
+        for run_id, step in highest.items():
+            # Near the end of what is prepared, or into a new range (the one before it is
+            # complete: its statistics are taken, which the planner needs for it).
+            entered = partitions.range_of(step, size)[0]
+            if step + size > self._prepared.get(run_id, 0) or entered > self._entered.get(
+                run_id, entered
+            ):
+                wanted[run_id] = step + partitions.AHEAD_RANGES * size
+            self._entered[run_id] = max(entered, self._entered.get(run_id, entered))
+        if not wanted:
+            return
+        with self._preparing:
+            for run_id, through in wanted.items():
+                self._wanted[run_id] = max(self._wanted.get(run_id, 0), through)
+            if self._preparer is None:
+                self._preparer = threading.Thread(
+                    target=self._prepare_wanted, name="telemetry-partitions", daemon=True
+                )
+                self._preparer.start()
+
+    def _prepare_wanted(self) -> None:
+        """The background thread: prepare what was asked for, then end."""
+        while True:
+            with self._preparing:
+                if not self._wanted:
+                    self._preparer = None
+                    return
+                run_id, through = self._wanted.popitem()
+            try:
+                self.prepare_partitions(run_id, through)
+            except Exception as exc:  # the next batch, or the next sweep, asks again
+                _log.warning("telemetry: preparing partitions of run %r failed: %s", run_id, exc)
 
     def _checked_rows(
         self, batch: telemetry_pb2.StepBatch, to_stored: Any

@@ -366,12 +366,17 @@ def rank_phases(bind: Bind, run_id: str, ranks: list[int], *, window: int = 20) 
         last_step = _last_step(connection, run_id)
         if last_step is None or not ranks:
             return pd.DataFrame(columns=RANK_PHASE_COLUMNS)
+        world = connection.execute(select(Run.world_size).where(Run.run_id == run_id)).scalar()
+        # Every rank (the widest read): no list of 16,384 ranks to match each row against.
+        every_rank = world is not None and set(range(world)) <= set(ranks)
         rows = connection.execute(
             select(RankStep.rank, *(func.avg(getattr(RankStep, c)) for c in columns))
             .where(
                 RankStep.run_id == run_id,
-                RankStep.step > last_step - window,
-                RankStep.rank.in_(ranks),
+                # Both bounds constant, and inclusive: PostgreSQL then scans only the range
+                # partitions of these steps (with `>` it kept the one below as well).
+                RankStep.step.between(last_step - window + 1, last_step),
+                true() if every_rank else RankStep.rank.in_(ranks),
                 _latest_attempt(connection, run_id),
             )
             .group_by(RankStep.rank)
@@ -751,9 +756,14 @@ def _at_steps(bind: Bind, statement: Select[Any], run_id: str, steps: list[int])
         latest = _latest_attempt(connection, run_id)
         for start in range(0, len(steps), 500):
             chunk = steps[start : start + 500]
+            # The chunk's bounds beside its steps: constant bounds that PostgreSQL prunes the
+            # range partitions (and the run's default partition) by.
+            within = RankStep.step.between(min(chunk), max(chunk))
             rows.extend(
                 connection.execute(
-                    statement.where(RankStep.run_id == run_id, RankStep.step.in_(chunk), latest)
+                    statement.where(
+                        RankStep.run_id == run_id, within, RankStep.step.in_(chunk), latest
+                    )
                 )
             )
     return rows
@@ -767,9 +777,18 @@ def _latest_attempt(connection: Any, run_id: str) -> ColumnElement[bool]:
 
 
 def _last_step(connection: Any, run_id: str) -> int | None:
-    return connection.execute(
-        select(func.max(RankStep.step)).where(RankStep.run_id == run_id)
+    """The run's latest step with rank rows. Looked for from its latest rollup on (rank rows may
+    be ahead of it, never behind while it has any), so that on PostgreSQL one or two range
+    partitions are searched, not every one the run has; from the start without a rollup."""
+    statement = select(func.max(RankStep.step)).where(RankStep.run_id == run_id)
+    rolled = connection.execute(
+        select(func.max(StepRollup.step)).where(StepRollup.run_id == run_id)
     ).scalar()
+    if rolled is not None:
+        last = connection.execute(statement.where(RankStep.step >= rolled)).scalar()
+        if last is not None:
+            return last
+    return connection.execute(statement).scalar()
 
 
 def _recent_steps(connection: Any, run_id: str, last_step: int | None, count: int) -> pd.DataFrame:

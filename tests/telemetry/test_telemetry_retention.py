@@ -37,6 +37,13 @@ def records(steps: range, ranks: int = 4) -> list[telemetry_pb2.RankStep]:
     ]  # fmt: skip
 
 
+@pytest.fixture
+def store(engine: Engine) -> TelemetryStore:
+    """Ranges of 10 steps on PostgreSQL: the windows below end on their boundaries, so both
+    databases keep exactly the same rows."""
+    return TelemetryStore(engine, partition_steps=10)
+
+
 def stored_steps(engine: Engine, table: type = RankStep) -> set[int]:
     with engine.connect() as connection:
         return set(connection.execute(select(table.step).distinct()).scalars())
