@@ -12,7 +12,8 @@ taking turns step by step so that other jobs' load falls on both alike:
   ingest     each step's rows through the service's own write path (`telemetry.ingest.insert_steps`:
              one binary COPY) and its rollup (`telemetry.rollup.write`), as the service stores
              them; records/s of the rank rows
-  pages      the rank-row reads of the run page, best of 3: the latest 20 steps of every rank
+  pages      the rank-row reads of the run page, the two layouts in turn for `--read-rounds`
+             rounds, best and median of each: the latest 20 steps of every rank
              (`views.rank_phases` of all ranks), one node's ranks at 100 steps sampled over the
              window (`views.rank_steps`)
   retention  everything but the latest `--keep-steps` steps goes, through the service's own
@@ -24,7 +25,8 @@ taking turns step by step so that other jobs' load falls on both alike:
              ingest waited.
 and the tables' bytes after retention.
 
-    nice -n 10 .venv/bin/python bench/telemetry_layout.py --db postgresql+psycopg://postgres@127.0.0.1:5432/test
+    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python bench/telemetry_layout.py \
+        --db postgresql+psycopg://postgres@127.0.0.1:5432/test
 """
 
 from __future__ import annotations
@@ -144,27 +146,46 @@ class Ingest:
         return result, self.seconds[before:]
 
 
-def best_of(work: Callable[[], Any], times: int = 3) -> float:
-    best = float("inf")
-    for _ in range(times):
-        started = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
-def pages(engine: Engine, cluster: Cluster) -> dict[str, float]:
-    """The run page's reads of rank rows, best of 3 each."""
+def pages(engines: dict[str, Engine], cluster: Cluster, rounds: int) -> dict[str, Any]:
+    """The run page's reads of rank rows, each layout's in turn for `rounds` rounds (so that a
+    burst of other jobs' load falls on both): per layout and read, the best and the median
+    seconds, and the partitioned layout's over the plain one's of each (below 1: faster)."""
     node_ranks = list(range(cluster.ranks_per_node))
     every_rank = list(range(cluster.ranks))
-    return {
-        "latest_20_steps_of_every_rank_s": best_of(
-            lambda: views.rank_phases(engine, RUN_ID, every_rank, window=20)
+    reads: dict[str, Callable[[Engine], Any]] = {
+        "latest_20_steps_of_every_rank": lambda engine: views.rank_phases(
+            engine, RUN_ID, every_rank, window=20
         ),
-        "one_node_last_100_steps_s": best_of(
-            lambda: views.rank_steps(engine, RUN_ID, node_ranks, max_steps=100)
+        "one_node_last_100_steps": lambda engine: views.rank_steps(
+            engine, RUN_ID, node_ranks, max_steps=100
         ),
     }
+    seconds: dict[str, dict[str, list[float]]] = {
+        layout: {name: [] for name in reads} for layout in engines
+    }
+    for _ in range(rounds):
+        for layout, engine in engines.items():
+            for name, read in reads.items():
+                started = time.perf_counter()
+                read(engine)
+                seconds[layout][name].append(time.perf_counter() - started)
+    figures: dict[str, Any] = {
+        layout: {
+            name: {"best_s": round(min(s), 4), "median_s": round(statistics.median(s), 4)}
+            for name, s in of_layout.items()
+        }
+        for layout, of_layout in seconds.items()
+    }
+    figures["partitioned_over_plain"] = {
+        name: {
+            statistic: round(
+                figures["partitioned"][name][statistic] / figures["plain"][name][statistic], 3
+            )
+            for statistic in ("best_s", "median_s")
+        }
+        for name in reads
+    }
+    return figures
 
 
 def table_bytes(engine: Engine) -> int:
@@ -188,6 +209,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=240)
     parser.add_argument("--keep-steps", type=int, default=80)
     parser.add_argument("--partition-steps", type=int, default=40)
+    parser.add_argument("--read-rounds", type=int, default=7)
     args = parser.parse_args()
     cluster = Cluster(RUN_ID, ranks=args.ranks, steps=args.steps)
     with schemas(args.db) as engines:
@@ -205,7 +227,7 @@ def main() -> None:
         for engine in engines.values():
             with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
                 connection.exec_driver_sql("ANALYZE")
-        read = {layout: pages(engine, cluster) for layout, engine in engines.items()}
+        read = pages(engines, cluster, args.read_rounds)
         policy = RetentionPolicy(keep_steps=args.keep_steps)
 
         def plain_retention() -> tuple[int, float, float]:
@@ -222,13 +244,13 @@ def main() -> None:
 
         def partitioned_retention() -> tuple[int, int, float]:
             with engines["partitioned"].connect() as connection:
-                ranges_before = len(partitions.ranges(connection, RUN_ID))
+                ranges_before = {r.name for r in partitions.ranges(connection, RUN_ID)}
             started = time.perf_counter()
             dropped = Retention(stores["partitioned"], policy).sweep_run(RUN_ID, args.ranks)
             seconds = time.perf_counter() - started
             with engines["partitioned"].connect() as connection:
-                ranges_after = len(partitions.ranges(connection, RUN_ID))
-            return dropped, ranges_before - ranges_after, seconds
+                ranges_after = {r.name for r in partitions.ranges(connection, RUN_ID)}
+            return dropped, len(ranges_before - ranges_after), seconds
 
         after_fill = args.steps + 1
         (deleted, delete_s, vacuum_s), plain_waits = ingests["plain"].during(
@@ -237,20 +259,10 @@ def main() -> None:
         (dropped, ranges_dropped, drop_s), partitioned_waits = ingests["partitioned"].during(
             partitioned_retention, after_fill
         )
-        after = {layout: pages(engine, cluster) for layout, engine in engines.items()}
+        after = pages(engines, cluster, args.read_rounds)
         sizes = {layout: table_bytes(engine) for layout, engine in engines.items()}
     records = args.ranks * args.steps
     fill = {layout: ingest.seconds[: args.steps] for layout, ingest in ingests.items()}
-
-    def rounded(figures: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-        return {k: {name: round(s, 4) for name, s in v.items()} for k, v in figures.items()}
-
-    def ratios(figures: dict[str, dict[str, float]]) -> dict[str, float]:
-        """Partitioned over plain, per read: below 1 is faster partitioned."""
-        return {
-            name: round(figures["partitioned"][name] / figures["plain"][name], 3)
-            for name in figures["plain"]
-        }
 
     def waits(seconds: list[float], fill_seconds: list[float]) -> dict[str, Any]:
         return {
@@ -268,10 +280,8 @@ def main() -> None:
         "ratio_ingest_partitioned_to_plain": round(
             sum(fill["plain"]) / sum(fill["partitioned"]), 3
         ),
-        "pages_before_retention_s": rounded(read),
-        "pages_before_retention_partitioned_over_plain": ratios(read),
-        "pages_after_retention_s": rounded(after),
-        "pages_after_retention_partitioned_over_plain": ratios(after),
+        "pages_before_retention": read,
+        "pages_after_retention": after,
         "retention": {
             "plain": {
                 "rows_deleted": deleted,

@@ -7,10 +7,26 @@ from dataclasses import dataclass, field
 
 from scaletrain.errors import UserError
 from scaletrain.security import ServerSecurity, redact_url
+from telemetry.partitions import DEFAULT_PARTITION_STEPS
 from telemetry.retention import RetentionPolicy
 
 # Where a deployment (the Helm chart, a systemd unit) sets the per-rank-row window without flags.
 KEEP_STEPS_ENV = "SCALETRAIN_TELEMETRY_KEEP_STEPS"
+# Steps per range partition of rank_steps on PostgreSQL (`telemetry.partitions`).
+PARTITION_STEPS_ENV = "SCALETRAIN_TELEMETRY_PARTITION_STEPS"
+
+
+def partition_steps() -> int:
+    """Steps per range partition: $SCALETRAIN_TELEMETRY_PARTITION_STEPS, else the default.
+
+    Retention drops a range once all its steps are past the window, so a range of a tenth of the
+    window keeps at most a tenth more rows than the window; a smaller one means more tables.
+    Raises UserError (one line naming the variable) for anything but a whole number >= 1.
+    """
+    value = os.environ.get(PARTITION_STEPS_ENV)
+    if not value:
+        return DEFAULT_PARTITION_STEPS
+    return _whole_steps(f"${PARTITION_STEPS_ENV}", value, "steps per range partition")
 
 
 @dataclass(frozen=True)
@@ -33,12 +49,14 @@ class TelemetryConfig:
     # TLS and tokens of the gRPC server; None: from the environment (ServerSecurity.from_env).
     security: ServerSecurity | None = None
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    # Steps per range partition of rank_steps (PostgreSQL only; see `partition_steps`).
+    partition_steps: int = field(default_factory=partition_steps)
 
     def __repr__(self) -> str:
         return (
             f"TelemetryConfig(db_url={redact_url(self.db_url)!r}, listen={self.listen!r}, "
             f"metrics_listen={self.metrics_listen!r}, security={self.security!r}, "
-            f"retention={self.retention!r})"
+            f"retention={self.retention!r}, partition_steps={self.partition_steps})"
         )
 
 
@@ -54,13 +72,15 @@ def retention_policy(keep_steps: str | None) -> RetentionPolicy:
         source, value = f"${KEEP_STEPS_ENV}", os.environ.get(KEEP_STEPS_ENV)
     if value is None or value == "":
         return RetentionPolicy()
+    return RetentionPolicy(keep_steps=_whole_steps(source, value, "per-rank rows kept per run"))
+
+
+def _whole_steps(source: str, value: str, meaning: str) -> int:
+    """`value` as a number of steps >= 1, or UserError with one line naming `source`."""
     try:
         steps = int(value)
     except ValueError:
         steps = 0
     if steps < 1:
-        raise UserError(
-            f"{source} must be a whole number of steps >= 1 (per-rank rows kept per run), "
-            f"got {value!r}"
-        )
-    return RetentionPolicy(keep_steps=steps)
+        raise UserError(f"{source} must be a whole number of steps >= 1 ({meaning}), got {value!r}")
+    return steps

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Connection, MetaData, Table, delete, exists, func, select, text
 
@@ -150,6 +151,7 @@ class Retention:
         whose steps are all at or below `horizon`; returns the rank rows that went."""
         with self.store.transaction() as session:
             spans = partitions.ranges(session.connection(), run_id)
+            restarted = bool(session.scalar(select(Run.attempt).where(Run.run_id == run_id)))
         deleted = 0
         for span in spans:
             if span.end - 1 > horizon or self._stop.is_set():
@@ -157,7 +159,12 @@ class Retention:
             try:
                 with self.store.transaction() as session:
                     deleted += _drop_range(
-                        session.connection(), run_id, span, protected, self.policy.lock_timeout_s
+                        session.connection(),
+                        run_id,
+                        span,
+                        protected,
+                        self.policy.lock_timeout_s,
+                        restarted=restarted,
                     )
             except Unavailable as exc:
                 # A lock not had in time: readers or writers of the run; the next sweep retries.
@@ -225,27 +232,23 @@ def _drop_range(
     span: partitions.StepRange,
     protected: list[int],
     lock_timeout_s: float,
+    *,
+    restarted: bool,
 ) -> int:
     """Drop one range partition past the window, keeping the rows a rollup or a resume needs.
 
     Writes into the partition are locked out first (SHARE: readers go on), so no row arrives
-    between the count and the drop. Its rows are counted, and those to keep (their step has no
-    rollup of their attempt, or is a protected checkpoint's) found by one scan joined to the
-    range's rollups. Without any, the partition is dropped; otherwise, unless they are all it
-    holds, a new table gets them and takes the partition's place. Returns the rows that went.
+    between the check and the drop. Without rows to keep, the partition is dropped; otherwise,
+    unless they are all it holds, a new table gets them and takes the partition's place. Returns
+    the rows that went.
     """
     connection.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(lock_timeout_s * 1000)}ms'")
     connection.exec_driver_sql(f'LOCK TABLE "{span.name}" IN SHARE MODE')
-    keep = (
-        f'FROM "{span.name}" r LEFT JOIN step_rollups s ON s.run_id = r.run_id '
-        "AND s.step = r.step AND s.attempt = r.attempt "
-        "AND s.run_id = :run_id AND s.step >= :first AND s.step < :end"
-    )
-    must_stay = "s.run_id IS NULL OR r.step = ANY(:protected)"
     params = {"run_id": run_id, "first": span.first, "end": span.end, "protected": protected}
-    total, kept = connection.execute(
-        text(f"SELECT count(*), count(*) FILTER (WHERE {must_stay}) {keep}"), params
-    ).one()
+    if restarted:
+        total, kept, must_stay = _rows_to_keep_by_scan(connection, span, params)
+    else:
+        total, kept, must_stay = _rows_to_keep_by_index(connection, span, params)
     if total == kept and total:
         return 0
     parent = partitions.run_table(run_id)
@@ -255,7 +258,8 @@ def _drop_range(
             f'CREATE TABLE "{staying}" (LIKE {partitions.TABLE} INCLUDING DEFAULTS)'
         )
         connection.execute(
-            text(f'INSERT INTO "{staying}" SELECT r.* {keep} WHERE {must_stay}'), params
+            text(f'INSERT INTO "{staying}" SELECT * FROM "{span.name}" r WHERE {must_stay}'),
+            params,
         )
     connection.exec_driver_sql(f'DROP TABLE "{span.name}"')
     if kept:
@@ -265,3 +269,67 @@ def _drop_range(
             f"FOR VALUES FROM ({span.first}) TO ({span.end})"
         )
     return int(total - kept)
+
+
+def _rows_to_keep_by_index(
+    connection: Connection, span: partitions.StepRange, params: dict[str, Any]
+) -> tuple[int, int, str]:
+    """A run never restarted has attempt 0 only: the steps whose rows must stay are those of the
+    range without a rollup, or protected, that have rows; a few primary-key lookups find them,
+    not a read of the partition. The rows that go are counted as their rollups counted them
+    (`ranks`). Returns (rows, rows to keep, the condition on `r` of the rows to keep)."""
+    rolled = dict(
+        connection.execute(
+            text(
+                "SELECT step, ranks FROM step_rollups WHERE run_id = :run_id AND attempt = 0 "
+                "AND step >= :first AND step < :end"
+            ),
+            params,
+        ).all()
+    )
+    # The steps that have rows: one primary-key descent each.
+    present = set(
+        connection.execute(
+            text(
+                "SELECT w.step FROM unnest(CAST(:steps AS bigint[])) AS w(step) WHERE EXISTS "
+                f'(SELECT 1 FROM "{span.name}" r WHERE r.run_id = :run_id AND r.step = w.step)'
+            ),
+            {**params, "steps": list(range(span.first, span.end))},
+        ).scalars()
+    )
+    protected = set(params["protected"])
+    keep = sorted(step for step in present if step not in rolled or step in protected)
+    kept = 0
+    if keep:
+        kept = connection.execute(
+            text(f'SELECT count(*) FROM "{span.name}" WHERE step = ANY(:keep)'), {"keep": keep}
+        ).scalar_one()
+    params["keep"] = keep
+    gone = sum(rolled[step] for step in present if step not in keep)
+    return gone + kept, kept, "r.step = ANY(:keep)"
+
+
+def _rows_to_keep_by_scan(
+    connection: Connection, span: partitions.StepRange, params: dict[str, Any]
+) -> tuple[int, int, str]:
+    """A restarted run's rows may be of several attempts, each with a rollup of its own or not:
+    one read of the partition joined to the range's rollups counts its rows and those to keep
+    (their attempt's rollup missing, or a protected step). Returns as `_rows_to_keep_by_index`."""
+    missing_rollup = (
+        "NOT EXISTS (SELECT 1 FROM step_rollups s WHERE s.run_id = r.run_id "
+        "AND s.step = r.step AND s.attempt = r.attempt)"
+    )
+    must_stay = f"({missing_rollup} OR r.step = ANY(:protected))"
+    rolled = (
+        f'FROM "{span.name}" r LEFT JOIN step_rollups s ON s.run_id = r.run_id '
+        "AND s.step = r.step AND s.attempt = r.attempt "
+        "AND s.run_id = :run_id AND s.step >= :first AND s.step < :end"
+    )
+    total, kept = connection.execute(
+        text(
+            f"SELECT count(*), count(*) FILTER (WHERE s.run_id IS NULL "
+            f"OR r.step = ANY(:protected)) {rolled}"
+        ),
+        params,
+    ).one()
+    return int(total), int(kept), must_stay

@@ -165,7 +165,7 @@ def start(config: TelemetryConfig) -> RunningTelemetry:
     metrics = None
     try:
         migrate(engine)
-        store = TelemetryStore(engine)
+        store = TelemetryStore(engine, partition_steps=config.partition_steps)
         store.roll_up()
         live = LiveRuns(store.run_info, store.nodes_of)
         server = make_server(policy=ACCESS_RULES, security=config.security)

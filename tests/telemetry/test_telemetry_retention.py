@@ -18,10 +18,11 @@ from sqlalchemy import Engine, func, select
 from scaletrain.errors import UserError
 from scaletrain.v1 import telemetry_pb2
 from telemetry.client import event, rank_step
-from telemetry.config import KEEP_STEPS_ENV, retention_policy
+from telemetry.config import KEEP_STEPS_ENV, PARTITION_STEPS_ENV, partition_steps, retention_policy
 from telemetry.db import alembic_config, migrate
 from telemetry.efficiency import goodput
 from telemetry.models import Event, NodeStep, Rank, RankStep, Run, StepRollup
+from telemetry.partitions import DEFAULT_PARTITION_STEPS
 from telemetry.retention import Retention, RetentionPolicy
 from telemetry.store import TelemetryStore
 
@@ -126,6 +127,18 @@ def test_the_per_rank_window_comes_from_the_flag_then_the_environment_then_the_d
     monkeypatch.setenv(KEEP_STEPS_ENV, "20000")
     assert retention_policy(None).keep_steps == 20_000
     assert retention_policy("50").keep_steps == 50
+
+
+def test_the_steps_per_range_partition_come_from_the_environment_or_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(PARTITION_STEPS_ENV, raising=False)
+    assert partition_steps() == DEFAULT_PARTITION_STEPS
+    monkeypatch.setenv(PARTITION_STEPS_ENV, "250")
+    assert partition_steps() == 250
+    monkeypatch.setenv(PARTITION_STEPS_ENV, "0")
+    with pytest.raises(UserError, match=rf"^\${PARTITION_STEPS_ENV} must be a whole number"):
+        partition_steps()
 
 
 @pytest.mark.parametrize(
