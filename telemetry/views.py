@@ -23,11 +23,23 @@ from datetime import datetime
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import ColumnElement, Select, and_, case, exists, func, select, true
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Select,
+    and_,
+    case,
+    exists,
+    func,
+    select,
+    true,
+    union_all,
+)
 from sqlalchemy.orm import aliased
 
 from scaletrain.names import TIER_NAMES
 from scaletrain.v1 import common_pb2
+from telemetry import partitions
 from telemetry.efficiency import LATEST_ROLLUP, mfu
 from telemetry.models import (
     TRAINER_TIER,
@@ -750,23 +762,45 @@ def event_kinds(bind: Bind, run_id: str) -> list[str]:
 
 def _at_steps(bind: Bind, statement: Select[Any], run_id: str, steps: list[int]) -> list[Any]:
     """Rows of `statement` restricted to the run's records at `steps`, in chunks that stay below
-    the databases' limits on bound parameters; each chunk is a few index range lookups."""
+    the databases' limits on bound parameters; each chunk is a few index range lookups.
+
+    On PostgreSQL's partitioned rank_steps a chunk is one UNION ALL of a select per range
+    partition, each with only that range's steps and their bounds as constants: each is pruned
+    to its partition, whose primary key is then searched for its own steps only (PostgreSQL 15
+    would otherwise search every partition for every step of the chunk)."""
     rows: list[Any] = []
     with connection_of(bind) as connection:
         latest = _latest_attempt(connection, run_id)
+        spans = _step_ranges(connection, run_id)
         for start in range(0, len(steps), 500):
-            chunk = steps[start : start + 500]
-            # The chunk's bounds beside its steps: constant bounds that PostgreSQL prunes the
-            # range partitions (and the run's default partition) by.
-            within = RankStep.step.between(min(chunk), max(chunk))
-            rows.extend(
-                connection.execute(
-                    statement.where(
-                        RankStep.run_id == run_id, within, RankStep.step.in_(chunk), latest
-                    )
+            selects = [
+                statement.where(
+                    RankStep.run_id == run_id,
+                    RankStep.step.between(min(group), max(group)),
+                    RankStep.step.in_(group),
+                    latest,
                 )
-            )
+                for group in _by_range(steps[start : start + 500], spans)
+            ]
+            rows.extend(connection.execute(union_all(*selects) if len(selects) > 1 else selects[0]))
     return rows
+
+
+def _step_ranges(connection: Any, run_id: str) -> list[tuple[int, int]]:
+    """(first, end) of each range partition of the run (PostgreSQL); none on SQLite."""
+    bind = connection if isinstance(connection, Connection) else connection.get_bind()
+    if bind.dialect.name != "postgresql":
+        return []
+    return [(span.first, span.end) for span in partitions.ranges(connection, run_id)]
+
+
+def _by_range(steps: list[int], spans: list[tuple[int, int]]) -> list[list[int]]:
+    """`steps` (ascending) grouped by the range holding them; those in none, one group."""
+    groups: dict[int | None, list[int]] = {}
+    for step in steps:
+        key = next((first for first, end in spans if first <= step < end), None)
+        groups.setdefault(key, []).append(step)
+    return list(groups.values())
 
 
 def _latest_attempt(connection: Any, run_id: str) -> ColumnElement[bool]:

@@ -128,6 +128,22 @@ def test_a_read_of_the_latest_steps_scans_one_partition(
 
 
 @pytest.mark.postgres
+def test_one_nodes_ranks_are_read_range_by_range_and_all_of_them(
+    pg_store: TelemetryStore, pg_engine: Engine, run_request: RegisterRun
+) -> None:
+    pg_store.register_run(run_request("run-1", world_size=RANKS))
+    pg_store.add_steps(records("run-1", range(1, 56)))
+    pg_store.roll_up()
+    frame = views.rank_steps(pg_engine, "run-1", [1, 2], max_steps=100)
+    assert list(zip(frame["step"], frame["rank"], strict=True)) == [
+        (step, rank) for step in range(1, 56) for rank in (1, 2)
+    ]
+    # Sampled steps across the ranges: each range's steps, in order.
+    sampled = views.rank_steps(pg_engine, "run-1", [3], max_steps=7)
+    assert list(sampled["step"]) == views.spread(1, 55, 7)
+
+
+@pytest.mark.postgres
 def test_retention_drops_whole_ranges_but_keeps_what_a_rollup_or_a_resume_needs(
     pg_store: TelemetryStore, pg_engine: Engine, run_request: RegisterRun
 ) -> None:
