@@ -46,6 +46,11 @@ AHEAD_RANGES = 2
 # First key of the advisory locks that serialise changes to a run's partitions (the second is the
 # run's); not the migrations' key.
 _LAYOUT_LOCK_KEY = 0x5C41E7E2
+# Storage options of a range partition. No parallel workers: a read of one range is short (the
+# run page's widest, every rank's latest 20 steps, is ~0.1 s at 4,096 ranks), and starting workers
+# for it cost more than they saved when measured (`bench/telemetry_layout.py`: the plain table's
+# bitmap scan of the same rows ran without them).
+RANGE_OPTIONS = "WITH (parallel_workers = 0)"
 _BOUNDS = re.compile(r"FROM \('?(-?\d+)'?\) TO \('?(-?\d+)'?\)")
 _PARTITION_NAME = re.compile(rf"{TABLE}_(default|r[0-9a-f]{{16}}(_\w+)?)")
 
@@ -173,7 +178,7 @@ def prepare(connection: Connection, run_id: str, first_step: int, last_step: int
             for start, end in _gaps(span, existing):
                 name = f"{parent}_{start}".replace("-", "m")
                 connection.exec_driver_sql(
-                    f'CREATE TABLE "{name}" (LIKE {TABLE} INCLUDING DEFAULTS)'
+                    f'CREATE TABLE "{name}" (LIKE {TABLE} INCLUDING DEFAULTS) {RANGE_OPTIONS}'
                 )
                 _attach(
                     connection,

@@ -255,7 +255,8 @@ def _drop_range(
     if kept:
         staying = f"{span.name}_kept"
         connection.exec_driver_sql(
-            f'CREATE TABLE "{staying}" (LIKE {partitions.TABLE} INCLUDING DEFAULTS)'
+            f'CREATE TABLE "{staying}" (LIKE {partitions.TABLE} INCLUDING DEFAULTS) '
+            f"{partitions.RANGE_OPTIONS}"
         )
         connection.execute(
             text(f'INSERT INTO "{staying}" SELECT * FROM "{span.name}" r WHERE {must_stay}'),
