@@ -207,8 +207,8 @@ class TelemetryStore:
 
         Short lock waits only (`lock_timeout_s`): a reader or a retention drop in the way makes
         it give up with Unavailable, and rows meanwhile land in the run's default partition.
-        With `analyze`, then takes the statistics of the complete ranges that have none
-        (`partitions.analyze_written`).
+        With `analyze`, then takes the statistics of the ranges up to the one being written that
+        have none (`partitions.analyze_written`).
         """
         size = self.partition_steps
         timeout_ms = int(lock_timeout_s * 1000)
@@ -229,7 +229,11 @@ class TelemetryStore:
         with self._transaction() as session:
             connection = session.connection()
             connection.exec_driver_sql(f"SET LOCAL lock_timeout = '{timeout_ms}ms'")
-            partitions.analyze_written(connection, run_id, partitions.range_of(start, size)[0])
+            first, end = partitions.range_of(start, size)
+            # The range being written too, once a tenth of it is: earlier its statistics would
+            # describe almost nothing, and nothing analyses it again before autovacuum does.
+            written = end if start >= first + max(1, size // 10) else first
+            partitions.analyze_written(connection, run_id, written)
         return covered
 
     def add_steps(self, records: Sequence[telemetry_pb2.RankStep]) -> tuple[int, int]:
@@ -306,20 +310,27 @@ class TelemetryStore:
                 self._retry_at[run_id] = time.monotonic() + 10.0
                 _log.warning("telemetry: no range for run %r step %d yet: %s", run_id, step, exc)
 
+    def steps_written(self, highest: dict[str, int]) -> None:
+        """What the store does after writing steps (the highest of each run): `_ask_ahead`;
+        for a benchmark that writes rows around the store."""
+        self._ask_ahead(highest)
+
     def _ask_ahead(self, highest: dict[str, int]) -> None:
         """Ask the background thread for the next ranges when a run's step comes within a range
         of the last one prepared, so that a batch does not wait for one."""
         size = self.partition_steps
         wanted = {}
         for run_id, step in highest.items():
-            # Near the end of what is prepared, or into a new range (the one before it is
-            # complete: its statistics are taken, which the planner needs for it).
+            # Near the end of what is prepared, or a tenth into a new range: then the statistics
+            # of the range before it (complete) and of this one are taken, which the planner
+            # needs to search a range by its primary key for a few ranks' steps.
             entered = partitions.range_of(step, size)[0]
-            if step + size > self._prepared.get(run_id, 0) or entered > self._entered.get(
-                run_id, entered
+            if step + size > self._prepared.get(run_id, 0) or (
+                step >= entered + max(1, size // 10) and entered > self._entered.get(run_id, 0)
             ):
                 wanted[run_id] = step + partitions.AHEAD_RANGES * size
-            self._entered[run_id] = max(entered, self._entered.get(run_id, entered))
+                if step >= entered + max(1, size // 10):
+                    self._entered[run_id] = entered
         if not wanted:
             return
         with self._preparing:
