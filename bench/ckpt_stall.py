@@ -36,8 +36,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from scaletrain.rpc import wait_until_healthy
-from scaletrain.stack import free_port
+from scaletrain.app.stack import free_port
+from scaletrain.transport import wait_until_healthy
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.data.corpus import stdlib_corpus
 from trainer.data.loader import DeterministicLoader

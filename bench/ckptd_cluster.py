@@ -22,7 +22,7 @@ from pathlib import Path
 from ckptd_common import CkptdProcess, bench_parser, payload
 
 from ckptd.client import CkptdClient
-from scaletrain.stack import free_port
+from scaletrain.app.stack import free_port
 from scaletrain.v1 import checkpoint_pb2
 
 SHARD = checkpoint_pb2.FILE_KIND_SHARD

@@ -20,7 +20,7 @@ from pathlib import Path
 from ckptd.manifest import data_crc32c
 from ckptd.store import CheckpointStore
 from ckptd.wire import Chunk, crc32c
-from scaletrain.rpc import CHUNK_BYTES
+from scaletrain.transport import CHUNK_BYTES
 from scaletrain.v1.checkpoint_pb2 import (
     FILE_KIND_METADATA,
     FILE_KIND_SHARD,

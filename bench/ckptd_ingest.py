@@ -42,7 +42,7 @@ from ckptd_common import (
 )
 
 from ckptd.client import CkptdClient
-from scaletrain.rpc import CHUNK_BYTES, make_channel, make_server
+from scaletrain.transport import CHUNK_BYTES, make_channel, make_server
 from scaletrain.v1 import checkpoint_pb2
 
 _SINK_METHOD = "/bench.Sink/Write"

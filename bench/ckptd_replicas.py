@@ -39,8 +39,8 @@ from pathlib import Path
 from ckptd_cluster import Nodes
 from ckptd_common import RawTcp, bench_parser, payload
 
-from scaletrain.embedded import RunOptions, run
-from scaletrain.stack import Workdir, free_port
+from scaletrain.app.embedded import RunOptions, run
+from scaletrain.app.stack import Workdir, free_port
 from scaletrain.v1 import checkpoint_pb2
 
 SHARD = checkpoint_pb2.FILE_KIND_SHARD

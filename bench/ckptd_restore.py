@@ -47,7 +47,7 @@ from ckptd_common import (
 )
 
 from ckptd.client import CkptdClient
-from scaletrain.stack import free_port
+from scaletrain.app.stack import free_port
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 
 SHARD = "__0_0.distcp"

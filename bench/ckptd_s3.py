@@ -25,7 +25,7 @@ from ckptd.config import CkptdConfig, S3Config
 from ckptd.retention import RetentionPolicy
 from ckptd.store import CheckpointStore
 from ckptd.tiers import CheckpointKey
-from scaletrain.seaweed import SeaweedS3
+from scaletrain.app.seaweed import SeaweedS3
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 
 PART_MIB, PARALLEL = 16, 4

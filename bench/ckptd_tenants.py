@@ -30,8 +30,8 @@ import grpc
 from ckptd_common import CkptdProcess, bench_parser
 
 from ckptd.client import CkptdClient
-from scaletrain.rpc import make_channel
 from scaletrain.security import ClientSecurity, Role, add_token
+from scaletrain.transport import make_channel
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 RUNS = 4

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from ckptd.config import CkptdConfig
 from ckptd.dcp import CkptdStorageWriter
 from ckptd.server import start
-from scaletrain import checkpoints
+from scaletrain.app import checkpoints
 from trainer import options
 from trainer.config import from_values
 from trainer.interop.hf_export import export_hf

@@ -19,8 +19,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from scaletrain.embedded import RunOptions, run
-from scaletrain.stack import Workdir
+from scaletrain.app.embedded import RunOptions, run
+from scaletrain.app.stack import Workdir
 from telemetry.db import connect
 from telemetry.views import checkpoint_timeline
 

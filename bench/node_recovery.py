@@ -20,8 +20,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from scaletrain.chaos import ChaosOptions, chaos, parse_schedule
-from scaletrain.stack import Workdir
+from scaletrain.app.chaos import ChaosOptions, chaos, parse_schedule
+from scaletrain.app.stack import Workdir
 
 
 def drill(root: Path, replicas: int, args: argparse.Namespace) -> tuple[float, dict[str, int]]:

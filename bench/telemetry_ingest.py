@@ -40,8 +40,8 @@ from typing import Any
 
 from sqlalchemy import Engine, insert
 
-from scaletrain.rpc import make_channel, wait_until_healthy
-from scaletrain.stack import free_port
+from scaletrain.app.stack import free_port
+from scaletrain.transport import make_channel, wait_until_healthy
 from scaletrain.v1 import telemetry_pb2, telemetry_pb2_grpc
 from telemetry.client import BATCHES_PER_CALL, TelemetryClient, rank_step
 from telemetry.columns import columns_of

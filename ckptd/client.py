@@ -23,9 +23,9 @@ from ckptd.datapath import UNKNOWN_SIZE
 from ckptd.readpath import RangeConnection, data_connection, open_range, source_label
 from ckptd.upload import Bytes, FileWriter, RpcFile, SocketFile
 from ckptd.wire import encode_write_request
-from scaletrain.errors import DataLoss, ScaletrainError
-from scaletrain.rpc import DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
+from scaletrain.errors import DataLoss, ScaletrainError, error_from_rpc
 from scaletrain.security import ClientSecurity
+from scaletrain.transport import DEFAULT_TIMEOUT_S, make_channel
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 # "0" turns the fast path off: every file goes through WriteFile, every read through ReadFile.

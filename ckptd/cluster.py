@@ -38,9 +38,15 @@ from ckptd.manifest import FileRecord, Manifest
 from ckptd.names import manifest_from_peer
 from ckptd.readpath import RangeConnection, open_range
 from ckptd.tiers import CheckpointKey
-from scaletrain.errors import FailedPrecondition, InvalidArgument, Unavailable, UserError
-from scaletrain.rpc import DEFAULT_TIMEOUT_S, error_from_rpc, make_channel
+from scaletrain.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    UserError,
+    error_from_rpc,
+)
 from scaletrain.security import ClientSecurity
+from scaletrain.transport import DEFAULT_TIMEOUT_S, make_channel
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 log = logging.getLogger(__name__)

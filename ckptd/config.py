@@ -94,7 +94,7 @@ class ClusterConfig:
     # How long a peer may take to answer a vote (it fsyncs its part first).
     prepare_timeout_s: float = 120.0
     # How long to wait for a connection to a peer before counting it unreachable.
-    # (gRPC retries a refused connection within a second: scaletrain.rpc's reconnect backoff.)
+    # (gRPC retries a refused connection within a second: scaletrain.transport's reconnect backoff.)
     connect_timeout_s: float = 1.5
     # This node's failure domain (a zone or rack; "" none): replicas go to other domains first.
     zone: str = ""

@@ -58,8 +58,9 @@ from scaletrain.errors import (
     ScaletrainError,
     UserError,
 )
-from scaletrain.rpc import MAX_CHUNK_BYTES, Caller
+from scaletrain.guard import Caller
 from scaletrain.throttle import Throttled
+from scaletrain.transport import MAX_CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
 log = logging.getLogger(__name__)

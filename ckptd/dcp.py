@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptd.client import CkptdClient
-from scaletrain.rpc import CHUNK_BYTES
+from scaletrain.transport import CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
 METADATA_NAME = ".metadata"
@@ -99,7 +99,7 @@ class _UploadStream(io.RawIOBase):
 
 class RangeSource(Protocol):
     """Where a reader's verified byte ranges come from: `CkptdClient` (a running ckptd), or a
-    work directory's store opened offline (`scaletrain.checkpoints`)."""
+    work directory's store opened offline (`scaletrain.app.checkpoints`)."""
 
     def get(self, run: str, step: int) -> checkpoint_pb2.CheckpointInfo: ...
 

@@ -41,7 +41,7 @@ from ckptd.tiers.ssd import IncomingFile
 from ckptd.wire import BlockChunk, Chunk, crc32c
 from scaletrain.errors import InvalidArgument, ScaletrainError, Unavailable
 from scaletrain.names import TIER_LABELS
-from scaletrain.rpc import MAX_CHUNK_BYTES
+from scaletrain.transport import MAX_CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 
 # A chunk's bytes: a view into the received message (ckptd.wire), or bytes from protobuf.

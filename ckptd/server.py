@@ -24,21 +24,12 @@ from ckptd.metrics import serve_metrics
 from ckptd.retention import RetentionPolicy
 from ckptd.store import CheckpointStore, TierCommit
 from ckptd.wire import decode_write_request
-from scaletrain.errors import InvalidArgument
+from scaletrain.errors import InvalidArgument, maps_errors
+from scaletrain.guard import Limits, Rule, caller_of, peer_is_loopback
 from scaletrain.names import TIER_LABELS
-from scaletrain.rpc import (
-    CHUNK_BYTES,
-    Limits,
-    Rule,
-    add_health,
-    bind,
-    caller_of,
-    make_server,
-    maps_errors,
-    peer_is_loopback,
-)
 from scaletrain.security import ALL_RUNS, Role, ServerSecurity, TokenTable
 from scaletrain.serving import HttpEndpoint, serve_until_signalled
+from scaletrain.transport import CHUNK_BYTES, add_health, bind, make_server
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc, telemetry_pb2
 from telemetry.client import TelemetryClient, event
 

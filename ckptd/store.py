@@ -63,7 +63,7 @@ from scaletrain.errors import (
     Unavailable,
 )
 from scaletrain.names import TIER_LABELS
-from scaletrain.rpc import DEFAULT_TIMEOUT_S
+from scaletrain.transport import DEFAULT_TIMEOUT_S
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 
 log = logging.getLogger(__name__)

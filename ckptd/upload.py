@@ -28,7 +28,7 @@ from ckptd.manifest import file_crc32c
 from ckptd.tiers import BLOCK_BYTES, BlockCrcs, block_crcs_of
 from ckptd.wire import Chunk, crc32c
 from scaletrain.errors import ScaletrainError
-from scaletrain.rpc import CHUNK_BYTES
+from scaletrain.transport import CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
 Bytes = bytes | bytearray | memoryview

@@ -2,6 +2,6 @@
 
 import sys
 
-from scaletrain.cli import main
+from scaletrain.app.cli import main
 
 sys.exit(main())

@@ -1,8 +1,8 @@
 """Credentials of scaletrain: development certificates, per-run tokens and secrets from files.
 
-`scaletrain.rpc` turns what is here into TLS credentials and an authorizing interceptor; this
-module only makes and reads the material, so the command line, the embedded stack and tests
-share it.
+`scaletrain.transport` turns what is here into TLS credentials and `scaletrain.guard` into an
+authorizing interceptor; this module only makes and reads the material, so the command line, the
+embedded stack and tests share it.
 
 - **Certificates.** `generate_certs(DIR)` writes a development CA and a server and a client
   certificate signed by it (`ca.pem`, `server.pem`/`server.key`, `client.pem`/`client.key`).
@@ -347,6 +347,18 @@ def client_token() -> str | None:
 
 
 # -- what a process uses ---------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 in brackets or not) is this machine's loopback:
+    the only place a server accepts plaintext unless allowed."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)

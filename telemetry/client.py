@@ -27,8 +27,9 @@ from typing import Any, Generic, Literal, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from scaletrain.rpc import describe_rpc_error, error_from_rpc, make_channel
+from scaletrain.errors import describe_rpc_error, error_from_rpc
 from scaletrain.security import ClientSecurity
+from scaletrain.transport import make_channel
 from scaletrain.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
 from telemetry.columns import READ, columns_of_values, stamped
 

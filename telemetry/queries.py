@@ -1,5 +1,5 @@
-"""Read-only queries over the telemetry database: a run's checkpoints, its events and its summary,
-and what the other readers (`telemetry.views`, `telemetry.efficiency`) share.
+"""Read-only queries over the telemetry database: a run's checkpoints, its events, its summary, its
+restarts and replays, and what the other readers (`telemetry.views`, `telemetry.efficiency`) share.
 
 The tables come back as pandas DataFrames whose columns are named below. Where a step was recorded
 by several attempts (a restart replayed it), only each rank's latest attempt counts
@@ -8,6 +8,7 @@ by several attempts (a restart replayed it), only each rank's latest attempt cou
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Connection, Engine, Select, exists, func, select
+from sqlalchemy import Connection, Engine, Select, distinct, exists, func, select
 from sqlalchemy.orm import Session, aliased
 
 from scaletrain.errors import NotFound
@@ -161,6 +162,75 @@ def run_summary(bind: Bind, run_id: str) -> RunSummary:
         tokens_per_s=float(tokens) / float(seconds) if seconds else math.nan,
         params_sha256=(attributes or {}).get("params_sha256", ""),
     )
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One restart of a run's job (a `restart` event): where it resumed and how it got there."""
+
+    # The step it resumed from, and its attempt (torchrun's restart count).
+    step: int
+    attempt: int
+    # The bytes its restore read from each copy ("memory@node0", "SSD@node1", "S3").
+    restored_from: dict[str, int]
+    # When (time.time()) its attempt's first step was recorded; None when it made none.
+    first_step_at: float | None
+
+
+def restarts(bind: Bind, run_id: str) -> list[Restart]:
+    """Every restart of `run_id`, in order."""
+    with connection_of(bind) as connection:
+        rows = connection.execute(
+            select(Event.step, Event.attributes)
+            .where(Event.run_id == run_id, Event.kind == "restart")
+            .order_by(Event.time)
+        ).all()
+        found = []
+        for step, attributes in rows:
+            attempt = int((attributes or {}).get("attempt", 0))
+            first = connection.execute(
+                select(func.min(RankStep.time)).where(
+                    RankStep.run_id == run_id, RankStep.attempt == attempt
+                )
+            ).scalar()
+            found.append(
+                Restart(
+                    step=step,
+                    attempt=attempt,
+                    restored_from=json.loads((attributes or {}).get("restored_from", "{}")),
+                    first_step_at=first.timestamp() if first is not None else None,
+                )
+            )
+    return found
+
+
+@dataclass(frozen=True)
+class Replays:
+    """The work a run did again: after restarts, and in place (the step guard)."""
+
+    restarts: int
+    # Steps rank 0 recorded more than once (the attempts after a restart computed them again).
+    steps_after_restarts: int
+    # Steps the step guard replayed in place (`replay` events).
+    steps_in_place: int
+
+
+def replays(bind: Bind, run_id: str) -> Replays:
+    """How often `run_id` restarted and how many steps it computed again."""
+    with connection_of(bind) as connection:
+        rows, steps = connection.execute(
+            select(func.count(), func.count(distinct(RankStep.step))).where(
+                RankStep.run_id == run_id, RankStep.rank == 0
+            )
+        ).one()
+        counts = dict(
+            connection.execute(
+                select(Event.kind, func.count())
+                .where(Event.run_id == run_id, Event.kind.in_(("restart", "replay")))
+                .group_by(Event.kind)
+            ).all()
+        )
+    return Replays(counts.get("restart", 0), rows - steps, counts.get("replay", 0))
 
 
 @contextmanager

@@ -15,10 +15,11 @@ import grpc
 from grpc_health.v1.health import HealthServicer
 from sqlalchemy import Engine
 
-from scaletrain.errors import ScaletrainError
-from scaletrain.rpc import Rule, add_health, bind, make_server, maps_errors
+from scaletrain.errors import ScaletrainError, maps_errors
+from scaletrain.guard import Rule
 from scaletrain.security import Role
 from scaletrain.serving import HttpEndpoint, serve_until_signalled
+from scaletrain.transport import add_health, bind, make_server
 from scaletrain.v1 import telemetry_pb2, telemetry_pb2_grpc
 from telemetry.config import TelemetryConfig
 from telemetry.db import connect, migrate

@@ -11,9 +11,9 @@ from ckptd_testing import CkptdProcess, wait_for
 
 from ckptd.client import CkptdClient
 from ckptd.config import S3Config
+from scaletrain.app.stack import free_port
 from scaletrain.errors import Unavailable
-from scaletrain.rpc import wait_until_healthy
-from scaletrain.stack import free_port
+from scaletrain.transport import wait_until_healthy
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 Files = dict[str, tuple[int, int, bytes]]

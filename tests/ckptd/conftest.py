@@ -18,7 +18,7 @@ from cluster_testing import Cluster
 from ckptd.config import CkptdConfig, S3Config
 from ckptd.server import RunningCkptd, start
 from ckptd.store import CheckpointStore
-from scaletrain.seaweed import SeaweedS3
+from scaletrain.app.seaweed import SeaweedS3
 
 
 @pytest.fixture(scope="session")

@@ -32,13 +32,13 @@ from cluster_testing import (
 
 from ckptd.client import CkptdClient
 from ckptd.config import S3Config
+from scaletrain.app.stack import free_port
 from scaletrain.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ScaletrainError,
 )
-from scaletrain.stack import free_port
 from scaletrain.v1 import checkpoint_pb2
 
 

@@ -26,7 +26,7 @@ from ckptd.datapath import FRAME_LENGTH, UNKNOWN_SIZE
 from ckptd.manifest import data_crc32c
 from ckptd.server import RunningCkptd
 from ckptd.tiers import BLOCK_BYTES, block_crcs_of
-from scaletrain.rpc import MAX_CHUNK_BYTES, make_channel
+from scaletrain.transport import MAX_CHUNK_BYTES, make_channel
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 EXAMPLES = int(os.environ.get("SCALETRAIN_FUZZ_EXAMPLES", "25"))

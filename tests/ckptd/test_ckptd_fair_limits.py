@@ -24,8 +24,8 @@ from ckptd.limits import Owner
 from ckptd.manifest import data_crc32c
 from ckptd.server import RunningCkptd
 from scaletrain.errors import ResourceExhausted
-from scaletrain.rpc import make_channel
 from scaletrain.security import ClientSecurity, Role, ServerSecurity, TokenTable, add_token
+from scaletrain.transport import make_channel
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 RunCkptd = Callable[..., RunningCkptd]

@@ -24,6 +24,7 @@ from ckptd.readpath import DATA, READ_FRAME, SOURCE, RangeConnection, data_conne
 from ckptd.server import RunningCkptd
 from ckptd.tiers import CheckpointKey, block_crcs_of
 from ckptd.tiers.memory import MemoryFile
+from scaletrain.app.stack import free_port
 from scaletrain.errors import (
     DataLoss,
     FailedPrecondition,
@@ -31,7 +32,6 @@ from scaletrain.errors import (
     PermissionDenied,
     Unavailable,
 )
-from scaletrain.rpc import make_channel, wait_until_healthy
 from scaletrain.security import (
     ClientSecurity,
     Role,
@@ -40,7 +40,7 @@ from scaletrain.security import (
     add_token,
     generate_certs,
 )
-from scaletrain.stack import free_port
+from scaletrain.transport import make_channel, wait_until_healthy
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 RunCkptd = Callable[..., RunningCkptd]

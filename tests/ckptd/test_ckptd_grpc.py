@@ -25,7 +25,7 @@ from scaletrain.errors import (
     InvalidArgument,
     NotFound,
 )
-from scaletrain.rpc import MAX_CHUNK_BYTES, add_health, bind, make_channel, make_server
+from scaletrain.transport import MAX_CHUNK_BYTES, add_health, bind, make_channel, make_server
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 RunCkptd = Callable[..., RunningCkptd]

@@ -15,7 +15,7 @@ from ckptd.client import CkptdClient
 from ckptd.logs import JsonFormatter
 from ckptd.server import SERVICE_NAME, RunningCkptd
 from scaletrain.errors import FailedPrecondition, InvalidArgument
-from scaletrain.rpc import wait_until_healthy
+from scaletrain.transport import wait_until_healthy
 
 RunCkptd = Callable[..., RunningCkptd]
 

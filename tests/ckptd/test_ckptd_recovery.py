@@ -21,8 +21,8 @@ from ckptd.config import S3Config
 from ckptd.manifest import data_crc32c
 from ckptd.retention import RetentionPolicy
 from ckptd.store import CheckpointStore
+from scaletrain.app.seaweed import SeaweedS3
 from scaletrain.errors import UserError
-from scaletrain.seaweed import SeaweedS3
 
 OpenStore = Callable[..., CheckpointStore]
 

@@ -14,9 +14,9 @@ from ckptd.config import S3Config
 from ckptd.store import CheckpointStore
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.s3 import S3Tier, make_s3_client
-from scaletrain import seaweed
+from scaletrain.app import seaweed
+from scaletrain.app.seaweed import SeaweedS3
 from scaletrain.errors import UserError
-from scaletrain.seaweed import SeaweedS3
 
 OpenStore = Callable[..., CheckpointStore]
 

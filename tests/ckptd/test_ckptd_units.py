@@ -24,7 +24,7 @@ from ckptd.tiers.memory import MemoryBudget, MemoryFile, MemoryTier
 from ckptd.tiers.ssd import IncomingFile
 from ckptd.wire import Chunk, crc32c, decode_write_request, encode_write_request
 from scaletrain.errors import InvalidArgument
-from scaletrain.rpc import CHUNK_BYTES
+from scaletrain.transport import CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
 

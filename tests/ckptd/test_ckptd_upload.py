@@ -7,7 +7,7 @@ import random
 
 from ckptd.tiers import BLOCK_BYTES
 from ckptd.upload import _Pieces
-from scaletrain.rpc import CHUNK_BYTES
+from scaletrain.transport import CHUNK_BYTES
 
 
 def _cut(writes: list[bytes]) -> list[bytes]:

@@ -17,7 +17,7 @@ from ckptd.client import CkptdClient
 from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter, first_cause
 from ckptd.server import RunningCkptd
 from scaletrain.errors import AlreadyExists
-from scaletrain.rpc import CHUNK_BYTES
+from scaletrain.transport import CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 from e2e_runs import TINY, events, injected, restart_after, scaletrain_json
 
-from scaletrain.chaos import can_mount_tmpfs
+from scaletrain.app.chaos import can_mount_tmpfs
 
 pytestmark = pytest.mark.e2e
 

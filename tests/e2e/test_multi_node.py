@@ -19,11 +19,17 @@ from pathlib import Path
 import pytest
 from e2e_runs import TINY, events, injected, restart_after, scaletrain, scaletrain_json
 
-from scaletrain.chaos import DEFAULT_SCHEDULE, KINDS, MULTI_NODE, default_schedule, parse_schedule
-from scaletrain.cli import _print_summary, main
-from scaletrain.embedded import RunSummary, checkpoint_row, whole_tiers
+from scaletrain.app.chaos import (
+    DEFAULT_SCHEDULE,
+    KINDS,
+    MULTI_NODE,
+    default_schedule,
+    parse_schedule,
+)
+from scaletrain.app.cli import _print_summary, main
+from scaletrain.app.stack import Stack, Workdir
+from scaletrain.app.summary import RunSummary, checkpoint_row, whole_tiers
 from scaletrain.names import TIER_NAMES
-from scaletrain.stack import Stack, Workdir
 from scaletrain.v1 import checkpoint_pb2
 
 pytestmark = pytest.mark.e2e

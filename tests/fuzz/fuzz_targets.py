@@ -25,7 +25,7 @@ from ckptd.manifest import Manifest
 from ckptd.names import check_path, check_run, manifest_from_peer
 from ckptd.tiers import BLOCK_BYTES
 from scaletrain.errors import InvalidArgument
-from scaletrain.rpc import MAX_CHUNK_BYTES
+from scaletrain.transport import MAX_CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
 # One receive buffer for every frame: a frame may announce up to MAX_CHUNK_BYTES, and a fresh

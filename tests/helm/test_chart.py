@@ -421,7 +421,7 @@ def test_trainer_takes_its_layout_fp8_recipe_and_services_from_values(chart) -> 
 def test_every_command_line_is_one_its_program_accepts(case: str) -> None:
     from torch.distributed.run import get_args_parser
 
-    from scaletrain.cli import build_parser
+    from scaletrain.app.cli import build_parser
     from trainer.config import from_args, parser
 
     docs = rendered(case)
@@ -663,7 +663,7 @@ def test_ckptd_pods_admit_their_peers_on_the_grpc_port(case: str) -> None:
 @pytest.mark.parametrize("case", ["defaults", *CKPTD_CLUSTER_CASES])
 def test_ckptd_accepts_its_cluster_flags_once_kubernetes_fills_them_in(case: str) -> None:
     from ckptd.config import ClusterConfig
-    from scaletrain.cli import build_parser
+    from scaletrain.app.cli import build_parser
 
     c = container(workload(rendered(case), "ckptd"))
     pod = {"NODE_NAME": "gpu-node-07.ec2.internal", "POD_IP": "10.0.3.9"}

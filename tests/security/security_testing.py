@@ -18,7 +18,6 @@ from ckptd.client import CkptdClient
 from ckptd.config import CkptdConfig
 from ckptd.server import RunningCkptd
 from ckptd.server import start as start_ckptd
-from scaletrain.rpc import make_channel
 from scaletrain.security import (
     ALL_RUNS,
     ClientSecurity,
@@ -28,6 +27,7 @@ from scaletrain.security import (
     TokenTable,
     add_token,
 )
+from scaletrain.transport import make_channel
 from scaletrain.v1 import checkpoint_pb2, telemetry_pb2, telemetry_pb2_grpc
 from telemetry.config import TelemetryConfig
 from telemetry.server import RunningTelemetry

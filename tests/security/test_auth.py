@@ -15,8 +15,8 @@ from security_testing import SHARD, Services, code_of, save_checkpoint, step_rec
 
 from ckptd.catalog import OPEN
 from scaletrain.errors import PermissionDenied, Unauthenticated
-from scaletrain.rpc import make_channel, wait_until_healthy
 from scaletrain.security import ClientSecurity, Role, add_token
+from scaletrain.transport import make_channel, wait_until_healthy
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc, telemetry_pb2
 
 DENIED = grpc.StatusCode.PERMISSION_DENIED

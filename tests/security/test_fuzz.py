@@ -38,8 +38,8 @@ from security_testing import (
 )
 
 from ckptd.manifest import data_crc32c
-from scaletrain.rpc import make_channel, wait_until_healthy
 from scaletrain.security import ClientSecurity
+from scaletrain.transport import make_channel, wait_until_healthy
 from scaletrain.v1 import checkpoint_pb2, common_pb2, telemetry_pb2
 
 EXAMPLES = int(os.environ.get("SCALETRAIN_FUZZ_EXAMPLES", "60"))

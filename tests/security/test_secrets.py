@@ -14,8 +14,8 @@ import pytest
 
 from ckptd.config import S3Config
 from scaletrain.errors import UserError
-from scaletrain.rpc import make_channel, wait_until_healthy
 from scaletrain.security import ClientSecurity, TlsFiles, database_url, token_hash
+from scaletrain.transport import make_channel, wait_until_healthy
 from telemetry.config import TelemetryConfig
 from telemetry.db import connect
 

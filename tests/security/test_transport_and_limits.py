@@ -1,6 +1,6 @@
 """TLS, mutual TLS, the plaintext policy and the per-client limits, over real gRPC.
 
-The limits are checked on a bare server made by `scaletrain.rpc.make_server` with a generic
+The limits are checked on a bare server made by `scaletrain.transport.make_server` with a generic
 handler, so each test controls exactly when a call ends; the checkpoint size limit on ckptd.
 """
 
@@ -17,8 +17,9 @@ from security_testing import SHARD, running_services, save_checkpoint
 
 from ckptd.client import CkptdClient
 from scaletrain.errors import ResourceExhausted, Unavailable, UserError
-from scaletrain.rpc import Limits, bind, make_channel, make_server
+from scaletrain.guard import Limits
 from scaletrain.security import ClientSecurity, ServerSecurity, TlsFiles
+from scaletrain.transport import bind, make_channel, make_server
 
 
 def _without_client_cert(certs: TlsFiles, tmp_path: Path) -> TlsFiles:

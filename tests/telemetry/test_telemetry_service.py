@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from scaletrain.errors import InvalidArgument, NotFound, UserError
-from scaletrain.rpc import make_channel, wait_until_healthy
+from scaletrain.transport import make_channel, wait_until_healthy
 from scaletrain.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
 from telemetry import queries
 from telemetry.client import TelemetryClient, event, rank_step

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import Engine
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from scaletrain import cli
+from scaletrain.app import cli
 from scaletrain.errors import NotFound
 from scaletrain.v1 import telemetry_pb2
 from telemetry.client import rank_step

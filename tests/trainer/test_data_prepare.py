@@ -20,7 +20,7 @@ import pytest
 import sentencepiece
 import torch
 
-from scaletrain.cli import main as cli_main
+from scaletrain.app.cli import main as cli_main
 from scaletrain.errors import UserError
 from trainer import options
 from trainer.data.loader import (

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scaletrain.chaos import DEFAULT_SCHEDULE, KINDS, Fault, parse_schedule
-from scaletrain.cli import main
+from scaletrain.app.chaos import DEFAULT_SCHEDULE, KINDS, Fault, parse_schedule
+from scaletrain.app.cli import main
 from trainer.health.preflight import check_ranks, matmul_ok
 from trainer.health.watchdog import HANG_EXIT_CODE, Hang, PeerBoard, Watchdog, WatchdogPolicy
 

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from ckptd.config import CkptdConfig
 from ckptd.dcp import CkptdStorageWriter
 from ckptd.server import RunningCkptd, start
-from scaletrain import checkpoints, cli
+from scaletrain.app import checkpoints, cli
 from scaletrain.errors import UserError
 from trainer import options
 from trainer.config import TrainConfig, from_values

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scaletrain import cli
+from scaletrain.app import cli
 from trainer import options
 from trainer.config import TrainConfig, from_args, from_values, parser
 from trainer.data.prepare import PrepareOptions, prepare

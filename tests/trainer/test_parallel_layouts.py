@@ -41,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckptd.config import CkptdConfig
 from ckptd.server import start
-from scaletrain.checkpoints import export
+from scaletrain.app.checkpoints import export
 from trainer.checkpoint.digest import state_sha256
 from trainer.model.llama import Transformer
 from trainer.parallel.pipeline import V_SHAPED

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from scaletrain import cli
-from scaletrain.plan import plan, render
+from scaletrain.app import cli
+from scaletrain.app.plan import plan, render
 from trainer import options
 from trainer.config import from_values
 from trainer.model.llama import Transformer, next_token_loss

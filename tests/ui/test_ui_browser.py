@@ -22,7 +22,7 @@ from playwright.sync_api import Page, sync_playwright
 from sqlalchemy import update
 from ui_testing import RealRun
 
-from scaletrain.stack import free_port
+from scaletrain.app.stack import free_port
 from telemetry.client import rank_step
 from telemetry.config import TelemetryConfig
 from telemetry.db import connect

@@ -23,9 +23,9 @@ from ckptd.datadir import ckptd_running, list_offline
 from ckptd.manifest import file_crc32c
 from ckptd.store import CheckpointStore
 from ckptd.tiers import BlockCrcs, CheckpointKey
+from scaletrain.app.stack import S3_BUCKET, Workdir, s3_for_reading
 from scaletrain.errors import NotFound, ScaletrainError, UserError
 from scaletrain.names import TIER_NAMES
-from scaletrain.stack import S3_BUCKET, Workdir, s3_for_reading
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 from trainer.interop.hf import DEFAULT_SHARD_BYTES
 

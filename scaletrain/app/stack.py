@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from scaletrain.app.seaweed import SeaweedS3
 from scaletrain.errors import UserError
-from scaletrain.rpc import wait_until_healthy
-from scaletrain.seaweed import SeaweedS3
 from scaletrain.security import ClientSecurity, EmbeddedCredentials, Role
+from scaletrain.transport import wait_until_healthy
 from telemetry.client import HOST_ENV
 
 S3_BUCKET = "scaletrain"

@@ -2,29 +2,27 @@
 
 Starts the embedded stack (one or more simulated nodes), trains under torchrun, waits until the
 last checkpoint has reached every tier on every node, stops everything, and reads the summary back
-from telemetry's database and node0's ckptd (which asks its peers for their parts).
+(`scaletrain.app.summary`) from telemetry's database and node0's ckptd (which asks its peers for
+their parts).
 """
 
 from __future__ import annotations
 
-import math
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
 from ckptd.client import CkptdClient
 from ckptd.datadir import list_offline
+from scaletrain.app.stack import Stack, Workdir, check_nodes
+from scaletrain.app.summary import RunSummary, summarize, whole_tiers
 from scaletrain.errors import UserError
 from scaletrain.names import TIER_NAMES
 from scaletrain.security import ClientSecurity, Role
-from scaletrain.stack import Stack, Workdir, check_nodes
 from scaletrain.v1 import checkpoint_pb2, common_pb2
-from telemetry import queries
-from telemetry.db import connect
-from telemetry.health import run_health
 
 
 @dataclass(frozen=True)
@@ -47,80 +45,8 @@ class RunOptions:
     secure: bool = False
 
 
-@dataclass
-class RunSummary:
-    run_id: str
-    workdir: str
-    exit_code: int
-    steps: int
-    first_loss: float | None
-    last_loss: float | None
-    tokens_per_s: float | None
-    params_sha256: str | None
-    wall_s: float
-    # Per checkpoint: step, bytes, the tiers holding all of it, and its parts per node (`parts`:
-    # node, address, files, bytes, the tiers holding that node's part, reachable, error).
-    checkpoints: list[dict[str, object]]
-    ui_command: str
-    # Run health from telemetry: MFU and what it is relative to, goodput and badput by cause,
-    # and how many events of each health kind (straggler, loss_spike, sdc, ...) were recorded.
-    mfu: float | None = None
-    mfu_label: str = ""
-    goodput: float | None = None
-    badput_s: dict[str, float] = field(default_factory=dict)
-    health_events: dict[str, int] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
-
-
 def new_run_id() -> str:
     return datetime.now(UTC).strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
-
-
-def committed_tiers(
-    info: checkpoint_pb2.CheckpointInfo | checkpoint_pb2.NodePart | checkpoint_pb2.PartCopy,
-) -> list[str]:
-    """The tiers on which the answering node (or a node's part) holds a committed copy."""
-    return [
-        TIER_NAMES[t.tier] for t in info.tiers if t.state == checkpoint_pb2.TIER_STATE_COMMITTED
-    ]
-
-
-def whole_tiers(info: checkpoint_pb2.CheckpointInfo) -> list[str]:
-    """The tiers holding the whole checkpoint: memory or SSD when every node's part is there
-    (`parts`, from a listing with nodes=True), S3 when its marker is (written once every part
-    is). Without parts (a listing of the answering node alone), the answering node's tiers."""
-    if not info.parts:
-        return committed_tiers(info)
-    parts = [set(committed_tiers(p)) if p.reachable else set() for p in info.parts]
-    whole = set(committed_tiers(info)) & {TIER_NAMES[common_pb2.TIER_S3]}
-    whole |= set.intersection(*parts)
-    return [name for name in TIER_NAMES.values() if name in whole]
-
-
-def checkpoint_row(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
-    """A checkpoint as the summaries show it (`RunSummary.checkpoints`)."""
-    return {
-        "step": info.ref.step,
-        "bytes": info.total_bytes,
-        "tiers": whole_tiers(info),
-        "node_loss_safe": info.node_loss_safe,
-        "parts": [
-            {
-                "node": p.node,
-                "address": p.address,
-                "files": p.files,
-                "bytes": p.bytes,
-                "tiers": committed_tiers(p),
-                "reachable": p.reachable,
-                "error": p.error,
-                # Copies of the part on other nodes: node -> its committed tiers.
-                "replicas": {c.node: committed_tiers(c) for c in p.replicas},
-            }
-            for p in info.parts
-        ],
-    }
 
 
 def run(options: RunOptions, out: IO[str]) -> RunSummary:
@@ -166,7 +92,7 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
         checkpoints = _wait_for_tiers(
             stack.ckptd_address, run_id, options.upload_wait_s, saved_before, reader, copies
         )
-    return _summary(workdir, run_id, checkpoints, time.monotonic() - started)
+    return summarize(workdir, run_id, checkpoints, time.monotonic() - started)
 
 
 def _first_error(logs: list[Path]) -> str:
@@ -237,37 +163,3 @@ def _wait_for_tiers(
             if time.monotonic() > deadline:
                 return checkpoints
             time.sleep(0.5)
-
-
-def _summary(
-    workdir: Workdir, run_id: str, checkpoints: list[checkpoint_pb2.CheckpointInfo], wall: float
-) -> RunSummary:
-    engine = connect(workdir.db_url)
-    try:
-        stats = queries.run_summary(engine, run_id)
-        health = run_health(engine, run_id)
-    finally:
-        engine.dispose()
-    return RunSummary(
-        run_id=run_id,
-        workdir=str(workdir.root),
-        exit_code=0,
-        steps=stats.last_step or 0,
-        first_loss=_finite(stats.first_loss),
-        last_loss=_finite(stats.last_loss),
-        tokens_per_s=_finite(stats.tokens_per_s),
-        params_sha256=stats.params_sha256 or None,
-        wall_s=round(wall, 2),
-        checkpoints=[checkpoint_row(c) for c in sorted(checkpoints, key=lambda c: c.ref.step)],
-        ui_command=f"scaletrain ui --workdir {workdir.root}",
-        mfu=_finite(health.mfu.mfu),
-        mfu_label=health.mfu.label,
-        goodput=_finite(health.goodput.goodput),
-        badput_s={cause: round(s, 3) for cause, s in health.goodput.badput_s.items()},
-        health_events=health.event_counts,
-    )
-
-
-def _finite(value: float) -> float | None:
-    """None for a figure that is unknown (NaN), so the JSON summary stays valid JSON."""
-    return None if math.isnan(value) else value

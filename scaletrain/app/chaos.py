@@ -1,32 +1,9 @@
 """`scaletrain chaos`: a drill that trains on the embedded stack while a schedule of faults strikes.
 
 The schedule is a list of KIND@STEP[:SECONDS], each fault injected once, in order, as soon as the
-job has finished step STEP (the job is watched through its `[trainer] step N` lines):
-
-    kill-rank       SIGKILL a random rank in the middle of the next step; torchrun restarts the
-                    job, which resumes from the latest committed checkpoint.
-    stop-rank       SIGSTOP a random rank (a hang) until a watchdog fires, then let it go (SIGCONT
-                    delivers the agent's SIGTERM); the job restarts.
-    kill-ckptd      SIGKILL ckptd right after the next checkpoint was staged (its upload in
-                    flight), restart it SECONDS later (default 1) on the same data dir.
-    stop-s3         stop the S3 server for SECONDS (default 30), then start it again.
-    disk-full       fill the SSD tier's disk (a size-limited tmpfs, which needs root) until a save
-                    fails or SECONDS pass (default 60), then free it.
-    corrupt-shard   SIGKILL a rank, damage one shard of the latest checkpoint on SSD and restart
-                    ckptd (its memory tier gone), so that the resume must find the damage and read
-                    the S3 copy.
-    kill-telemetry  SIGKILL the telemetry service, restart it SECONDS later (default 3).
-    sdc             flip a bit of a random rank's gradients in step STEP (--inject-sdc): the step
-                    guard must catch and replay it.
-    kill-node       (--nodes 2 or more) a machine replaced: SIGKILL a random node's torchrun agent,
-                    its ranks and its ckptd, delete its ckptd's data dir (its SSD), start a fresh
-                    ckptd with an empty one at the same address, then the node's agent again; the
-                    other agents restart their ranks and the job re-forms with it. Never node0:
-                    its agent hosts the rendezvous store (and holds rank 0). The node's ranks are
-                    frozen first, until S3 holds every committed checkpoint: a part that only the
-                    dead machine held could not survive it, so the drill strikes when none is.
-    partition-node  freeze a random node's ckptd (SIGSTOP) for SECONDS (default 5), then SIGCONT:
-                    its ranks and its peers cannot reach it meanwhile.
+job has finished step STEP (the job is watched through its `[trainer] step N` lines). Each kind is
+defined once, in `FAULTS`: what it does, the SECONDS it lasts when the item does not say, and how
+the drill strikes (`scaletrain chaos --help` lists them).
 
 Every fault is recorded in telemetry as a `fault` event. The report says how many faults were
 injected and survived, how many committed checkpoints were lost (any checkpoint ever seen
@@ -37,7 +14,6 @@ again after restarts, and the run's goodput from telemetry.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import re
@@ -45,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -52,45 +29,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, TypeVar
 
-from sqlalchemy import distinct, func, select
-
 from ckptd.client import CkptdClient
-from scaletrain.embedded import _summary, check_layout, flag_value, new_run_id
+from scaletrain.app.embedded import check_layout, flag_value, new_run_id
+from scaletrain.app.stack import Job, Stack, Workdir, check_nodes, ckptd_service, node_name
+from scaletrain.app.summary import summarize
 from scaletrain.errors import ScaletrainError, UserError
-from scaletrain.stack import Job, Stack, Workdir, check_nodes, ckptd_service, node_name
 from scaletrain.v1 import checkpoint_pb2, common_pb2
+from telemetry import queries
 from telemetry.client import TelemetryClient, event
 from telemetry.db import connect
-from telemetry.models import Event, RankStep
 
 _COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
 # What has copies on tiers: a checkpoint as one node sees it, or one node's part of it.
 _Copies = TypeVar("_Copies", checkpoint_pb2.CheckpointInfo, checkpoint_pb2.NodePart)
 
-KINDS = (
-    "kill-rank",
-    "stop-rank",
-    "kill-ckptd",
-    "stop-s3",
-    "disk-full",
-    "corrupt-shard",
-    "kill-telemetry",
-    "sdc",
-    "kill-node",
-    "partition-node",
-)
-# Seconds an outage lasts when the schedule does not say.
-DEFAULT_SECONDS = {
-    "kill-ckptd": 1.0,
-    "stop-s3": 30.0,
-    "disk-full": 60.0,
-    "kill-telemetry": 3.0,
-    "partition-node": 5.0,
-}
-# Faults after which torchrun must restart the job.
-RESTARTING = frozenset({"kill-rank", "stop-rank", "corrupt-shard", "kill-node"})
-# Faults that need another node to survive them.
-MULTI_NODE = frozenset({"kill-node"})
 # The drill of `scaletrain chaos` without --schedule: every kind, 14 faults over its 400 steps
 # (on one node, `default_schedule` leaves out those of MULTI_NODE). The long outages come late:
 # the job trains on through them, so they move later faults on.
@@ -118,17 +70,38 @@ class Fault:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class FaultKind:
+    """A kind of fault, in one place: what it does, how its schedule item is read, how it
+    strikes."""
+
+    # What it does, for `scaletrain chaos --help`.
+    describe: str
+    # Strikes `fault` on the drill's job: (its target, what happened).
+    inject: Callable[[Drill, Fault], tuple[str, str]]
+    # SECONDS of KIND@STEP[:SECONDS] when the item leaves it out.
+    default_seconds: float = 0.0
+    # torchrun must restart the job after it.
+    restarts: bool = False
+    # Nodes a job needs to survive it.
+    min_nodes: int = 1
+    # Trainer flags that make the trainer itself strike it, on the given rank.
+    trainer_args: Callable[[Fault, int], list[str]] | None = None
+    # It fills the SSD tier's disk, which must then be a small tmpfs.
+    fills_disk: bool = False
+
+
 def parse_schedule(text: str) -> list[Fault]:
     """KIND@STEP[:SECONDS],... in step order; ValueError names the bad item."""
     faults = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         match = re.fullmatch(r"([a-z0-9-]+)@(\d+)(?::([0-9.]+))?", item)
-        if match is None or match[1] not in KINDS:
+        if match is None or match[1] not in FAULTS:
             raise ValueError(
                 f"--schedule item {item!r}: expected KIND@STEP[:SECONDS] with KIND one of "
                 f"{', '.join(KINDS)}"
             )
-        step, seconds = int(match[2]), float(match[3] or DEFAULT_SECONDS.get(match[1], 0.0))
+        step, seconds = int(match[2]), float(match[3] or FAULTS[match[1]].default_seconds)
         if step < 1:
             raise ValueError(f"--schedule item {item!r}: the step must be 1 or more")
         faults.append(Fault(match[1], step, seconds))
@@ -259,13 +232,13 @@ class Drill:
             threading.Thread(target=self._watch_checkpoints, name="chaos-ckpt", daemon=True),
         ]
 
-    def sdc_args(self) -> list[str]:
-        """Trainer flags for the schedule's silent data corruptions (injected by the trainer)."""
+    def trainer_args(self) -> list[str]:
+        """Trainer flags for the schedule's faults that the trainer strikes itself."""
         return [
             arg
             for fault in self.options.schedule
-            if fault.kind == "sdc"
-            for arg in ("--inject-sdc", f"step={fault.step},rank={self._rank_for(fault)}")
+            if (flags := FAULTS[fault.kind].trainer_args) is not None
+            for arg in flags(fault, self._rank_for(fault))
         ]
 
     def _random(self, fault: Fault) -> random.Random:
@@ -275,9 +248,8 @@ class Drill:
     def _rank_for(self, fault: Fault) -> int:
         return self._random(fault).randrange(self.options.ranks)
 
-    def _node_for(self, fault: Fault) -> int:
-        """A random node; for kill-node never node0, whose agent hosts the rendezvous store."""
-        first = 1 if fault.kind == "kill-node" else 0
+    def _node_for(self, fault: Fault, first: int = 0) -> int:
+        """A random node from node `first` on."""
         return self._random(fault).randrange(first, self.options.nodes)
 
     def start(self, job: Job) -> None:
@@ -308,7 +280,7 @@ class Drill:
                 return
             at, step = round(time.monotonic() - self._started, 2), self.tap.step
             try:
-                target, detail = getattr(self, "_" + fault.kind.replace("-", "_"))(fault)
+                target, detail = FAULTS[fault.kind].inject(self, fault)
             except _JobEnded:
                 return
             except (OSError, ScaletrainError, UserError) as exc:
@@ -426,7 +398,8 @@ class Drill:
 
     def _kill_node(self, fault: Fault) -> tuple[str, str]:
         assert self.job is not None
-        attempts, node = self.tap.attempts, self._node_for(fault)
+        # Never node0: its agent hosts the rendezvous store.
+        attempts, node = self.tap.attempts, self._node_for(fault, first=1)
         name, address = node_name(node), self.stack.ckptd_addresses[node]
         ckptd = self.stack.service(ckptd_service(node))
         # The job must have a checkpoint to resume from before its ranks are frozen; with
@@ -522,6 +495,92 @@ class Drill:
                 self.committed |= {
                     c.ref.step for c in _intact(client.list(self.run_id, nodes=True))
                 }
+
+
+def _sdc_flags(fault: Fault, rank: int) -> list[str]:
+    return ["--inject-sdc", f"step={fault.step},rank={rank}"]
+
+
+FAULTS: dict[str, FaultKind] = {
+    "kill-rank": FaultKind(
+        "SIGKILL a random rank in the middle of the next step; torchrun restarts the job, which "
+        "resumes from the latest committed checkpoint.",
+        Drill._kill_rank,
+        restarts=True,
+    ),
+    "stop-rank": FaultKind(
+        "SIGSTOP a random rank (a hang) until a watchdog fires, then let it go (SIGCONT delivers "
+        "the agent's SIGTERM); the job restarts.",
+        Drill._stop_rank,
+        restarts=True,
+    ),
+    "kill-ckptd": FaultKind(
+        "SIGKILL ckptd right after the next checkpoint was staged (its upload in flight), restart "
+        "it SECONDS later (default 1) on the same data dir.",
+        Drill._kill_ckptd,
+        default_seconds=1.0,
+    ),
+    "stop-s3": FaultKind(
+        "stop the S3 server for SECONDS (default 30), then start it again.",
+        Drill._stop_s3,
+        default_seconds=30.0,
+    ),
+    "disk-full": FaultKind(
+        "fill the SSD tier's disk (a size-limited tmpfs, which needs root) until a save fails or "
+        "SECONDS pass (default 60), then free it.",
+        Drill._disk_full,
+        default_seconds=60.0,
+        fills_disk=True,
+    ),
+    "corrupt-shard": FaultKind(
+        "SIGKILL a rank, damage one shard of the latest checkpoint on SSD and restart ckptd (its "
+        "memory tier gone), so that the resume must find the damage and read the S3 copy.",
+        Drill._corrupt_shard,
+        restarts=True,
+    ),
+    "kill-telemetry": FaultKind(
+        "SIGKILL the telemetry service, restart it SECONDS later (default 3).",
+        Drill._kill_telemetry,
+        default_seconds=3.0,
+    ),
+    "sdc": FaultKind(
+        "flip a bit of a random rank's gradients in step STEP (--inject-sdc): the step guard must "
+        "catch and replay it.",
+        Drill._sdc,
+        trainer_args=_sdc_flags,
+    ),
+    "kill-node": FaultKind(
+        "(--nodes 2 or more) a machine replaced: SIGKILL a random node's torchrun agent, its ranks "
+        "and its ckptd, delete its ckptd's data dir (its SSD), start a fresh ckptd with an empty "
+        "one at the same address, then the node's agent again; the other agents restart their "
+        "ranks and the job re-forms with it. Never node0: its agent hosts the rendezvous store "
+        "(and holds rank 0). The node's ranks are frozen first, until S3 holds every committed "
+        "checkpoint: a part that only the dead machine held could not survive it, so the drill "
+        "strikes when none is.",
+        Drill._kill_node,
+        restarts=True,
+        min_nodes=2,
+    ),
+    "partition-node": FaultKind(
+        "freeze a random node's ckptd (SIGSTOP) for SECONDS (default 5), then SIGCONT: its ranks "
+        "and its peers cannot reach it meanwhile.",
+        Drill._partition_node,
+        default_seconds=5.0,
+    ),
+}
+KINDS = tuple(FAULTS)
+# Faults that need another node to survive them.
+MULTI_NODE = frozenset(kind for kind, fault in FAULTS.items() if fault.min_nodes > 1)
+
+
+def kinds_help() -> str:
+    """Every kind and what it does, for `scaletrain chaos --help`."""
+    lines = ["fault kinds (KIND@STEP[:SECONDS]):"]
+    for kind, fault in FAULTS.items():
+        lines += textwrap.wrap(
+            fault.describe, 79, initial_indent=f"  {kind:<16}", subsequent_indent=" " * 18
+        )
+    return "\n".join(lines)
 
 
 def _fill(path: Path) -> None:
@@ -634,15 +693,15 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
     if options.ranks < 2:
         raise UserError(f"--ranks must be at least 2 for a drill, got {options.ranks}")
     check_nodes(options.ranks, options.nodes)
-    lonely = sorted({f.kind for f in options.schedule if f.kind in MULTI_NODE})
-    if lonely and options.nodes < 2:
+    lonely = sorted({f.kind for f in options.schedule if FAULTS[f.kind].min_nodes > options.nodes})
+    if lonely:
         raise UserError(f"--schedule: {', '.join(lonely)} needs --nodes 2 or more")
     late = [f"{f.kind}@{f.step}" for f in options.schedule if f.step >= options.steps]
     if late:
         raise UserError(f"--schedule: {', '.join(late)} at or after the last step {options.steps}")
     workdir = options.workdir
     run_id = new_run_id()
-    restarting = sum(f.kind in RESTARTING for f in options.schedule)
+    restarting = sum(FAULTS[f.kind].restarts for f in options.schedule)
     max_restarts = restarting + 2 if options.max_restarts is None else options.max_restarts
     trainer_args = [
         "--steps", str(options.steps), "--ckpt-every", str(options.ckpt_every),
@@ -654,7 +713,7 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
     workdir.create()
     disk = (
         small_disk(ssd_dir(workdir), options.ssd_mb)
-        if any(f.kind == "disk-full" for f in options.schedule)
+        if any(FAULTS[f.kind].fills_disk for f in options.schedule)
         else contextlib.nullcontext()
     )
     # ckptd retries S3 soon after an outage ends; S3 keeps every checkpoint, so none may vanish.
@@ -672,7 +731,7 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         drill = Drill(stack, options, run_id, tap)
         try:
             code = stack.train(
-                run_id, options.ranks, trainer_args + drill.sdc_args(), tap, max_restarts,
+                run_id, options.ranks, trainer_args + drill.trainer_args(), tap, max_restarts,
                 on_start=drill.start,
             )  # fmt: skip
         finally:
@@ -680,8 +739,13 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         # After a failure, only what is committed now: nothing will upload any more.
         checkpoints = wait_on_s3(stack.ckptd_address, run_id, 120.0 if code == 0 else 0.0)
         final = {c.ref.step for c in _intact(checkpoints)}
-    summary = _summary(workdir, run_id, checkpoints, time.monotonic() - started)
-    restarts, replayed, in_place = _replays(workdir, run_id)
+    summary = summarize(workdir, run_id, checkpoints, time.monotonic() - started)
+    engine = connect(workdir.db_url)
+    try:
+        replays = queries.replays(engine, run_id)
+        recoveries = [asdict(r) for r in queries.restarts(engine, run_id)]
+    finally:
+        engine.dispose()
     completed = code == 0
     return ChaosReport(
         run_id=run_id,
@@ -693,9 +757,9 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         faults_survived=len(drill.injected) if completed else 0,
         checkpoints_committed=len(drill.committed | final),
         checkpoints_lost=sorted(drill.committed - final),
-        restarts=restarts,
-        steps_replayed=replayed,
-        steps_replayed_in_place=in_place,
+        restarts=replays.restarts,
+        steps_replayed=replays.steps_after_restarts,
+        steps_replayed_in_place=replays.steps_in_place,
         goodput=summary.goodput,
         badput_s=summary.badput_s,
         last_loss=summary.last_loss,
@@ -703,57 +767,5 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         wall_s=round(time.monotonic() - started, 2),
         faults=[asdict(i) for i in drill.injected],
         checkpoints=summary.checkpoints,
-        recoveries=_recoveries(workdir, run_id),
+        recoveries=recoveries,
     )
-
-
-def _recoveries(workdir: Workdir, run_id: str) -> list[dict[str, object]]:
-    """Every restart, in order: the step it resumed from, the bytes its restore read from each
-    copy, and when (time.time()) its attempt's first step was recorded (None: it made none)."""
-    engine = connect(workdir.db_url)
-    recoveries: list[dict[str, object]] = []
-    try:
-        with engine.connect() as db:
-            rows = db.execute(
-                select(Event.step, Event.attributes)
-                .where(Event.run_id == run_id, Event.kind == "restart")
-                .order_by(Event.time)
-            ).all()
-            for step, attributes in rows:
-                attempt = int((attributes or {}).get("attempt", 0))
-                first = db.execute(
-                    select(func.min(RankStep.time)).where(
-                        RankStep.run_id == run_id, RankStep.attempt == attempt
-                    )
-                ).scalar()
-                recoveries.append({
-                    "step": step,
-                    "attempt": attempt,
-                    "restored_from": json.loads((attributes or {}).get("restored_from", "{}")),
-                    "first_step_at": first.timestamp() if first is not None else None,
-                })  # fmt: skip
-    finally:
-        engine.dispose()
-    return recoveries
-
-
-def _replays(workdir: Workdir, run_id: str) -> tuple[int, int, int]:
-    """(restarts, steps computed again after a restart, steps replayed by the step guard)."""
-    engine = connect(workdir.db_url)
-    try:
-        with engine.connect() as db:
-            rows, steps = db.execute(
-                select(func.count(), func.count(distinct(RankStep.step))).where(
-                    RankStep.run_id == run_id, RankStep.rank == 0
-                )
-            ).one()
-            counts = dict(
-                db.execute(
-                    select(Event.kind, func.count())
-                    .where(Event.run_id == run_id, Event.kind.in_(("restart", "replay")))
-                    .group_by(Event.kind)
-                ).all()
-            )
-    finally:
-        engine.dispose()
-    return counts.get("restart", 0), rows - steps, counts.get("replay", 0)

@@ -19,8 +19,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 # gRPC's core logs its own copy of errors we report in one line (a port in use, say); set
 # GRPC_VERBOSITY=debug to see them. This must happen before grpc is first imported.
@@ -39,10 +40,23 @@ DEFAULT_WORKDIR = Path(".scaletrain")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line in one line."""
+    """argparse that reports a bad command line in one line.
+
+    `epilog_from` makes the epilog only when help is shown, so that a command's startup does not
+    import what only its help needs.
+    """
+
+    def __init__(self, *args: Any, epilog_from: Callable[[], str] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._epilog_from = epilog_from
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def format_help(self) -> str:
+        if self._epilog_from is not None:
+            self.epilog = self._epilog_from()
+        return super().format_help()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run the embedded stack and a training job")
+    run.set_defaults(handler=_run)
     _workdir_arg(run)
     run.add_argument("--ranks", type=int, default=4, help="training processes (default 4)")
     _nodes_arg(run)
@@ -84,16 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     _trainer_options(run)
 
     drill = sub.add_parser(
-        "chaos", help="train on the embedded stack under a schedule of faults, then a report"
+        "chaos",
+        help="train on the embedded stack under a schedule of faults, then a report",
+        epilog_from=_fault_kinds,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    drill.set_defaults(handler=_chaos)
     _workdir_arg(drill)
     drill.add_argument("--ranks", type=int, default=4, help="training processes (default 4)")
     _nodes_arg(drill)
     _launcher_args(drill, CHAOS_DEFAULTS)
     drill.add_argument(
         "--schedule",
-        help="KIND@STEP[:SECONDS],... with KIND one of kill-rank, stop-rank, kill-ckptd, stop-s3, "
-        "disk-full, corrupt-shard, kill-telemetry, sdc, kill-node (--nodes 2+), partition-node "
+        help="KIND@STEP[:SECONDS],... with KIND one of the fault kinds below "
         "(default: 14 faults of every kind; 13 on one node, without kill-node)",
     )
     drill.add_argument(
@@ -119,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner = sub.add_parser(
         "plan", help="a job's parameters, per-rank memory, FLOPs, bubble and MFU, without a GPU"
     )
+    planner.set_defaults(handler=_plan)
     planner.add_argument("--gpus", type=int, default=8, help="ranks of the job (default 8)")
     planner.add_argument(
         "--gpu", default="h200", help="GPU whose dense peak MFU divides by (default h200)"
@@ -130,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     _trainer_options(planner)
 
     ckptd = sub.add_parser("ckptd", help="serve the checkpoint daemon")
+    ckptd.set_defaults(handler=_ckptd)
     ckptd.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT")
     ckptd.add_argument("--data-dir", type=Path, required=True, help="SSD tier and catalog")
     ckptd.add_argument(
@@ -202,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     tel = sub.add_parser(
         "telemetry", help="serve the telemetry service, or export a stored run's curves"
     )
+    tel.set_defaults(handler=_telemetry)
     tel.add_argument(
         "action",
         nargs="?",
@@ -234,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     _security_args(tel)
 
     ui = sub.add_parser("ui", help="open the run-health UI")
+    ui.set_defaults(handler=_ui)
     _workdir_arg(ui)
     ui.add_argument("--db", help="database URL (overrides --workdir)")
     ui.add_argument("--host", default="127.0.0.1")
@@ -241,24 +263,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="prepare a corpus as token shards for --data")
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
-    prepare_args(
-        data_sub.add_parser("prepare", help="tokenize text, .jsonl or Parquet into token shards")
+    prepare = data_sub.add_parser(
+        "prepare", help="tokenize text, .jsonl or Parquet into token shards"
     )
+    prepare.set_defaults(handler=_data_prepare)
+    prepare_args(prepare)
     example = data_sub.add_parser(
         "example",
         help="prepare the example dataset every machine has (what `make run` trains on): "
         "OUT/train and OUT/heldout from the standard library's sources, with a BPE trained on "
         "the first",
     )
+    example.set_defaults(handler=_data_example)
     example.add_argument("--out", type=Path, required=True, help="where train/ and heldout/ go")
     example.add_argument("--vocab", type=int, default=EXAMPLE_VOCAB, help="the BPE's vocabulary")
 
     ckpt = sub.add_parser("ckpt", help="list, show, verify, export and remove checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
-    ls = _ckpt_parser(ckpt_sub, "ls", "list checkpoints and the tiers that hold them")
+    ls = _ckpt_parser(ckpt_sub, "ls", "list checkpoints and the tiers that hold them", _ckpt_ls)
     ls.add_argument("--run", help="only this run")
     ls.add_argument("--json", action="store_true")
-    show = _ckpt_parser(ckpt_sub, "show", "one checkpoint: files, tiers, retention")
+    show = _ckpt_parser(ckpt_sub, "show", "one checkpoint: files, tiers, retention", _ckpt_show)
     show.add_argument("run")
     show.add_argument("step", type=int, nargs="?", help="default: the run's latest")
     show.add_argument(
@@ -267,12 +292,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="the run's newest checkpoint whose every part is on 2 nodes (asks --ckptd)",
     )
     show.add_argument("--json", action="store_true")
-    verify = _ckpt_parser(ckpt_sub, "verify", "read every copy and check its checksums")
+    verify = _ckpt_parser(
+        ckpt_sub, "verify", "read every copy and check its checksums", _ckpt_verify
+    )
     verify.add_argument("run")
     verify.add_argument("step", type=int)
     verify.add_argument("--json", action="store_true")
     export = _ckpt_parser(
-        ckpt_sub, "export", "write a standard DCP checkpoint directory, or a Hugging Face model"
+        ckpt_sub,
+        "export",
+        "write a standard DCP checkpoint directory, or a Hugging Face model",
+        _ckpt_export,
     )
     export.add_argument("run")
     export.add_argument("step", type=int)
@@ -293,16 +323,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=5000,
         help="--format hf: largest safetensors shard in MB (default 5000, as transformers)",
     )
-    rm = _ckpt_parser(ckpt_sub, "rm", "delete a checkpoint from every tier")
+    rm = _ckpt_parser(ckpt_sub, "rm", "delete a checkpoint from every tier", _ckpt_rm)
     rm.add_argument("run")
     rm.add_argument("step", type=int)
 
     certs = sub.add_parser("certs", help="write a development CA and certificates signed by it")
+    certs.set_defaults(handler=_certs)
     certs.add_argument("dir", type=Path, help="where to write ca.pem, server.*, client.*")
     certs.add_argument(
         "--host", action="append", default=[], help="another name of the server (repeatable)"
     )
     token = sub.add_parser("token", help="mint a token; only its hash is kept in the tokens file")
+    token.set_defaults(handler=_token)
     token.add_argument("--tokens", type=Path, required=True, help="the tokens file (JSON)")
     token.add_argument("--role", choices=("reader", "trainer", "admin"), required=True)
     token.add_argument("--run", default="*", help="the run it is good for (default: every run)")
@@ -391,9 +423,13 @@ def _limits(args: argparse.Namespace) -> DataLimits:
 
 
 def _ckpt_parser(
-    sub: argparse._SubParsersAction, name: str, summary: str
+    sub: argparse._SubParsersAction,
+    name: str,
+    summary: str,
+    handler: Callable[[argparse.Namespace], int],
 ) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=summary)
+    parser.set_defaults(handler=handler)
     _workdir_arg(parser)
     parser.add_argument("--ckptd", help="HOST:PORT of a running ckptd (instead of --workdir)")
     return parser
@@ -418,7 +454,7 @@ def _workdir_arg(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        return args.handler(args)
     except KeyboardInterrupt:
         print("scaletrain: interrupted; every child process was stopped", file=sys.stderr)
         return 130
@@ -433,37 +469,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _dispatch(args: argparse.Namespace) -> int:
-    if args.command == "run":
-        return _run(args)
-    if args.command == "chaos":
-        return _chaos(args)
-    if args.command == "plan":
-        return _plan(args)
-    if args.command == "ckptd":
-        return _ckptd(args)
-    if args.command == "telemetry":
-        return _telemetry(args)
-    if args.command == "ui":
-        return _ui(args)
-    if args.command in ("certs", "token"):
-        return _credentials(args)
-    if args.command == "data":
-        return _data(args)
-    return _ckpt(args)
+def _data_example(args: argparse.Namespace) -> int:
+    """`data example`: progress on stderr, what was made on stdout."""
+    from trainer.data.prepare import prepare_example, summary
+
+    made = zip(("train", "heldout"), prepare_example(args.out, args.vocab, sys.stderr), strict=True)
+    for name, manifest in made:
+        print(f"[data] {args.out / name}: {summary(manifest)}")
+    return 0
 
 
-def _data(args: argparse.Namespace) -> int:
-    """`data prepare` and `data example`: progress on stderr, what was made on stdout."""
-    from trainer.data.prepare import options_from, prepare, prepare_example, summary
+def _data_prepare(args: argparse.Namespace) -> int:
+    """`data prepare`: progress on stderr, what was made on stdout."""
+    from trainer.data.prepare import options_from, prepare, summary
 
-    if args.data_command == "example":
-        made = zip(
-            ("train", "heldout"), prepare_example(args.out, args.vocab, sys.stderr), strict=True
-        )
-        for name, manifest in made:
-            print(f"[data] {args.out / name}: {summary(manifest)}")
-        return 0
     manifest = prepare(options_from(args), progress=sys.stderr)
     print(f"[data] {args.out}: {summary(manifest)}")
     return 0
@@ -478,8 +497,8 @@ def _job(args: argparse.Namespace, defaults: dict[str, options.Value]) -> dict[s
 
 
 def _run(args: argparse.Namespace) -> int:
-    from scaletrain.embedded import RunOptions, run
-    from scaletrain.stack import Workdir
+    from scaletrain.app.embedded import RunOptions, run
+    from scaletrain.app.stack import Workdir
 
     job = _job(args, RUN_DEFAULTS)
     if args.print_config:
@@ -520,7 +539,7 @@ def _check_init_from_hf(job: dict[str, options.Value]) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from scaletrain.plan import plan, render
+    from scaletrain.app.plan import plan, render
 
     job = _job(args, RUN_DEFAULTS)
     if args.print_config:
@@ -568,8 +587,8 @@ def _tiers(names: list[str]) -> str:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from scaletrain.chaos import ChaosOptions, chaos, default_schedule, parse_schedule
-    from scaletrain.stack import Workdir
+    from scaletrain.app.chaos import ChaosOptions, chaos, default_schedule, parse_schedule
+    from scaletrain.app.stack import Workdir
 
     job = _job(args, CHAOS_DEFAULTS)
     if args.print_config:
@@ -597,6 +616,12 @@ def _chaos(args: argparse.Namespace) -> int:
     if report.checkpoints_lost:
         raise UserError(f"committed checkpoints lost: steps {report.checkpoints_lost}")
     return 0
+
+
+def _fault_kinds() -> str:
+    from scaletrain.app.chaos import kinds_help
+
+    return kinds_help()
 
 
 def _print_report(r) -> None:
@@ -715,7 +740,7 @@ def _telemetry_export(args: argparse.Namespace) -> int:
 
 def _print_tensorboard(db: str | None, args: argparse.Namespace, run_id: str) -> None:
     """Write `run_id`'s scalars under --tensorboard and say where."""
-    from scaletrain.stack import Workdir
+    from scaletrain.app.stack import Workdir
     from telemetry.db import connect
     from telemetry.tensorboard import write_tensorboard
 
@@ -733,15 +758,19 @@ def _print_tensorboard(db: str | None, args: argparse.Namespace, run_id: str) ->
           f"(tensorboard --logdir {args.tensorboard})", file=sys.stderr)  # fmt: skip
 
 
-def _credentials(args: argparse.Namespace) -> int:
+def _certs(args: argparse.Namespace) -> int:
     from scaletrain import security
 
-    if args.command == "certs":
-        files = security.generate_certs(args.dir, tuple(args.host))
-        print(f"wrote a development CA and certificates to {files.root}")
-        print(f"serve and connect with TLS: export {security.TLS_DIR_ENV}={files.root.resolve()}")
-        print(f"require client certificates too: export {security.TLS_CLIENT_AUTH_ENV}=1")
-        return 0
+    files = security.generate_certs(args.dir, tuple(args.host))
+    print(f"wrote a development CA and certificates to {files.root}")
+    print(f"serve and connect with TLS: export {security.TLS_DIR_ENV}={files.root.resolve()}")
+    print(f"require client certificates too: export {security.TLS_CLIENT_AUTH_ENV}=1")
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    from scaletrain import security
+
     if args.run != security.ALL_RUNS:
         from ckptd.names import check_run
 
@@ -753,7 +782,7 @@ def _credentials(args: argparse.Namespace) -> int:
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from scaletrain.stack import Workdir
+    from scaletrain.app.stack import Workdir
     from ui.launch import run_ui
 
     db = args.db or os.environ.get("SCALETRAIN_DB_URL")
@@ -765,50 +794,65 @@ def _ui(args: argparse.Namespace) -> int:
     return run_ui(db, host=args.host, port=args.port)
 
 
-def _ckpt(args: argparse.Namespace) -> int:
-    from scaletrain import checkpoints
+def _ckpt_ls(args: argparse.Namespace) -> int:
+    from scaletrain.app import checkpoints
 
-    command = args.ckpt_command
-    if command == "ls":
-        rows = checkpoints.list_checkpoints(args.workdir, args.ckptd, args.run)
-        if args.json:
-            print(json.dumps(rows, indent=2))
-        elif not rows:
-            print("no checkpoints")
-        else:
-            print(f"{'run':<28} {'step':>8} {'MB':>9}  {'safe':<4}  tiers")
-            for r in rows:
-                safe = {True: "yes", False: "no", None: "-"}[r["node_loss_safe"]]
-                print(
-                    f"{r['run']:<28} {r['step']:>8} {r['bytes'] / 1e6:>9.2f}  {safe:<4}  "
-                    f"{', '.join(r['tiers']) or '-'}"
-                )
-        return 0
-    if command == "show":
-        shown = checkpoints.show(args.workdir, args.ckptd, args.run, args.step, args.node_loss_safe)
-        if args.json:
-            print(json.dumps(shown, indent=2))
-        else:
-            _print_show(shown)
-        return 0
-    if command == "verify":
-        results = checkpoints.verify(args.workdir, args.ckptd, args.run, args.step)
-        if args.json:
-            print(json.dumps(results, indent=2))
-        else:
-            for tier, verdict in results.items():
-                print(f"{tier:<7} {verdict}")
-        bad = [tier for tier, verdict in results.items() if verdict != "ok"]
-        if bad:
-            raise UserError(f"{args.run}@{args.step}: damaged copy on {', '.join(bad)}")
-        return 0
-    if command == "rm":
-        removed, pending = checkpoints.remove(args.workdir, args.ckptd, args.run, args.step)
-        line = f"removed {args.run}@{args.step} from {', '.join(removed) or 'no tier'}"
-        if pending:
-            line += f"; removal from {', '.join(pending)} continues in the background"
-        print(line)
-        return 0
+    rows = checkpoints.list_checkpoints(args.workdir, args.ckptd, args.run)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print("no checkpoints")
+    else:
+        print(f"{'run':<28} {'step':>8} {'MB':>9}  {'safe':<4}  tiers")
+        for r in rows:
+            safe = {True: "yes", False: "no", None: "-"}[r["node_loss_safe"]]
+            print(
+                f"{r['run']:<28} {r['step']:>8} {r['bytes'] / 1e6:>9.2f}  {safe:<4}  "
+                f"{', '.join(r['tiers']) or '-'}"
+            )
+    return 0
+
+
+def _ckpt_show(args: argparse.Namespace) -> int:
+    from scaletrain.app import checkpoints
+
+    shown = checkpoints.show(args.workdir, args.ckptd, args.run, args.step, args.node_loss_safe)
+    if args.json:
+        print(json.dumps(shown, indent=2))
+    else:
+        _print_show(shown)
+    return 0
+
+
+def _ckpt_verify(args: argparse.Namespace) -> int:
+    from scaletrain.app import checkpoints
+
+    results = checkpoints.verify(args.workdir, args.ckptd, args.run, args.step)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for tier, verdict in results.items():
+            print(f"{tier:<7} {verdict}")
+    bad = [tier for tier, verdict in results.items() if verdict != "ok"]
+    if bad:
+        raise UserError(f"{args.run}@{args.step}: damaged copy on {', '.join(bad)}")
+    return 0
+
+
+def _ckpt_rm(args: argparse.Namespace) -> int:
+    from scaletrain.app import checkpoints
+
+    removed, pending = checkpoints.remove(args.workdir, args.ckptd, args.run, args.step)
+    line = f"removed {args.run}@{args.step} from {', '.join(removed) or 'no tier'}"
+    if pending:
+        line += f"; removal from {', '.join(pending)} continues in the background"
+    print(line)
+    return 0
+
+
+def _ckpt_export(args: argparse.Namespace) -> int:
+    from scaletrain.app import checkpoints
+
     if args.format == "hf":
         hf = checkpoints.export_hf(
             args.workdir, args.ckptd, args.run, args.step, args.dest, args.overwrite,
