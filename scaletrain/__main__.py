@@ -1,7 +1,6 @@
 """`python -m scaletrain` is the `scaletrain` command."""
 
-import sys
-
 from scaletrain.app.cli import main
+from scaletrain.process import exit_now
 
-sys.exit(main())
+exit_now(main())

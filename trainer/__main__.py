@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 
 from scaletrain.errors import ScaletrainError, UserError
+from scaletrain.process import exit_now
 from trainer.config import from_args, parser
 
 
@@ -33,23 +33,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0
-
-
-def exit_now(code: int) -> None:
-    """End the rank's process with `code` once `main` has returned, skipping the interpreter's
-    teardown.
-
-    By then the run has finished everything it owes explicitly (telemetry handed over, saves
-    committed or failed, threads stopped, the process group destroyed), and the atexit handlers
-    (logging, multiprocessing's children, torch's) still run here. What is skipped is freeing every
-    module's objects one by one: for torch with dynamo and sympy loaded that costs a rank about a
-    second of CPU, which on a host shared by many ranks delays the others, and an elastic agent
-    waits for the slowest rank to exit before the job is over.
-    """
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

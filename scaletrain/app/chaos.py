@@ -56,6 +56,8 @@ DEFAULT_SCHEDULE = (
 DRILL_WATCHDOG_MIN_S = 10.0
 # How long the drill waits for what a fault must cause (a restart, a watchdog, a save).
 _WAIT_S = 180.0
+# How long a node's ckptd, frozen, leaves a commit that its vote already reached to land.
+_COMMIT_SETTLE_S = 1.0
 _STEP_LINE = re.compile(r"^\[trainer\] step (\d+) ")
 
 
@@ -415,15 +417,21 @@ class Drill:
             os.kill(pid, signal.SIGSTOP)
         deadline = time.monotonic() + _WAIT_S
         while True:
+            # Checked while the node's ckptd answers: node0 asks it for its part's copies.
             on_s3 = self._wait_committed(_all_safe, deadline)
-            ckptd.signal(signal.SIGSTOP)  # a commit in flight needs its vote: none now
+            before = self._committed_steps()
+            ckptd.signal(signal.SIGSTOP)  # a commit in flight needs its vote: none from now on
             if self._done.is_set():
                 ckptd.signal(signal.SIGCONT)
                 for pid in frozen:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGCONT)
                 raise _JobEnded
-            if not on_s3 or self._wait_committed(_all_safe):
+            # A commit whose vote left before the freeze may still land: give it a moment, then
+            # check again with the node thawed. node0 lists its own catalog here, never asking
+            # the frozen node (that call would wait out the peer timeout every time round).
+            time.sleep(_COMMIT_SETTLE_S)
+            if not on_s3 or (before is not None and self._committed_steps() == before):
                 break
             ckptd.signal(signal.SIGCONT)
         self.job.kill_agent(node)
@@ -460,6 +468,12 @@ class Drill:
             if self._done.is_set() or time.monotonic() > deadline:
                 return False
             time.sleep(0.2)
+
+    def _committed_steps(self) -> set[int] | None:
+        """The steps node0's own catalog lists as committed (None: it did not answer)."""
+        with contextlib.suppress(ScaletrainError), CkptdClient(self.stack.ckptd_address) as c:
+            return {info.ref.step for info in _committed(c.list(self.run_id))}
+        return None
 
     def _wait_knows_newest(self, address: str) -> str:
         """Wait until the ckptd at `address` lists node0's newest committed checkpoint."""
