@@ -18,7 +18,7 @@ from typing import IO
 from ckptd.client import CkptdClient
 from ckptd.datadir import list_offline
 from scaletrain.app.stack import Stack, Workdir, check_nodes
-from scaletrain.app.summary import RunSummary, summarize, whole_tiers
+from scaletrain.app.summary import RunSummary, checkpoint_row, summarize, whole_tiers
 from scaletrain.errors import UserError
 from scaletrain.names import TIER_NAMES
 from scaletrain.security import ClientSecurity, Role
@@ -140,9 +140,14 @@ def _wait_for_tiers(
     security: ClientSecurity | None = None,
     copies: bool = False,
 ) -> list[checkpoint_pb2.CheckpointInfo]:
-    """The run's checkpoints with every node's part, once the newest is committed on the
-    durable tiers of every node (SSD, and S3 whole), and with `copies` node-loss safe too (or
-    the time is up). Not memory: the memory tier died with the ckptd that held it.
+    """The run's checkpoints with every node's part, once what the run saved has settled (or
+    the time is up): the newest committed on the durable tiers of every node (SSD, and S3 whole),
+    with `copies` node-loss safe too, every other one it saved whole on S3, and two listings in a
+    row alike. Not memory: the memory tier died with the ckptd that held it.
+
+    The older ones matter because retention moves them only once S3 holds them (an SSD copy
+    goes after the upload), and the uploads of one step wait for every node's part: a summary
+    taken sooner shows tiers that are about to change.
 
     Only a checkpoint this run saved (newer than `saved_before`) is waited for: an older one
     has nothing in flight, and a run resumed on fewer nodes may never see it whole on SSD (the
@@ -150,16 +155,22 @@ def _wait_for_tiers(
     clock."""
     deadline = time.monotonic() + timeout_s
     durable = {TIER_NAMES[common_pb2.TIER_SSD], TIER_NAMES[common_pb2.TIER_S3]}
+    s3 = TIER_NAMES[common_pb2.TIER_S3]
+    seen: list[dict] | None = None
     with CkptdClient(address, security) as client:
         while True:
             checkpoints = client.list(run_id, nodes=True)
-            newest = max(checkpoints, key=lambda c: c.ref.step, default=None)
-            if (
-                newest is None
-                or newest.ref.step <= saved_before
-                or (durable <= set(whole_tiers(newest)) and (newest.node_loss_safe or not copies))
+            saved = [c for c in checkpoints if c.ref.step > saved_before]
+            newest = max(saved, key=lambda c: c.ref.step, default=None)
+            rows = [checkpoint_row(c) for c in checkpoints]
+            if newest is None or (
+                durable <= set(whole_tiers(newest))
+                and (newest.node_loss_safe or not copies)
+                and all(s3 in whole_tiers(c) for c in saved)
+                and rows == seen
             ):
                 return checkpoints
             if time.monotonic() > deadline:
                 return checkpoints
+            seen = rows
             time.sleep(0.5)

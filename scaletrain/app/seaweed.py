@@ -54,15 +54,20 @@ def find_weed() -> str:
     return found
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports free on `host` right now (held open together so none repeats)."""
-    sockets = []
+def free_ports(
+    count: int, host: str = "127.0.0.1", avoid: frozenset[int] = frozenset()
+) -> list[int]:
+    """`count` distinct ports free on `host` right now (held open together so none repeats),
+    none of them in `avoid`: ports handed to services that have not bound them yet."""
+    sockets, ports = [], []
     try:
-        for _ in range(count):
+        while len(ports) < count:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind((host, 0))
             sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
+            if (port := sock.getsockname()[1]) not in avoid:
+                ports.append(port)
+        return ports
     finally:
         for sock in sockets:
             sock.close()
@@ -82,8 +87,11 @@ class SeaweedS3:
         access_key_id: str | None = None,
         secret_access_key: str | None = None,
         start_timeout_s: float = 30.0,
+        avoid_ports: frozenset[int] = frozenset(),
     ) -> None:
         self.data_dir = Path(data_dir)
+        # Ports other services were given but may not have bound yet.
+        self.avoid_ports = avoid_ports
         self.host = host
         self.access_key_id = access_key_id or f"scaletrain-{secrets.token_hex(4)}"
         self.secret_access_key = secret_access_key or secrets.token_urlsafe(24)
@@ -117,7 +125,11 @@ class SeaweedS3:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.ports:  # a restart keeps its ports, so clients keep their endpoint
             self.ports = dict(
-                zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS), self.host), strict=True)
+                zip(
+                    _PORT_FLAGS,
+                    free_ports(len(_PORT_FLAGS), self.host, self.avoid_ports),
+                    strict=True,
+                )
             )
         args = [
             weed,

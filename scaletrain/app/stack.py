@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from scaletrain.app.seaweed import SeaweedS3
+from scaletrain.app.seaweed import SeaweedS3, free_ports
 from scaletrain.errors import UserError
 from scaletrain.security import ClientSecurity, EmbeddedCredentials, Role
 from scaletrain.transport import wait_until_healthy
@@ -246,7 +246,11 @@ class Stack:
                 self.workdir.root / "tls", self.workdir.root / "tokens.json"
             )
             base_env |= self.credentials.server_env()
-        self.telemetry_address = f"127.0.0.1:{free_port()}"
+        # Every port at once, and S3 told to keep off them: a service spawned here binds its
+        # port only once it has imported, while the others are being given theirs.
+        telemetry_port, *ckptd_ports = free_ports(1 + self.nodes)
+        self.telemetry_address = f"127.0.0.1:{telemetry_port}"
+        self.ckptd_addresses = [f"127.0.0.1:{port}" for port in ckptd_ports]
         telemetry = self._spawn(
             "telemetry",
             _scaletrain_argv(
@@ -255,10 +259,8 @@ class Stack:
             base_env,
             self.telemetry_address,
         )
-        self.s3 = SeaweedS3(self.workdir.s3)
+        self.s3 = SeaweedS3(self.workdir.s3, avoid_ports=frozenset([telemetry_port, *ckptd_ports]))
         self.s3.start()
-        # Every address first: each ckptd is told its peers' when it starts.
-        self.ckptd_addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.nodes)]
         ckptd_env = base_env | {
             "AWS_ACCESS_KEY_ID": self.s3.access_key_id,
             "AWS_SECRET_ACCESS_KEY": self.s3.secret_access_key,
