@@ -18,7 +18,13 @@ from typing import IO
 from ckptd.client import CkptdClient
 from ckptd.datadir import list_offline
 from scaletrain.app.stack import Stack, Workdir, check_nodes
-from scaletrain.app.summary import RunSummary, checkpoint_row, summarize, whole_tiers
+from scaletrain.app.summary import (
+    RunSummary,
+    checkpoint_row,
+    committed_tiers,
+    summarize,
+    whole_tiers,
+)
 from scaletrain.errors import UserError
 from scaletrain.names import TIER_NAMES
 from scaletrain.security import ClientSecurity, Role
@@ -95,6 +101,12 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
     return summarize(workdir, run_id, checkpoints, time.monotonic() - started)
 
 
+def _on_s3_everywhere(info: checkpoint_pb2.CheckpointInfo, s3: str) -> bool:
+    """Whether S3 holds the checkpoint whole and every node has recorded it: a node applies
+    its retention in the same step as it records S3's copy, so its other tiers are settled too."""
+    return s3 in whole_tiers(info) and all(s3 in committed_tiers(p) for p in info.parts if p.files)
+
+
 def _first_error(logs: list[Path]) -> str:
     """The trainer's own one-line error, if a rank printed one, else what torchrun saw."""
     for log in logs:
@@ -142,8 +154,8 @@ def _wait_for_tiers(
 ) -> list[checkpoint_pb2.CheckpointInfo]:
     """The run's checkpoints with every node's part, once what the run saved has settled (or
     the time is up): the newest committed on the durable tiers of every node (SSD, and S3 whole),
-    with `copies` node-loss safe too, every other one it saved whole on S3, and two listings in a
-    row alike. Not memory: the memory tier died with the ckptd that held it.
+    with `copies` node-loss safe too, every one it saved on S3 as every node sees it, and two
+    listings in a row alike. Not memory: the memory tier died with the ckptd that held it.
 
     The older ones matter because retention moves them only once S3 holds them (an SSD copy
     goes after the upload), and the uploads of one step wait for every node's part: a summary
@@ -166,7 +178,7 @@ def _wait_for_tiers(
             if newest is None or (
                 durable <= set(whole_tiers(newest))
                 and (newest.node_loss_safe or not copies)
-                and all(s3 in whole_tiers(c) for c in saved)
+                and all(_on_s3_everywhere(c, s3) for c in saved)
                 and rows == seen
             ):
                 return checkpoints
