@@ -18,13 +18,7 @@ from typing import IO
 from ckptd.client import CkptdClient
 from ckptd.datadir import list_offline
 from scaletrain.app.stack import Stack, Workdir, check_nodes
-from scaletrain.app.summary import (
-    RunSummary,
-    checkpoint_row,
-    committed_tiers,
-    summarize,
-    whole_tiers,
-)
+from scaletrain.app.summary import RunSummary, checkpoint_row, summarize, whole_tiers
 from scaletrain.errors import UserError
 from scaletrain.names import TIER_NAMES
 from scaletrain.security import ClientSecurity, Role
@@ -101,10 +95,19 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
     return summarize(workdir, run_id, checkpoints, time.monotonic() - started)
 
 
-def _on_s3_everywhere(info: checkpoint_pb2.CheckpointInfo, s3: str) -> bool:
-    """Whether S3 holds the checkpoint whole and every node has recorded it: a node applies
-    its retention in the same step as it records S3's copy, so its other tiers are settled too."""
-    return s3 in whole_tiers(info) and all(s3 in committed_tiers(p) for p in info.parts if p.files)
+def _s3_settled(info: checkpoint_pb2.CheckpointInfo) -> bool:
+    """Whether S3 is done with the checkpoint on every node: each node has recorded S3's copy (a
+    node applies its retention in the same step, so its other tiers are settled too), or no node
+    is making one (a step the run's `s3_every` leaves off S3)."""
+    states = [
+        t.state
+        for holder in (info, *(p for p in info.parts if p.files))
+        for t in holder.tiers
+        if t.tier == common_pb2.TIER_S3
+    ]
+    committed = checkpoint_pb2.TIER_STATE_COMMITTED
+    in_flight = (checkpoint_pb2.TIER_STATE_PENDING, checkpoint_pb2.TIER_STATE_FAILED)
+    return all(s == committed for s in states) or not any(s in in_flight for s in states)
 
 
 def _first_error(logs: list[Path]) -> str:
@@ -154,7 +157,7 @@ def _wait_for_tiers(
 ) -> list[checkpoint_pb2.CheckpointInfo]:
     """The run's checkpoints with every node's part, once what the run saved has settled (or
     the time is up): the newest committed on the durable tiers of every node (SSD, and S3 whole),
-    with `copies` node-loss safe too, every one it saved on S3 as every node sees it, and two
+    with `copies` node-loss safe too, S3 done with every one it saved on every node, and two
     listings in a row alike. Not memory: the memory tier died with the ckptd that held it.
 
     The older ones matter because retention moves them only once S3 holds them (an SSD copy
@@ -167,7 +170,6 @@ def _wait_for_tiers(
     clock."""
     deadline = time.monotonic() + timeout_s
     durable = {TIER_NAMES[common_pb2.TIER_SSD], TIER_NAMES[common_pb2.TIER_S3]}
-    s3 = TIER_NAMES[common_pb2.TIER_S3]
     seen: list[dict] | None = None
     with CkptdClient(address, security) as client:
         while True:
@@ -178,7 +180,7 @@ def _wait_for_tiers(
             if newest is None or (
                 durable <= set(whole_tiers(newest))
                 and (newest.node_loss_safe or not copies)
-                and all(_on_s3_everywhere(c, s3) for c in saved)
+                and all(_s3_settled(c) for c in saved)
                 and rows == seen
             ):
                 return checkpoints
