@@ -469,9 +469,11 @@ class Drill:
                 return False
             time.sleep(0.2)
 
-    def _committed_steps(self) -> set[int] | None:
-        """The steps node0's own catalog lists as committed (None: it did not answer)."""
-        with contextlib.suppress(ScaletrainError), CkptdClient(self.stack.ckptd_address) as c:
+    def _committed_steps(self, address: str = "") -> set[int] | None:
+        """The steps the ckptd at `address` (node0's if empty) lists as committed in its own
+        catalog, asking no peer (None: it did not answer)."""
+        address = address or self.stack.ckptd_address
+        with contextlib.suppress(ScaletrainError), CkptdClient(address) as c:
             return {info.ref.step for info in _committed(c.list(self.run_id))}
         return None
 
@@ -481,9 +483,8 @@ class Drill:
         with CkptdClient(self.stack.ckptd_address) as client:
             newest = max((c.ref.step for c in _committed(client.list(self.run_id))), default=-1)
         while time.monotonic() < deadline and not self._done.is_set():
-            with contextlib.suppress(ScaletrainError), CkptdClient(address) as client:
-                if newest in {c.ref.step for c in _committed(client.list(self.run_id))}:
-                    return f"lists step {newest}"
+            if newest in (self._committed_steps(address) or ()):
+                return f"lists step {newest}"
             time.sleep(0.2)
         return f"does not list step {newest}"
 
