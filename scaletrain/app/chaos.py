@@ -224,6 +224,9 @@ class Drill:
         self.stack, self.options, self.run_id, self.tap = stack, options, run_id, tap
         self.injected: list[Injected] = []
         self._fresh_at: float | None = None  # kill-node's fresh ckptd, for its Injected
+        # kill-node strikes once the job has a checkpoint to resume from, steps after it was due:
+        # the step its ranks were frozen at, for its Injected.
+        self._struck_step: int | None = None
         self.committed: set[int] = set()
         self.job: Job | None = None
         self._done = threading.Event()
@@ -287,6 +290,8 @@ class Drill:
                 return
             except (OSError, ScaletrainError, UserError) as exc:
                 target, detail = "-", f"could not inject: {exc}"
+            if self._struck_step is not None:
+                step, self._struck_step = self._struck_step, None
             record = Injected(fault.kind, step, target, detail, at, self._fresh_at)
             self._fresh_at = None
             self.injected.append(record)
@@ -434,6 +439,7 @@ class Drill:
             if not on_s3 or (before is not None and self._committed_steps() == before):
                 break
             ckptd.signal(signal.SIGCONT)
+        self._struck_step = self.tap.step
         self.job.kill_agent(node)
         ckptd.kill()
         data_dir = self.stack.workdir.ckptd_dir(node)
