@@ -334,9 +334,16 @@ class Coordinator:
             files += [FileRecord.from_wire(f) for f in answer.files]
         return Votes(files, sizes, unreachable)
 
-    def decide(self, save: SaveRecord, manifest: Manifest | None, reason: str = "") -> None:
-        """Tell every peer the outcome (commit with `manifest`, else abort); a peer that does not
-        hear it asks for it later (Outcome), so failures here are only logged."""
+    def decide(
+        self,
+        save: SaveRecord,
+        manifest: Manifest | None,
+        reason: str = "",
+        retention: checkpoint_pb2.RetentionPolicy | None = None,
+    ) -> None:
+        """Tell every peer the outcome (commit with `manifest` and the run's `retention`, else
+        abort); a peer that does not hear it asks for it later (Outcome), so failures here are
+        only logged."""
         request = checkpoint_pb2.DecideRequest(
             save_id=save.save_id,
             ref=checkpoint_pb2.CheckpointRef(run=save.key.run, step=save.key.step),
@@ -345,6 +352,7 @@ class Coordinator:
             commit=manifest is not None,
             manifest=manifest.to_wire() if manifest is not None else None,
             reason=reason,
+            retention=retention,
         )
         peers = self.peers.all()
         answers = self.peers.call(

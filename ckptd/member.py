@@ -25,6 +25,7 @@ from ckptd.cluster import Peers, check_epoch
 from ckptd.crash import crash_point
 from ckptd.manifest import FileRecord, Manifest
 from ckptd.names import MAX_WORLD_SIZE, check_run, key_of, manifest_from_peer
+from ckptd.retention import RetentionPolicy
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.ssd import SsdTier
 from scaletrain.errors import (
@@ -139,7 +140,22 @@ class ClusterMember:
         manifest = manifest_from_peer(request.manifest, f"node {request.coordinator}")
         if manifest.key != key:
             raise InvalidArgument(f"a decision on {key} carries the manifest of {manifest.key}")
+        if request.HasField("retention"):
+            self._take_policy(key.run, request.retention, f"node {request.coordinator}")
         self.adopt(manifest, request.save_id)
+
+    def _take_policy(self, run: str, wire: checkpoint_pb2.RetentionPolicy, source: str) -> None:
+        """Keep `run`'s checkpoints as its coordinator does: its OpenSave set the run's
+        retention and R on that node only."""
+        try:
+            policy = RetentionPolicy.from_proto(wire)
+        except InvalidArgument as exc:
+            log.warning("ignoring the retention of run %r from %s: %s", run, source, exc)
+            return
+        with self._lock:
+            if self.catalog.policy(run) != policy:
+                self.catalog.set_policy(run, policy)
+                self._apply_retention(run)
 
     def adopt(self, manifest: Manifest, save_id: str | None) -> None:
         """Learn that `manifest` is committed. This node's part of it, if the save `save_id` (or
@@ -266,6 +282,11 @@ class ClusterMember:
                 part.reachable, part.error = False, view
             else:
                 part.reachable = True
+                part.latest_safe_step = (
+                    self.latest_safe_steps(info.ref.run).get(info.ref.run, 0)
+                    if node == self.node
+                    else view.latest_safe.get(info.ref.run, 0)  # type: ignore[union-attr]
+                )
                 part.tiers.extend(
                     info.tiers if node == self.node else tiers_in(view, info.ref)  # type: ignore[arg-type]
                 )
@@ -312,6 +333,26 @@ class ClusterMember:
                 return key
         return None
 
+    def _learn_latest_safe(self, run: str, step: int) -> None:
+        """Take `step` as the run's newest node-loss-safe step. Retention runs again when it
+        changes: the SSD copy it kept of the step safe before may go now, where it would
+        otherwise wait for the run's next commit (never, once the run has ended)."""
+        with self._lock:
+            if self._latest_safe.get(run) != step:
+                self._latest_safe[run] = step
+                self._apply_retention(run)
+
+    def policies(self, run: str = "") -> dict[str, checkpoint_pb2.RetentionPolicy]:
+        """run -> its retention and R as this node holds them (of `run`)."""
+        runs = [run] if run else self.catalog.runs()
+        held = {r: self.catalog.policy(r) for r in runs}
+        return {r: p.to_proto() for r, p in held.items() if p is not None}
+
+    def latest_safe_steps(self, run: str = "") -> dict[str, int]:
+        """run -> its newest node-loss-safe step as this node last learned it (of `run`)."""
+        with self._lock:
+            return {r: s for r, s in self._latest_safe.items() if not run or r == run}
+
     def sync_with_peers(self) -> None:
         """Resolve the saves this node voted on, and learn the commits it missed (down, frozen,
         or a replaced machine with an empty data dir). Run at start and every few seconds."""
@@ -348,9 +389,14 @@ class ClusterMember:
                 if on_s3 and self._replication is not None:
                     self._replication.queue_check(manifest.key)
         for run in self.catalog.runs():
+            newest = max(self.catalog.run_states(run), default=None)
+            manifest = self.catalog.manifest(CheckpointKey(run, newest)) if newest else None
+            view = views.get(manifest.coordinator) if manifest is not None else None
+            if isinstance(view, checkpoint_pb2.CatalogResponse) and run in view.policies:
+                self._take_policy(run, view.policies[run], f"node {view.node}")
             safe = self.latest(run, views, safe=True)
             if safe is not None:
-                self._latest_safe[run] = safe.step
+                self._learn_latest_safe(run, safe.step)
         self.queue_duties()
         self.drop_surplus(lambda key, owner: self._holders(self._copies(key, views).get(owner, {})))
 

@@ -277,7 +277,10 @@ class ClusterServicer(checkpoint_pb2_grpc.ClusterServiceServicer):
         self, request: checkpoint_pb2.CatalogRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.CatalogResponse:
         return checkpoint_pb2.CatalogResponse(
-            node=self._store.node, entries=self._store.catalog_entries(request.run)
+            node=self._store.node,
+            entries=self._store.catalog_entries(request.run),
+            latest_safe=self._store.latest_safe_steps(request.run),
+            policies=self._store.policies(request.run),
         )
 
     @maps_errors

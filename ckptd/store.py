@@ -611,7 +611,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             raise
         crash_point("cluster-decided")
         with phase.labels("notify").time():
-            self._coordinator.decide(record, manifest)
+            self._coordinator.decide(record, manifest, retention=self.policy(key.run).to_proto())
         self.offer_replicas(manifest)
         log.info(
             "committed %s (%d bytes on %d node(s), %.3fs)", key, manifest.total_bytes,

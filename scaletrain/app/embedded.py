@@ -110,6 +110,15 @@ def _s3_settled(info: checkpoint_pb2.CheckpointInfo) -> bool:
     return all(s == committed for s in states) or not any(s in in_flight for s in states)
 
 
+def _retention_settled(newest: checkpoint_pb2.CheckpointInfo) -> bool:
+    """Whether the newest checkpoint is node-loss safe and every node knows it: a node's SSD
+    keeps the newest safe step it knows of, so until then it may hold an older one that the
+    policy lets go."""
+    return newest.node_loss_safe and all(
+        p.latest_safe_step == newest.ref.step for p in newest.parts if p.reachable
+    )
+
+
 def _first_error(logs: list[Path]) -> str:
     """The trainer's own one-line error, if a rank printed one, else what torchrun saw."""
     for log in logs:
@@ -157,8 +166,9 @@ def _wait_for_tiers(
 ) -> list[checkpoint_pb2.CheckpointInfo]:
     """The run's checkpoints with every node's part, once what the run saved has settled (or
     the time is up): the newest committed on the durable tiers of every node (SSD, and S3 whole),
-    with `copies` node-loss safe too, S3 done with every one it saved on every node, and two
-    listings in a row alike. Not memory: the memory tier died with the ckptd that held it.
+    with `copies` node-loss safe too and known so by every node, S3 done with every one it saved
+    on every node, and two listings in a row alike. Not memory: the memory tier died with the
+    ckptd that held it.
 
     The older ones matter because retention moves them only once S3 holds them (an SSD copy
     goes after the upload), and the uploads of one step wait for every node's part: a summary
@@ -179,7 +189,7 @@ def _wait_for_tiers(
             rows = [checkpoint_row(c) for c in checkpoints]
             if newest is None or (
                 durable <= set(whole_tiers(newest))
-                and (newest.node_loss_safe or not copies)
+                and (not copies or _retention_settled(newest))
                 and all(_s3_settled(c) for c in saved)
                 and rows == seen
             ):

@@ -285,7 +285,7 @@ class CheckpointInfo(_message.Message):
     def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., committed: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ..., node: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[NodePart, _Mapping]]] = ..., node_loss_safe: _Optional[bool] = ...) -> None: ...
 
 class NodePart(_message.Message):
-    __slots__ = ("node", "address", "files", "bytes", "tiers", "reachable", "error", "replicas", "copies")
+    __slots__ = ("node", "address", "files", "bytes", "tiers", "reachable", "error", "replicas", "copies", "latest_safe_step")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +295,7 @@ class NodePart(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    LATEST_SAFE_STEP_FIELD_NUMBER: _ClassVar[int]
     node: str
     address: str
     files: int
@@ -304,7 +305,8 @@ class NodePart(_message.Message):
     error: str
     replicas: _containers.RepeatedCompositeFieldContainer[PartCopy]
     copies: int
-    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., files: _Optional[int] = ..., bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[PartCopy, _Mapping]]] = ..., copies: _Optional[int] = ...) -> None: ...
+    latest_safe_step: int
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., files: _Optional[int] = ..., bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[PartCopy, _Mapping]]] = ..., copies: _Optional[int] = ..., latest_safe_step: _Optional[int] = ...) -> None: ...
 
 class PartCopy(_message.Message):
     __slots__ = ("node", "tiers")
@@ -508,7 +510,7 @@ class PrepareResponse(_message.Message):
     def __init__(self, node: _Optional[str] = ..., world_size: _Optional[int] = ..., files: _Optional[_Iterable[_Union[PartFile, _Mapping]]] = ...) -> None: ...
 
 class DecideRequest(_message.Message):
-    __slots__ = ("save_id", "epoch", "coordinator", "commit", "manifest", "reason", "ref")
+    __slots__ = ("save_id", "epoch", "coordinator", "commit", "manifest", "reason", "ref", "retention")
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
@@ -516,6 +518,7 @@ class DecideRequest(_message.Message):
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     save_id: str
     epoch: int
     coordinator: str
@@ -523,7 +526,8 @@ class DecideRequest(_message.Message):
     manifest: Manifest
     reason: str
     ref: CheckpointRef
-    def __init__(self, save_id: _Optional[str] = ..., epoch: _Optional[int] = ..., coordinator: _Optional[str] = ..., commit: _Optional[bool] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., reason: _Optional[str] = ..., ref: _Optional[_Union[CheckpointRef, _Mapping]] = ...) -> None: ...
+    retention: RetentionPolicy
+    def __init__(self, save_id: _Optional[str] = ..., epoch: _Optional[int] = ..., coordinator: _Optional[str] = ..., commit: _Optional[bool] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., reason: _Optional[str] = ..., ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ...) -> None: ...
 
 class DecideResponse(_message.Message):
     __slots__ = ()
@@ -588,9 +592,27 @@ class OfferReplicaResponse(_message.Message):
     def __init__(self, queued: _Optional[bool] = ...) -> None: ...
 
 class CatalogResponse(_message.Message):
-    __slots__ = ("node", "entries")
+    __slots__ = ("node", "entries", "latest_safe", "policies")
+    class LatestSafeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PoliciesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: RetentionPolicy
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RetentionPolicy, _Mapping]] = ...) -> None: ...
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    LATEST_SAFE_FIELD_NUMBER: _ClassVar[int]
+    POLICIES_FIELD_NUMBER: _ClassVar[int]
     node: str
     entries: _containers.RepeatedCompositeFieldContainer[CatalogEntry]
-    def __init__(self, node: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[CatalogEntry, _Mapping]]] = ...) -> None: ...
+    latest_safe: _containers.ScalarMap[str, int]
+    policies: _containers.MessageMap[str, RetentionPolicy]
+    def __init__(self, node: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[CatalogEntry, _Mapping]]] = ..., latest_safe: _Optional[_Mapping[str, int]] = ..., policies: _Optional[_Mapping[str, RetentionPolicy]] = ...) -> None: ...

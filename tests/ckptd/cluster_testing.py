@@ -81,11 +81,19 @@ def node_of_rank(rank: int, world_size: int, nodes: int) -> int:
     return rank // (world_size // nodes)
 
 
-def save(cluster: Cluster, step: int, files: Files, world_size: int, commit: bool = True) -> str:
+def save(
+    cluster: Cluster,
+    step: int,
+    files: Files,
+    world_size: int,
+    commit: bool = True,
+    retention: checkpoint_pb2.RetentionPolicy | None = None,
+) -> str:
     """A save as DCP makes it: the coordinator (rank 0, node 0) opens it, every rank joins it on
-    its own node's ckptd and writes its shard there; the metadata goes to node 0, which commits."""
+    its own node's ckptd and writes its shard there; the metadata goes to node 0, which commits.
+    `retention`, if given, becomes the run's."""
     nodes = len(cluster.clients)
-    opened = cluster.clients[0].open_save("run", step, world_size)
+    opened = cluster.clients[0].open_save("run", step, world_size, retention=retention)
     joined = set()
     for path, (rank, kind, data) in files.items():
         client = cluster.clients[node_of_rank(rank, world_size, nodes)]

@@ -43,7 +43,7 @@ from scaletrain.errors import InvalidArgument
 from scaletrain.v1 import checkpoint_pb2
 
 FAILED = checkpoint_pb2.TIER_STATE_FAILED
-SSD = 2
+MEMORY, SSD, S3 = 1, 2, 3
 
 # -- placement and R, without a network ----------------------------------------------------------
 
@@ -247,6 +247,35 @@ def test_a_lost_node_is_replaced_and_restores_its_part_from_its_peer_with_no_s3_
                                                       "node1": ["node0", "node1"]}),
              timeout_s=30, what="node 1 to hold its part again")  # fmt: skip
     assert [s3_reads(cluster, i) for i in range(2)] == [0.0, 0.0]
+
+
+def test_an_old_steps_ssd_copy_goes_once_every_node_learns_a_newer_step_is_node_loss_safe(
+    make_cluster, s3_config: S3Config
+) -> None:
+    # SSD keeps the newest node-loss-safe step whatever its age, as each node last learned it
+    # from its peers. Once a newer step is safe, the older one's SSD copy must go at once, not
+    # at the run's next commit, which never comes once the run has ended. And the run's policy,
+    # given at OpenSave to node 0, is node 1's too.
+    cluster = make_cluster(2, s3_config)
+    files = checkpoint_files(world_size=4, shard_bytes=100_000, seed=6)
+    policy = checkpoint_pb2.RetentionPolicy(memory_last=1, ssd_last=1, s3_every=1)
+    for step in (10, 20):
+        save(cluster, step, files, 4, retention=policy)
+        wait_until_safe(cluster, step)
+        wait_until_every_node_sees_it_on_s3(cluster, step)
+
+    def parts(step: int) -> list[checkpoint_pb2.NodePart]:
+        listed = cluster.clients[0].list("run", nodes=True)
+        return list(next(c for c in listed if c.ref.step == step).parts)
+
+    wait_for(lambda: [p.latest_safe_step for p in parts(20)] == [20, 20],
+             timeout_s=30, what="every node to learn that step 20 is node-loss safe")  # fmt: skip
+
+    def held(step: int) -> list[list[int]]:
+        return [sorted(t.tier for t in p.tiers if t.state == COMMITTED) for p in parts(step)]
+
+    assert held(10) == [[S3], [S3]]
+    assert held(20) == [[MEMORY, SSD, S3], [MEMORY, SSD, S3]]
 
 
 def damage(path: Path, offset: int = 1000) -> None:
