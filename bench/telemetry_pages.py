@@ -81,6 +81,7 @@ def fill(url: str, cluster: Cluster) -> float:
         with engine.begin() as connection:
             insert_steps(connection, [rows])
             write(connection, [summary])
+        store.steps_written({RUN_ID: step})  # its range partitions ahead, as the service does
         if step % 100 == 0:
             print(f"filled {step}/{cluster.steps} steps", flush=True)
     with engine.begin() as connection:
@@ -90,6 +91,7 @@ def fill(url: str, cluster: Cluster) -> float:
     if engine.dialect.name == "postgresql":
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
             connection.exec_driver_sql("VACUUM ANALYZE")
+    store.wait_for_partitions()
     engine.dispose()
     return time.perf_counter() - started
 
@@ -181,10 +183,17 @@ def sizes(url: str, ranks: int, policy: RetentionPolicy) -> dict[str, Any]:
     with engine.connect() as connection:
         for table in ("rank_steps", "step_rollups", "node_steps"):
             size, rows = connection.execute(
-                text(f"SELECT pg_total_relation_size('{table}'), (SELECT count(*) FROM {table})")
+                # A partitioned table's bytes are its partitions' (it holds none itself).
+                text(
+                    "SELECT coalesce((SELECT sum(pg_total_relation_size(relid)) FROM "
+                    "pg_partition_tree(CAST(:table AS regclass)) WHERE isleaf), "
+                    "pg_total_relation_size(:table)), "
+                    f"(SELECT count(*) FROM {table})"
+                ),
+                {"table": table},
             ).one()
             result[f"{table}_bytes"] = int(size)
-            result[f"{table}_bytes_per_row"] = round(size / rows, 1) if rows else None
+            result[f"{table}_bytes_per_row"] = round(int(size) / rows, 1) if rows else None
         world = connection.execute(select(Run.world_size).where(Run.run_id == RUN_ID)).scalar()
     engine.dispose()
     nodes = -(-world // 8)
