@@ -11,9 +11,10 @@ best of a few each:
 3. the memory tier over the fast path: OpenRead, then the range's frames over ckptd's data
    socket (`ckptd.readpath`);
 4. the SSD tier over the fast path (page cache dropped first when this process may do so);
-5. a peer: a second ckptd process, configured as the first one's peer, serves the same shard,
-   which it reads from the first one's memory tier over the first one's data socket (one
-   connection for the range, `Reader._relay`), checking every block on the way.
+5. a peer: the client asks a second ckptd process, configured as the first one's peer, which
+   holds no copy of the shard: it sends the client to the first one's data socket with that
+   one's ticket (OpenReadRequest.direct), so the bytes take one hop (before 2026-12-02 the
+   second ckptd relayed them, `Reader._relay`: 0.28-0.36 of raw TCP).
 
 Both ckptds run with R = 1 (`--replicas 1`): with the default R = 2 the second one copied the
 shard in the background while the first restores were timed (CPU taken from them), and then
@@ -25,7 +26,7 @@ seconds per GB that a memory and a peer restore cost each process (from one more
 all of them share this machine's cores, where on a cluster the two ckptds have their own. For
 reference beside the peer restore, also a raw TCP relay: the same bytes from a sender process
 through a second process that passes them on (`RawTcp(relay=True)`), the floor of any two-hop
-path on these two cores; the target's ratio stays the one to one-hop raw TCP.
+path on these two cores (what a ckptd that relays, as with TLS across hosts, comes to).
 Run: `.venv/bin/python bench/ckptd_restore.py [--mib 256] [--runs 3]`.
 """
 

@@ -11,6 +11,7 @@ not gRPC status codes.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections import Counter
@@ -23,13 +24,14 @@ from ckptd.datapath import UNKNOWN_SIZE
 from ckptd.readpath import RangeConnection, data_connection, open_range, source_label
 from ckptd.upload import Bytes, FileWriter, RpcFile, SocketFile
 from ckptd.wire import encode_write_request
-from scaletrain.errors import DataLoss, ScaletrainError, error_from_rpc
+from scaletrain.errors import DataLoss, ScaletrainError, Unavailable, error_from_rpc
 from scaletrain.security import ClientSecurity
 from scaletrain.transport import DEFAULT_TIMEOUT_S, make_channel
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 # "0" turns the fast path off: every file goes through WriteFile, every read through ReadFile.
 FAST_PATH_ENV = "SCALETRAIN_CKPTD_FAST_PATH"
+_log = logging.getLogger(__name__)
 # A stream's deadline grows with the bytes it carries, assuming at least this throughput.
 _MIN_BYTES_PER_S = 8 << 20
 
@@ -250,18 +252,42 @@ class CkptdClient:
         ref = checkpoint_pb2.CheckpointRef(run=run, step=step)
         fast = self._open_range(ref, path, offset, length, tier, what)
         if fast is not None:
-            return self._fast_pieces(fast)
+            return self._fast_pieces(fast, ref, path, tier, what)
         request = checkpoint_pb2.ReadFileRequest(
             ref=ref, path=path, offset=offset, length=length, tier=tier
         )
         return self._read_file(request, what)
 
-    def _fast_pieces(self, fast: RangeConnection) -> Iterator[bytes]:
+    def _fast_pieces(
+        self,
+        fast: RangeConnection,
+        ref: checkpoint_pb2.CheckpointRef,
+        path: str,
+        tier: int,
+        what: str,
+    ) -> Iterator[bytes]:
+        """The pieces of `fast`; if a peer it was sent to fails midway, the rest through the
+        node asked, which tries every copy in turn (S3 last)."""
         with fast:
             try:
                 yield from fast.pieces()
+                return
+            except (DataLoss, Unavailable) as exc:
+                if not fast.elsewhere:
+                    raise
+                _log.warning("%s from node %s failed (%s); on through ckptd", what,
+                             fast.elsewhere, exc)  # fmt: skip
             finally:
                 self.served.update(fast.served)
+        pos, end = fast.position, fast.offset + fast.length
+        rest = self._open_range(ref, path, pos, end - pos, tier, what, direct=False)
+        if rest is not None:
+            yield from self._fast_pieces(rest, ref, path, tier, what)
+        else:
+            request = checkpoint_pb2.ReadFileRequest(
+                ref=ref, path=path, offset=pos, length=end - pos, tier=tier
+            )
+            yield from self._read_file(request, what)
 
     def _read_file(self, request: checkpoint_pb2.ReadFileRequest, what: str) -> Iterator[bytes]:
         expected = request.offset
@@ -287,6 +313,19 @@ class CkptdClient:
         fast = self._open_range(ref, path, offset, length, 0, what)
         if fast is None:
             return b"".join(self.read_stream(run, step, path, offset, length))
+        if not fast.elsewhere:
+            return self._receive(fast)
+        try:
+            return self._receive(fast)
+        except (DataLoss, Unavailable) as exc:
+            _log.warning("%s from node %s failed (%s); again through ckptd", what,
+                         fast.elsewhere, exc)  # fmt: skip
+        again = self._open_range(ref, path, offset, length, 0, what, direct=False)
+        if again is None:
+            return b"".join(self.read_stream(run, step, path, offset, length))
+        return self._receive(again)
+
+    def _receive(self, fast: RangeConnection) -> bytearray:
         with fast:
             buffer = bytearray(fast.length)
             try:
@@ -303,16 +342,21 @@ class CkptdClient:
         length: int,
         tier: int,
         what: str,
+        direct: bool = True,
     ) -> RangeConnection | None:
-        """The range on its way over the data socket; None (and the fast path off) when ckptd
-        does not offer it to this client or it cannot be reached."""
+        """The range on its way over a data socket: with `direct`, a peer's when the node asked
+        holds no copy (one hop); None (and the fast path off) when ckptd does not offer its data
+        socket to this client or it cannot be reached."""
         if not self.fast_path:
             return None
         request = checkpoint_pb2.OpenReadRequest(
-            ref=ref, path=path, offset=offset, length=length, tier=tier
+            ref=ref, path=path, offset=offset, length=length, tier=tier, direct=direct
         )
         try:
             fast = open_range(self._stub, request, self._host, _stream_timeout(0), what)
+            if fast is None and direct:  # perhaps the peer's socket alone was out of reach
+                request.direct = False
+                fast = open_range(self._stub, request, self._host, _stream_timeout(0), what)
         except grpc.RpcError as exc:
             raise self._error(exc, what) from None
         if fast is None:

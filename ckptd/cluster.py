@@ -487,8 +487,27 @@ def open_peer_range(
         length=length,
         local_only=True,
     )
-    host = peer.address.rsplit(":", 1)[0].strip("[]")
-    return open_range(peer.checkpoints(), request, host, _PEER_TIMEOUT_S, what)
+    return open_range(peer.checkpoints(), request, _host_of(peer), _PEER_TIMEOUT_S, what)
+
+
+def open_peer_read(
+    peer: Peer, request: checkpoint_pb2.OpenReadRequest
+) -> checkpoint_pb2.OpenReadResponse:
+    """`peer`'s ticket for the range of `request` from its own copy of the file, with the node
+    and the address of its data socket filled in, for a caller that connects to it itself
+    (OpenReadRequest.direct). Raises grpc.RpcError for a refusal (NOT_FOUND: no copy there;
+    UNIMPLEMENTED: its data socket serves no caller of this node's host)."""
+    asked = checkpoint_pb2.OpenReadRequest()
+    asked.CopyFrom(request)
+    asked.local_only, asked.direct = True, False
+    opened = peer.checkpoints().OpenRead(asked, timeout=_PEER_TIMEOUT_S)
+    opened.data_host = opened.data_host or _host_of(peer)
+    opened.node = peer.node
+    return opened
+
+
+def _host_of(peer: Peer) -> str:
+    return peer.address.rsplit(":", 1)[0].strip("[]")
 
 
 def _read_peer_range(

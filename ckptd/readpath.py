@@ -303,6 +303,9 @@ class RangeConnection:
         self._pos = opened.offset
         self.tier = 0  # the tier of the last frame received
         self.node = ""  # the node whose copy served it
+        # The peer whose data socket this is, when the node asked sent the caller there
+        # (OpenReadRequest.direct); "" for the node asked.
+        self.elsewhere = opened.node
         self._crc = 0  # the last frame's CRC-32C, and its block CRCs (BLOCKS frames)
         self._block_crcs: tuple[int, ...] | None = None
         # Bytes received per copy that served them (`source_label`).
@@ -310,6 +313,11 @@ class RangeConnection:
 
     def close(self) -> None:
         self._conn.close()
+
+    @property
+    def position(self) -> int:
+        """The offset up to which the range has arrived, verified."""
+        return self._pos
 
     def __enter__(self) -> RangeConnection:
         return self

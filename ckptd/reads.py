@@ -22,7 +22,14 @@ from pathlib import Path
 import grpc
 
 from ckptd.catalog import COMMITTED, Catalog
-from ckptd.cluster import Peer, Peers, PeerUnreachable, open_peer_range, read_from_peer
+from ckptd.cluster import (
+    Peer,
+    Peers,
+    PeerUnreachable,
+    open_peer_range,
+    open_peer_read,
+    read_from_peer,
+)
 from ckptd.manifest import FileRecord
 from ckptd.metrics import Metrics
 from ckptd.names import check_path, key_of
@@ -173,6 +180,31 @@ class Reader:
         if local_only and not self.copies_here(key, self._owner(record)):
             raise NotFound(f"node {self._peers.node} holds no copy of {key}/{path}")
         return self._pieces(key, record, offset, end, piece_bytes, only, lend)
+
+    def open_elsewhere(
+        self, request: checkpoint_pb2.OpenReadRequest
+    ) -> checkpoint_pb2.OpenReadResponse | None:
+        """A peer's ticket for the range when this node holds no copy of the file's part and a
+        peer does, for a caller that reads from that peer's data socket itself (`direct`): one
+        hop, where serving it here would pass every byte through this node. None when this node
+        serves it (it holds a copy, the request names a tier or this node only, or no peer
+        offers it). The request's checks raise here, as `iter_range`'s do."""
+        self.iter_range(
+            request.ref, request.path, request.offset, request.length, READ_PIECE_BYTES,
+            request.tier, request.local_only,
+        )  # fmt: skip
+        key = key_of(request.ref)
+        record = self._catalog.file(key, request.path)
+        if request.local_only or request.tier or record is None:
+            return None
+        if self.copies_here(key, self._owner(record)):
+            return None
+        for peer in self._peer_order(key, record):
+            try:
+                return open_peer_read(peer, request)
+            except (grpc.RpcError, PeerUnreachable):
+                continue  # no copy there, not up, or no data socket for us: the next one
+        return None
 
     def _owner(self, record: FileRecord) -> str:
         return record.node or self._peers.node

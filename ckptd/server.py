@@ -139,6 +139,10 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
         self, request: checkpoint_pb2.OpenReadRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.OpenReadResponse:
         data = self._data_plane_for_caller(context)
+        if request.direct:
+            elsewhere = self._store.open_elsewhere(request)
+            if elsewhere is not None:
+                return elsewhere
         ticket, offset, length = data.open_read(request)
         return checkpoint_pb2.OpenReadResponse(
             ticket=ticket,

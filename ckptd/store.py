@@ -796,6 +796,12 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             ref, path, offset, length, piece_bytes, tier, local_only, lend
         )
 
+    def open_elsewhere(
+        self, request: checkpoint_pb2.OpenReadRequest
+    ) -> checkpoint_pb2.OpenReadResponse | None:
+        """A peer's ticket for a range this node holds no copy of (`Reader.open_elsewhere`)."""
+        return self._reader.open_elsewhere(request)
+
     def read_range(
         self, ref: checkpoint_pb2.CheckpointRef, path: str, offset: int = 0, length: int = 0
     ) -> bytes:

@@ -373,36 +373,40 @@ class ReadFileResponse(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., node: _Optional[str] = ...) -> None: ...
 
 class OpenReadRequest(_message.Message):
-    __slots__ = ("ref", "path", "offset", "length", "tier", "local_only")
+    __slots__ = ("ref", "path", "offset", "length", "tier", "local_only", "direct")
     REF_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
     path: str
     offset: int
     length: int
     tier: _common_pb2.Tier
     local_only: bool
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., local_only: _Optional[bool] = ...) -> None: ...
+    direct: bool
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., local_only: _Optional[bool] = ..., direct: _Optional[bool] = ...) -> None: ...
 
 class OpenReadResponse(_message.Message):
-    __slots__ = ("ticket", "data_host", "data_port", "ticket_ttl_s", "offset", "length")
+    __slots__ = ("ticket", "data_host", "data_port", "ticket_ttl_s", "offset", "length", "node")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DATA_HOST_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_TTL_S_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     ticket: bytes
     data_host: str
     data_port: int
     ticket_ttl_s: float
     offset: int
     length: int
-    def __init__(self, ticket: _Optional[bytes] = ..., data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket_ttl_s: _Optional[float] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    node: str
+    def __init__(self, ticket: _Optional[bytes] = ..., data_host: _Optional[str] = ..., data_port: _Optional[int] = ..., ticket_ttl_s: _Optional[float] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
 
 class DeleteCheckpointRequest(_message.Message):
     __slots__ = ("ref", "local_only")

@@ -312,6 +312,35 @@ def test_a_damaged_replica_falls_through_to_the_next_copy_then_to_s3(
     assert s3_reads(cluster, 0) > 0
 
 
+def test_a_node_without_a_copy_sends_the_reader_to_a_peers_data_socket_and_takes_over_if_it_fails(
+    make_cluster,
+) -> None:
+    # R = 2 over 3 nodes: node 1's part is on nodes 1 and 2, none on node 0. A trainer on node 0
+    # reads it straight from node 1's data socket (one hop, not relayed through node 0); when
+    # node 1's copy is damaged, node 0 takes the read over and serves it from node 2's copy.
+    cluster = make_cluster(3, None, "--replicas", "2", "--memory-budget-mb", "0", metrics=True)
+    files = checkpoint_files(world_size=3, shard_bytes=600_000, seed=12)
+    save(cluster, 10, files, 3)
+    assert wait_until_safe(cluster, 10, 2, exactly=True)["node1"] == ["node1", "node2"]
+    shard, data = "__1_0.distcp", files["__1_0.distcp"][2]
+    relayed_before = metric(cluster, 0, 'ckptd_tier_bytes_total{op="read",tier="peer"}')
+
+    reader = cluster.clients[0]
+    assert reader.read("run", 10, shard) == data
+    assert b"".join(reader.read_stream("run", 10, shard, 1000, 50_000)) == data[1000:51_000]
+    assert dict(reader.served) == {"SSD@node1": len(data) + 50_000}
+    # Not one of those bytes went through node 0.
+    relayed = metric(cluster, 0, 'ckptd_tier_bytes_total{op="read",tier="peer"}')
+    assert relayed == relayed_before
+
+    damage(cluster.data_dir(1) / "ssd" / "run" / "10" / shard)
+    reader.served.clear()
+    assert reader.read("run", 10, shard) == data
+    assert b"".join(reader.read_stream("run", 10, shard)) == data
+    assert reader.served["SSD@node2"] == 2 * len(data)
+    assert reader.fast_path
+
+
 def test_a_copy_cut_off_by_its_source_is_retried_and_the_step_is_safe_only_once_it_lands(
     make_cluster,
 ) -> None:
