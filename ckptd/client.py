@@ -313,11 +313,11 @@ class CkptdClient:
         fast = self._open_range(ref, path, offset, length, 0, what)
         if fast is None:
             return b"".join(self.read_stream(run, step, path, offset, length))
-        if not fast.elsewhere:
-            return self._receive(fast)
         try:
             return self._receive(fast)
         except (DataLoss, Unavailable) as exc:
+            if not fast.elsewhere:
+                raise
             _log.warning("%s from node %s failed (%s); again through ckptd", what,
                          fast.elsewhere, exc)  # fmt: skip
         again = self._open_range(ref, path, offset, length, 0, what, direct=False)

@@ -283,7 +283,7 @@ class ClusterMember:
             else:
                 part.reachable = True
                 part.latest_safe_step = (
-                    self.latest_safe_steps(info.ref.run).get(info.ref.run, 0)
+                    self._latest_safe.get(info.ref.run, 0)
                     if node == self.node
                     else view.latest_safe.get(info.ref.run, 0)  # type: ignore[union-attr]
                 )

@@ -187,15 +187,15 @@ class Reader:
         """A peer's ticket for the range when this node holds no copy of the file's part and a
         peer does, for a caller that reads from that peer's data socket itself (`direct`): one
         hop, where serving it here would pass every byte through this node. None when this node
-        serves it (it holds a copy, the request names a tier or this node only, or no peer
-        offers it). The request's checks raise here, as `iter_range`'s do."""
-        self.iter_range(
-            request.ref, request.path, request.offset, request.length, READ_PIECE_BYTES,
-            request.tier, request.local_only,
-        )  # fmt: skip
+        serves it: it holds a copy, the request names a tier or this node only, no peer offers
+        it, or the request is one this node must refuse (the peer's checks are this node's, and
+        `iter_range` then raises the one-line error)."""
+        if request.local_only or request.tier:
+            return None
         key = key_of(request.ref)
+        save = self._catalog.save_of(key)
         record = self._catalog.file(key, request.path)
-        if request.local_only or request.tier or record is None:
+        if save is None or save.state != COMMITTED or record is None:
             return None
         if self.copies_here(key, self._owner(record)):
             return None
