@@ -4,6 +4,7 @@ the chaos schedule and the restart budget's option."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -15,7 +16,14 @@ import torch.distributed as dist
 from scaletrain.app.chaos import DEFAULT_SCHEDULE, KINDS, Fault, parse_schedule
 from scaletrain.app.cli import main
 from trainer.health.preflight import check_ranks, matmul_ok
-from trainer.health.watchdog import HANG_EXIT_CODE, Hang, PeerBoard, Watchdog, WatchdogPolicy
+from trainer.health.watchdog import (
+    HANG_EXIT_CODE,
+    PEERS_WAIT_S,
+    Hang,
+    PeerBoard,
+    Watchdog,
+    WatchdogPolicy,
+)
 
 
 class DictStore:
@@ -85,6 +93,43 @@ def test_a_hung_phase_fires_once_naming_rank_step_phase_and_the_stale_peer():
     assert "rank 2 made no progress in phase forward of step 7" in hang.message()
     assert beats[0] == (7, "forward")  # the first one as the watchdog starts
     assert json.loads(store.data["heartbeat/2"])["phase"] == "forward"
+
+
+class FrozenStore(DictStore):
+    """A store whose host is frozen (rank 0 under SIGSTOP): every call waits forever."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = threading.Event()
+
+    def set(self, key: str, value: str) -> None:
+        self.calls.set()
+        threading.Event().wait()
+
+    def check(self, keys: list[str]) -> bool:
+        threading.Event().wait()
+        return False
+
+
+def test_a_hang_is_caught_on_time_while_the_heartbeat_store_does_not_answer():
+    store = FrozenStore()
+    dog, fired, exits, _ = _watchdog(
+        WatchdogPolicy(min_s=0.3, factor=1.0, heartbeat_s=0.05), PeerBoard(store, 2, 3)
+    )
+    dog.step_done(0.01)
+    dog.enter(4, "backward")
+    threading.Thread(target=dog.start, daemon=True).start()
+    assert store.calls.wait(5), "the heartbeat never reached the store"
+    deadline = time.monotonic() + 0.3 + PEERS_WAIT_S + 3
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exits == [HANG_EXIT_CODE], "the watchdog waited on the frozen store"
+    (hang,) = fired
+    assert (hang.step, hang.phase) == (4, "backward")
+    assert hang.stale_peers == (
+        f"peers unknown (their heartbeat store did not answer in {PEERS_WAIT_S:g}s)",
+    )
+    dog.stop()
 
 
 def test_progress_keeps_the_watchdog_quiet():

@@ -2,14 +2,16 @@
 
 A rank stuck in a collective (a peer hung, say) never fails by itself until the collective times
 out, and then says little. The loop tells the watchdog where it is (`enter(step, phase)`) and when
-a step ended (`step_done(seconds)`); a thread of its own
-  - every `heartbeat_s` sends a heartbeat event (step, phase) to telemetry, and publishes the same
-    in the job's rendezvous store, where the other ranks' watchdogs can read it;
-  - once the first step ended, fires when the current phase has made no progress within a deadline
-    derived from recent step times (`factor` x the slowest of the last few, never below `min_s`):
-    it prints a one-line diagnostic naming this rank, the step and the phase, and the ranks whose
-    heartbeat went stale (a stopped or hung peer), reports a `hang` event, and ends the process
-    with HANG_EXIT_CODE so that torchrun's agent restarts the job from its latest checkpoint.
+a step ended (`step_done(seconds)`). Two threads of its own:
+  - one sends a heartbeat event (step, phase) to telemetry every `heartbeat_s`, and publishes the
+    same in the job's rendezvous store, where the other ranks' watchdogs can read it;
+  - the other, once the first step ended, fires when the current phase has made no progress
+    within a deadline derived from recent step times (`factor` x the slowest of the last few,
+    never below `min_s`). It judges from this process's memory, never waiting on the store, so
+    a frozen store cannot delay it. It prints a one-line diagnostic naming this rank, the step
+    and the phase, and the ranks whose heartbeat went stale (a stopped or hung peer), reports a
+    `hang` event, and ends the process with HANG_EXIT_CODE so that torchrun's agent restarts
+    the job from its latest checkpoint.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ HANG_EXIT_CODE = 75
 RECENT_STEPS = 20
 # How long the firing watchdog waits for its telemetry event to be sent.
 REPORT_WAIT_S = 2.0
+# How long the firing watchdog waits to read its peers' heartbeats from the job's store.
+PEERS_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,11 @@ class PeerBoard:
 class Watchdog:
     """Watches the loop of rank `rank`; `on_hang` is called (then the process exits) when it fires.
 
-    `heartbeat(step, phase)` is called every `policy.heartbeat_s` from the watchdog's thread.
+    Two threads: one sends `heartbeat(step, phase)` and publishes it to the peers every
+    `policy.heartbeat_s`; the other judges progress from this process's own memory alone. A
+    store call that hangs (rank 0, which hosts the store, frozen) then stalls only the heartbeat,
+    never the judgement: the peers' heartbeats are read only when the watchdog fires, and for at
+    most PEERS_WAIT_S.
     """
 
     def __init__(
@@ -120,13 +128,14 @@ class Watchdog:
         self._since = time.monotonic()
         self._recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._watch, name="watchdog", daemon=True),
+            threading.Thread(target=self._beat_loop, name="watchdog-heartbeat", daemon=True),
+        ]
 
     def start(self) -> Watchdog:
-        # A first heartbeat at once: a rank that hangs within the first interval is then
-        # named with its phase by its peers, not as one that never beat.
-        self._beat(self._step, self._phase)
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def enter(self, step: int, phase: str) -> None:
@@ -152,41 +161,63 @@ class Watchdog:
             step, phase, waited = self._step, self._phase, time.monotonic() - self._since
         if deadline is None or waited <= deadline:
             return None
-        stale = self._peers.stale(2 * self.policy.heartbeat_s) if self._peers else ()
-        return Hang(self.rank, step, phase, waited, deadline, stale)
+        return Hang(self.rank, step, phase, waited, deadline, self._stale_peers())
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        for thread in self._threads:
+            if thread.is_alive():
+                # A heartbeat stuck in a store call must not hold up the rank's exit.
+                thread.join(timeout=PEERS_WAIT_S)
 
-    def _run(self) -> None:
-        next_beat = time.monotonic() + self.policy.heartbeat_s
+    def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.policy.heartbeat_s)):
-            with self._lock:
-                step, phase = self._step, self._phase
-            if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + self.policy.heartbeat_s
-                self._beat(step, phase)
-            hang = self._safe_check()
+            hang = self.check()
             if hang is not None:
                 self._fire(hang)
                 return
 
+    def _beat_loop(self) -> None:
+        # A first heartbeat at once: a rank that hangs within the first interval is then
+        # named with its phase by its peers, not as one that never beat.
+        while True:
+            with self._lock:
+                step, phase = self._step, self._phase
+            self._beat(step, phase)
+            if self._stop.wait(self.policy.heartbeat_s):
+                return
+
     def _beat(self, step: int, phase: str) -> None:
-        if self._peers is not None:
+        peers = self._peers
+        if peers is not None:
             try:
-                self._peers.publish(step, phase)
+                peers.publish(step, phase)
             except Exception as exc:  # a store that went away must not kill a healthy rank
                 self._drop_peers(exc)
         self._heartbeat(step, phase)
 
-    def _safe_check(self) -> Hang | None:
-        try:
-            return self.check()
-        except Exception as exc:  # the store of the peers' heartbeats went away: judge without it
-            self._drop_peers(exc)
-            return self.check()
+    def _stale_peers(self) -> tuple[str, ...]:
+        """The peers whose heartbeat went stale, read in a thread of its own so that a store
+        that does not answer delays the verdict by PEERS_WAIT_S at most."""
+        peers = self._peers
+        if peers is None:
+            return ()
+        found: list[tuple[str, ...]] = []
+
+        def read() -> None:
+            try:
+                found.append(peers.stale(2 * self.policy.heartbeat_s))
+            except Exception as exc:  # the store of the peers' heartbeats went away
+                self._drop_peers(exc)
+
+        reader = threading.Thread(target=read, name="watchdog-peers", daemon=True)
+        reader.start()
+        reader.join(PEERS_WAIT_S)
+        if found:
+            return found[0]
+        if reader.is_alive():
+            return (f"peers unknown (their heartbeat store did not answer in {PEERS_WAIT_S:g}s)",)
+        return ()
 
     def _drop_peers(self, exc: Exception) -> None:
         print(
