@@ -929,15 +929,14 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             views = cluster.catalogs(self.peers, run) if self.peers.enabled else {}
             key = self.latest(run, views, safe=node_loss_safe)
             if key is None:
+                # Not NotFound: the run has commits, so a trainer must never take this for
+                # "start from scratch"; it is a state that passes (a node comes back).
+                newest = CheckpointKey(run, max(steps))
                 what = "is node-loss safe now" if node_loss_safe else "can be restored in full now"
-                why = (
-                    "each part on at least 2 nodes"
-                    if node_loss_safe
-                    else "a node holding a part is down, its copies too, and S3 lacks it"
-                )
-                raise NotFound(
+                raise Unavailable(
                     f"run {ref.run!r} has {len(steps)} committed checkpoint(s), none of which "
-                    f"{what} ({why})"
+                    f"{what}; the newest, step {newest.step}, lacks "
+                    f"{self._lacking(newest, views, node_loss_safe)}"
                 )
         else:
             key = key_of(ref)
@@ -948,3 +947,23 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             info.parts.extend(self._parts(info, views))
             info.node_loss_safe = self.node_loss_safe(key, views)
         return info
+
+    def _lacking(
+        self,
+        key: CheckpointKey,
+        views: dict[str, checkpoint_pb2.CatalogResponse | str],
+        node_loss_safe: bool,
+    ) -> str:
+        """What keeps `key` from being restorable (or node-loss safe) now, naming each part
+        short of copies and the nodes that did not answer."""
+        copies = self._copies(key, views)
+        need = 2 if node_loss_safe else 1
+        short = [
+            f"{owner}'s part ({len(self._holders(held))} of {need} copies on a live node)"
+            for owner, held in sorted(copies.items())
+            if len(self._holders(held)) < need
+        ]
+        down = sorted(node for node, view in views.items() if isinstance(view, str))
+        missing = ", ".join(short) or "its parts' copies"
+        where = " and S3 lacks it" if not node_loss_safe else ""
+        return missing + where + (f" (down or unreachable: {', '.join(down)})" if down else "")

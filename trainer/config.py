@@ -55,6 +55,7 @@ class TrainConfig:
     ckpt_policy: str = _default("ckpt_policy")
     replicas: int = _default("replicas")
     resume: bool = False
+    resume_wait_s: float = _default("resume_wait_s")
     # A Hugging Face Llama directory a new run takes its weights from (trainer.interop.hf_import).
     init_from_hf: str = _default("init_from_hf")
     allow_config_change: bool = False
@@ -133,6 +134,12 @@ class TrainConfig:
         if not self.collective_timeout_s > 0:
             raise ValueError(
                 f"--collective-timeout-s must be positive, got {self.collective_timeout_s}"
+            )
+        if self.resume_wait_s >= self.collective_timeout_s:
+            # The other ranks wait for rank 0's answer in a collective.
+            raise ValueError(
+                f"--resume-wait-s ({self.resume_wait_s:g}) must be shorter than "
+                f"--collective-timeout-s ({self.collective_timeout_s:g})"
             )
         if self.fp8_count_every < 1:
             raise ValueError(f"--fp8-count-every must be at least 1, got {self.fp8_count_every}")

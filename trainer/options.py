@@ -569,6 +569,15 @@ OPTIONS: tuple[Option, ...] = (
         "resume", "checkpoint", bool, False, "continue from the latest checkpoint", launcher=True
     ),
     Option(
+        "resume_wait_s",
+        "checkpoint",
+        float,
+        120.0,
+        "how long a run with committed checkpoints waits for one to be restorable (a node "
+        "holding a part down or behind) before it stops; it never starts over",
+        minimum=0,
+    ),
+    Option(
         "init_from_hf",
         "checkpoint",
         str,

@@ -14,10 +14,12 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+import torch.distributed as dist
 from ckptd_testing import ROOT, CkptdProcess, checkpoint_files, wait_for
 from cluster_testing import (
     COMMITTED,
@@ -36,10 +38,11 @@ from scaletrain.app.stack import free_port
 from scaletrain.errors import (
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
     ScaletrainError,
+    Unavailable,
 )
 from scaletrain.v1 import checkpoint_pb2
+from trainer.checkpoint.resume import latest_step
 
 
 @pytest.mark.parametrize("nodes", [2, 4])
@@ -101,7 +104,13 @@ def test_latest_skips_a_step_whose_part_is_on_a_node_that_is_down_and_not_on_s3(
         save(cluster, step, checkpoint_files(world_size=2, shard_bytes=1000, seed=step), 2)
     assert cluster.clients[0].get("run").ref.step == 2
     cluster.kill(1)
-    with pytest.raises(NotFound, match="none of which can be restored in full"):
+    # Not NotFound, which means "no checkpoint": the run has two, and a trainer must wait.
+    with pytest.raises(
+        Unavailable,
+        match=r"2 committed checkpoint\(s\), none of which can be restored in full now; the "
+        r"newest, step 2, lacks node1's part \(0 of 1 copies on a live node\) and S3 lacks it "
+        r"\(down or unreachable: node1\)",
+    ):
         cluster.clients[0].get("run")
     with pytest.raises(ScaletrainError, match="node1"):
         cluster.clients[0].read("run", 2, "__1_0.distcp")
@@ -112,8 +121,42 @@ def test_latest_skips_a_step_whose_part_is_on_a_node_that_is_down_and_not_on_s3(
 def _latest_or_none(client: CkptdClient) -> int | None:
     try:
         return client.get("run").ref.step
-    except NotFound:
+    except Unavailable:
         return None
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A one-rank gloo group in this process: the trainer's resume decision is a collective."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_restart_while_a_node_holding_the_newest_part_is_down_waits_and_never_starts_over(
+    make_cluster, one_rank_group
+) -> None:
+    cluster = make_cluster(2, None, *NO_REPLICAS)
+    save(cluster, 5, checkpoint_files(world_size=2, shard_bytes=1000, seed=5), 2)
+    cluster.kill(1)
+    address = cluster.addresses[0]
+    with pytest.raises(
+        ScaletrainError,
+        match=r"run run has committed checkpoints but none could be restored within "
+        r"--resume-wait-s 1: .*the newest, step 5, lacks node1's part",
+    ):
+        latest_step(address, "run", 0, wait_s=1.0, required=False)
+    # A run that never committed starts at step 0 (unless --resume asks for a checkpoint);
+    # one that did, once its node is back, resumes: the wait ends once step 5 can be restored.
+    assert latest_step(address, "another-run", 0, wait_s=1.0, required=False) == -1
+    with pytest.raises(ScaletrainError, match="run 'another-run' has no committed checkpoint"):
+        latest_step(address, "another-run", 0, wait_s=1.0, required=True)
+    threading.Timer(1.0, cluster.start, args=(1,)).start()
+    assert latest_step(address, "run", 0, wait_s=60.0, required=False) == 5
 
 
 @pytest.mark.parametrize(

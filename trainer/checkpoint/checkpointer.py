@@ -39,7 +39,7 @@ from torch.utils.serialization import config as serialization_config
 
 from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter, first_cause
 from ckptd.readpath import describe_sources
-from scaletrain.errors import NotFound, ScaletrainError
+from scaletrain.errors import ScaletrainError
 from scaletrain.v1 import checkpoint_pb2
 from trainer.checkpoint import rng
 from trainer.checkpoint.resume import ResumeRecords, check_config, check_offsets, latest_step
@@ -252,20 +252,24 @@ class Checkpointer:
         return train
 
     def resume(self, cfg: TrainConfig, records: ResumeRecords) -> int:
-        """Restore the latest committed checkpoint and return its step; refuse if the job config
-        changed in ways that alter results, or telemetry's `records` disagree with it.
+        """Restore the run's latest committed checkpoint and return its step (0: the run has
+        none, and starts at step 0); refuse if the job config changed in ways that alter
+        results, or telemetry's `records` disagree with it.
 
-        ckptd serves it from its fastest tier with a verified copy: memory first, then SSD, then
-        S3. Without --resume (a restart by torchrun), a run without a checkpoint yet starts over
-        at step 0.
+        The one decision for the whole job, made from what ckptd knows of the run id: every
+        start of the job asks, whatever torchrun's restart count on this agent says (it counts
+        from 0 again on a replaced node or a restarted pod). ckptd serves the step from its
+        fastest tier with a verified copy: memory first, then SSD, then S3. With --resume a run
+        without a checkpoint is refused.
         """
         required = cfg.resume
-        step, none_because = latest_step(self.address, self.run_id, self.rank)
+        step = latest_step(self.address, self.run_id, self.rank, cfg.resume_wait_s, required)
         if step < 0:
-            if required:
-                raise NotFound(none_because)
             if self.rank == 0:
-                print(f"[trainer] run {self.run_id}: no checkpoint yet, starting over", flush=True)
+                print(
+                    f"[trainer] run {self.run_id}: no checkpoint yet, starting at step 0",
+                    flush=True,
+                )
             return 0
         train_state = self.load(step)
         check_config(cfg, step, train_state.get("config", ""), records, self.rank)

@@ -7,14 +7,18 @@ agrees with the checkpoint's data-loader offsets.
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch.distributed as dist
 
-from scaletrain.errors import NotFound, ScaletrainError, UserError
+from scaletrain.errors import NotFound, ScaletrainError, Unavailable, UserError
 from trainer import options
 from trainer.config import TrainConfig
 from trainer.data.loader import LoaderOffset
+
+# Pause between two asks for a restorable checkpoint while none is.
+RETRY_S = 1.0
 
 
 class ResumeRecords(Protocol):
@@ -25,26 +29,59 @@ class ResumeRecords(Protocol):
     def config_changed(self, step: int, changes: list[str]) -> None: ...
 
 
-def latest_step(address: str, run_id: str, rank: int) -> tuple[int, str]:
-    """The step every rank restores, or -1 and ckptd's reason there is none: rank 0 asks its
-    node's ckptd and tells the others, so that ranks on nodes whose ckptds learned of a commit at
-    different instants still restore the same step."""
+def latest_step(address: str, run_id: str, rank: int, wait_s: float, required: bool) -> int:
+    """The step every rank restores, or -1 when the run has no committed checkpoint at all (an
+    error if `required`): rank 0 asks its node's ckptd and tells the others, so that ranks on
+    nodes whose ckptds learned of a commit at different instants still restore the same step,
+    and every rank goes on or stops together.
+
+    A run that has commits none of which can be restored now (a node holding a part is down or
+    behind, S3 lacks it) is never taken for a new run: rank 0 waits up to `wait_s` for a
+    restorable step, saying so once, then stops every rank with ckptd's account of the newest
+    committed step and what it lacks.
+    """
+    answer: list[object] = [-1, ""]
+    if rank == 0:
+        step, none_because, error = _ask_latest(address, run_id, wait_s)
+        answer = [step, error or (none_because if required else "")]
+    dist.broadcast_object_list(answer, src=0)
+    if answer[1]:
+        raise ScaletrainError(str(answer[1]))
+    return int(answer[0])  # type: ignore[call-overload]
+
+
+def _ask_latest(address: str, run_id: str, wait_s: float) -> tuple[int, str, str]:
+    """(step, why there is none, error) as ckptd answers, waiting out Unavailable."""
     from ckptd.client import CkptdClient
 
-    step, none_because, error = -1, "", ""
-    if rank == 0:
-        with CkptdClient(address) as client:
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    with CkptdClient(address) as client:
+        while True:
             try:
-                step = int(client.get(run_id).ref.step)
+                return int(client.get(run_id).ref.step), "", ""
             except NotFound as exc:
-                none_because = str(exc)
+                return -1, str(exc), ""
+            except Unavailable as exc:
+                if time.monotonic() >= deadline:
+                    return (
+                        -1,
+                        "",
+                        (
+                            f"run {run_id} has committed checkpoints but none could be restored "
+                            f"within --resume-wait-s {wait_s:g}: {exc}"
+                        ),
+                    )
+                if not waiting:
+                    waiting = True
+                    print(
+                        f"[trainer] run {run_id}: waiting up to {wait_s:g}s for a restorable "
+                        f"checkpoint (never starting over): {exc}",
+                        flush=True,
+                    )
+                time.sleep(RETRY_S)
             except ScaletrainError as exc:
-                error = str(exc)
-    shared: list[object] = [step, none_because, error]
-    dist.broadcast_object_list(shared, src=0)
-    if shared[2]:
-        raise ScaletrainError(str(shared[2]))
-    return int(shared[0]), str(shared[1])  # type: ignore[call-overload]
+                return -1, "", str(exc)
 
 
 def check_config(
