@@ -229,12 +229,13 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     )  # fmt: skip
 
     start_step = 0
-    # After torchrun restarted the job, every rank resumes from the latest committed checkpoint.
-    if cfg.resume or restart_count() > 0:
-        if checkpointer is not None:
-            start_step = checkpointer.resume(cfg, reporter)
-        elif cfg.resume:
-            raise UserError("--resume needs --ckptd: there is no checkpoint store to resume from")
+    # A run whose id has committed checkpoints goes on from its latest, however this process
+    # was started (torchrun's restart, a replaced node, a restarted pod, --resume).
+    if checkpointer is not None:
+        start_step = checkpointer.resume(cfg, reporter)
+    elif cfg.resume:
+        raise UserError("--resume needs --ckptd: there is no checkpoint store to resume from")
+    if start_step > 0 or restart_count() > 0:
         reporter.restarted(start_step, checkpointer.restored_from if checkpointer else {})
     if cfg.init_from_hf and start_step == 0:
         # A fine-tuning run starts from published weights (a resumed one from its checkpoint).

@@ -448,8 +448,7 @@ class Drill:
         self.stack.restart_service(ckptd.name)
         self._fresh_at = time.time()
         learned = self._wait_knows_newest(address)
-        # torchrun counts restarts per agent: the new agent's ranks would start over at 0.
-        if not self.job.start_agent(node, ("--resume",)):
+        if not self.job.start_agent(node):
             raise _JobEnded
         held = (
             "every committed checkpoint was on S3 or on 2 nodes"

@@ -436,7 +436,7 @@ class Job:
         self._replacing: set[int] = set()  # nodes whose agent was killed, to be started again
         self._stopped = False
 
-    def agent_argv(self, node: int, extra_args: tuple[str, ...] = ()) -> list[str]:
+    def agent_argv(self, node: int) -> list[str]:
         # No --node-rank: c10d assigns node ranks itself (by process id) and torchrun warns
         # that it ignores one given.
         conf = f"is_host={str(node == 0).lower()},keep_alive_interval=2,keep_alive_max_attempt=3"
@@ -450,18 +450,19 @@ class Job:
             "--run-id", self.run_id,
             "--ckptd", self.stack.ckptd_addresses[node],
             "--telemetry", self.stack.telemetry_address,
-            *self.trainer_args, *extra_args,
+            *self.trainer_args,
         ]  # fmt: skip
 
-    def start_agent(self, node: int, extra_args: tuple[str, ...] = ()) -> bool:
-        """Start node `node`'s agent (again, after `kill_agent`); False once the job has ended."""
+    def start_agent(self, node: int) -> bool:
+        """Start node `node`'s agent (again, after `kill_agent`: its ranks ask ckptd where the
+        run stands, as every rank does); False once the job has ended."""
         with self._lock:
             if self._stopped:
                 return False
             # Simulated nodes share the machine: each names its ranks' host (telemetry's nodes).
             host = {HOST_ENV: node_name(node)} if self.stack.nodes > 1 else {}
             proc = subprocess.Popen(
-                self.agent_argv(node, extra_args),
+                self.agent_argv(node),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -9,7 +9,8 @@ scenario so that one uninterrupted run serves as the reference of several checks
   with document masking, and its validation loss on the held-out part every 3 steps;
 - the same run SIGKILLed on a random rank after a random step, then `--resume`d to step 8: every
   step after the resume point has the reference's loss, bit for bit;
-- the same with HSDP (2 replicas x 2 shards), a 2-D layout, on the built-in byte corpus;
+- the same with HSDP (2 replicas x 2 shards), a 2-D layout, on the built-in byte corpus, started
+  again as a restarted pod starts it: its run id, no `--resume`;
 - the reference resumed from its dp4 checkpoint at dp2 (resharded): the global sample order is
   unchanged and the losses match the dp4 continuation to fp32 rounding.
 """
@@ -271,15 +272,21 @@ def test_an_exported_checkpoint_restores_bit_exactly_into_a_fresh_model_with_sto
     assert probe_logits_sha256(fresh.state_dict(), args) == trained["probe_logits_sha256"]
 
 
-def _kill_and_resume(reference: dict, workdir: Path, *layout: str) -> tuple[dict, int]:
+def _kill_and_resume(
+    reference: dict, workdir: Path, *layout: str, restarted_pod: bool = False
+) -> tuple[dict, int]:
+    """Kill a rank mid-step, then start the run again: with --resume, or (`restarted_pod`) as
+    a restarted pod or a replaced node starts it, with its run id and no --resume."""
     rng = random.Random(SEED)
     kill_after, victim = rng.choice([EVERY + 1, EVERY + 2]), rng.randrange(RANKS)
     common = ["--ranks", str(RANKS), "--ckpt-every", str(EVERY), *layout]
     log = run_and_kill(workdir, kill_after, victim, "--steps", str(STEPS), *common)
     run_id = next(line.split()[2].rstrip(":") for line in log.splitlines()
                   if line.startswith("[scaletrain] run "))  # fmt: skip
-    resumed = run_json(workdir, "--resume", "--steps", str(MORE), *common)
+    again = ("--run-id", run_id) if restarted_pod else ("--resume",)
+    resumed = run_json(workdir, *again, "--steps", str(MORE), *common)
     assert resumed["run_id"] == run_id
+    assert f"resumed run {run_id} from step {EVERY}" in resumed["_log"], SEED
     return resumed, kill_after
 
 
@@ -304,7 +311,7 @@ def test_a_run_killed_mid_step_resumes_with_bit_identical_losses(reference: dict
     assert sorted(evaluated) == [EVERY, STEPS, MORE]
 
 
-def test_a_2d_hsdp_run_killed_mid_step_resumes_with_bit_identical_losses(
+def test_a_2d_hsdp_run_killed_and_started_again_without_resume_goes_on_bit_identically(
     tmp_path_factory: pytest.TempPathFactory,
 ):
     layout = ("--dp-replicate", "2")
@@ -313,7 +320,9 @@ def test_a_2d_hsdp_run_killed_mid_step_resumes_with_bit_identical_losses(
         ref_dir, "--ranks", str(RANKS), "--steps", str(STEPS), "--ckpt-every", str(EVERY), *layout
     ) | {"workdir": ref_dir}
     workdir = tmp_path_factory.mktemp("killed-hsdp")
-    resumed, _ = _kill_and_resume(hsdp_reference, workdir, *layout)
+    # Started again without --resume: the run's committed checkpoints decide, not a flag or
+    # torchrun's restart count (0 in a restarted pod).
+    resumed, _ = _kill_and_resume(hsdp_reference, workdir, *layout, restarted_pod=True)
     expected = rank_losses(ref_dir, hsdp_reference["run_id"])
     got = rank_losses(workdir, resumed["run_id"])
     after_resume = {k: v for k, v in expected.items() if k[0] > EVERY}
