@@ -128,6 +128,8 @@ class ChaosOptions:
     ranks: int = 4
     # Simulated nodes, each with its own ckptd and torchrun agent (scaletrain run --nodes).
     nodes: int = 1
+    # Hot spares beside them (scaletrain run --spares): kill-node's lost node is replaced by one.
+    spares: int = 0
     steps: int = 400
     ckpt_every: int = 5
     trainer_args: list[str] = field(default_factory=list)
@@ -147,6 +149,8 @@ class Injected:
     injected_at_s: float
     # kill-node: when (time.time()) the replacement machine's fresh ckptd started.
     fresh_ckptd_at: float | None = None
+    # kill-node with spares: the spare machine that took the lost node's place.
+    spare: str = ""
 
 
 @dataclass
@@ -224,6 +228,7 @@ class Drill:
         self.stack, self.options, self.run_id, self.tap = stack, options, run_id, tap
         self.injected: list[Injected] = []
         self._fresh_at: float | None = None  # kill-node's fresh ckptd, for its Injected
+        self.spare_used = ""  # kill-node with spares: the spare that took the node's place
         # kill-node strikes once the job has a checkpoint to resume from, steps after it was due:
         # the step its ranks were frozen at, for its Injected.
         self._struck_step: int | None = None
@@ -292,8 +297,8 @@ class Drill:
                 target, detail = "-", f"could not inject: {exc}"
             if self._struck_step is not None:
                 step, self._struck_step = self._struck_step, None
-            record = Injected(fault.kind, step, target, detail, at, self._fresh_at)
-            self._fresh_at = None
+            record = Injected(fault.kind, step, target, detail, at, self._fresh_at, self.spare_used)
+            self._fresh_at, self.spare_used = None, ""
             self.injected.append(record)
             self._report(record)
 
@@ -405,8 +410,12 @@ class Drill:
 
     def _kill_node(self, fault: Fault) -> tuple[str, str]:
         assert self.job is not None
-        # Never node0: its agent hosts the rendezvous store.
+        # Never node0: its ckptd is the one the drill and the summary ask.
         attempts, node = self.tap.attempts, self._node_for(fault, first=1)
+        serving = self.job.serving()
+        if self.options.spares:  # a node that runs ranks now: a spare may have taken its place
+            nodes = sorted(serving - {0})
+            node = nodes[self._random(fault).randrange(len(nodes))] if nodes else node
         name, address = node_name(node), self.stack.ckptd_addresses[node]
         ckptd = self.stack.service(ckptd_service(node))
         # The job must have a checkpoint to resume from before its ranks are frozen; with
@@ -445,21 +454,35 @@ class Drill:
         data_dir = self.stack.workdir.ckptd_dir(node)
         shutil.rmtree(data_dir)
         data_dir.mkdir()
-        self.stack.restart_service(ckptd.name)
-        self._fresh_at = time.time()
-        learned = self._wait_knows_newest(address)
-        if not self.job.start_agent(node):
-            raise _JobEnded
         held = (
             "every committed checkpoint was on S3 or on 2 nodes"
             if on_s3
             else "a committed checkpoint was NEITHER on S3 NOR on 2 nodes"
         )
-        detail = (
-            f"agent, ranks and ckptd SIGKILLed ({held}), data dir deleted; a fresh ckptd "
-            f"at {address} {learned}, agent started again"
-        )
-        return name, detail + self._await_restart(attempts)
+        killed = f"agent, ranks and ckptd SIGKILLed ({held}), data dir deleted"
+        if self.options.spares:
+            # A warm spare takes the node's place in the next round: the job goes on without
+            # waiting for a new machine, which then joins as the next spare.
+            restarted = self._await_restart(attempts)
+            self.spare_used = ", ".join(map(node_name, sorted(self.job.serving() - serving)))
+            fresh = self._fresh_machine(node)
+            return name, (
+                f"{killed}; spare {self.spare_used or 'NONE'} took its place; a fresh machine "
+                f"at {address} {fresh}, a spare now{restarted}"
+            )
+        detail = f"{killed}; a fresh ckptd at {address} {self._fresh_machine(node)}, agent "
+        return name, detail + "started again" + self._await_restart(attempts)
+
+    def _fresh_machine(self, node: int) -> str:
+        """Start node `node` again as a new machine: its ckptd with the empty data dir, once it
+        has learned the newest checkpoint, then its agent. Returns what the ckptd learned."""
+        assert self.job is not None
+        self.stack.restart_service(ckptd_service(node))
+        self._fresh_at = time.time()
+        learned = self._wait_knows_newest(self.stack.ckptd_addresses[node])
+        if not self.job.start_agent(node):
+            raise _JobEnded
+        return learned
 
     def _wait_committed(
         self, enough: Callable[[list[checkpoint_pb2.CheckpointInfo]], bool], deadline: float = 0
@@ -712,7 +735,7 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
     """Run the drill; the job's output goes to `out`."""
     if options.ranks < 2:
         raise UserError(f"--ranks must be at least 2 for a drill, got {options.ranks}")
-    check_nodes(options.ranks, options.nodes)
+    check_nodes(options.ranks, options.nodes, options.spares)
     lonely = sorted({f.kind for f in options.schedule if FAULTS[f.kind].min_nodes > options.nodes})
     if lonely:
         raise UserError(f"--schedule: {', '.join(lonely)} needs --nodes 2 or more")
@@ -738,12 +761,14 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
     )
     # ckptd retries S3 soon after an outage ends; S3 keeps every checkpoint, so none may vanish.
     ckptd_args = ("--s3-backoff-max-s", "2", "--s3-every", "1")
-    with disk, Stack(workdir, ckptd_args=ckptd_args, nodes=options.nodes) as stack:
+    stack = Stack(workdir, ckptd_args=ckptd_args, nodes=options.nodes, spares=options.spares)
+    with disk, stack:
         workdir.remember_run(run_id)
         print(
             f"[chaos] run {run_id}: {len(options.schedule)} faults scheduled, up to "
             f"{max_restarts} restarts; logs in {workdir.logs}"
-            + (f"; {options.nodes} nodes" if options.nodes > 1 else ""),
+            + (f"; {options.nodes} nodes" if options.nodes > 1 else "")
+            + (f" and {options.spares} spare(s)" if options.spares else ""),
             file=out,
             flush=True,
         )

@@ -98,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _trainer_options(run)
 
+    rendezvous = sub.add_parser(
+        "rendezvous",
+        help="host a training job's c10d rendezvous store, off the training nodes",
+    )
+    rendezvous.set_defaults(handler=_rendezvous)
+    rendezvous.add_argument(
+        "--listen", required=True, help="HOST:PORT torchrun's --rdzv-endpoint names"
+    )
+
     drill = sub.add_parser(
         "chaos",
         help="train on the embedded stack under a schedule of faults, then a report",
@@ -443,6 +452,13 @@ def _nodes_arg(parser: argparse.ArgumentParser) -> None:
         help="simulated nodes on loopback, each with its own ckptd and torchrun agent; --ranks "
         "is split evenly over them (default 1)",
     )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="hot spare machines beside the nodes (--nodes 2 or more): a warm ckptd and agent "
+        "each, that take a lost node's place (default 0)",
+    )
 
 
 def _workdir_arg(parser: argparse.ArgumentParser) -> None:
@@ -467,6 +483,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _rendezvous(args: argparse.Namespace) -> int:
+    from scaletrain.app.rendezvous import serve
+
+    serve(args.listen)
+    return 0
 
 
 def _data_example(args: argparse.Namespace) -> int:
@@ -510,6 +533,7 @@ def _run(args: argparse.Namespace) -> int:
         workdir=Workdir(args.workdir),
         ranks=args.ranks,
         nodes=args.nodes,
+        spares=args.spares,
         steps=int(job["steps"]),
         ckpt_every=int(job["ckpt_every"]),
         run_id=str(job["run_id"]) or None,
@@ -599,6 +623,7 @@ def _chaos(args: argparse.Namespace) -> int:
         schedule=parse_schedule(args.schedule or default_schedule(args.nodes)),
         ranks=args.ranks,
         nodes=args.nodes,
+        spares=args.spares,
         steps=int(job["steps"]),
         ckpt_every=int(job["ckpt_every"]),
         trainer_args=options.to_argv(options.passed_on(job)),

@@ -31,6 +31,8 @@ class RunOptions:
     ranks: int = 4
     # Simulated nodes on loopback, each with its own ckptd and torchrun agent (ranks split evenly).
     nodes: int = 1
+    # Hot spare machines beside them, warm, each taking a lost node's place.
+    spares: int = 0
     steps: int = 300
     ckpt_every: int = 100
     run_id: str | None = None
@@ -58,7 +60,7 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
     run_id = options.run_id or (workdir.last_run_id() if options.resume else None) or new_run_id()
     if options.resume and not workdir.last_run_id() and not options.run_id:
         raise UserError(f"--resume: no earlier run in {workdir.root}; start one without --resume")
-    check_nodes(options.ranks, options.nodes)
+    check_nodes(options.ranks, options.nodes, options.spares)
     check_layout(options.trainer_args, options.ranks)
     started = time.monotonic()
     trainer_args = [
@@ -67,7 +69,7 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
         *options.trainer_args,
     ]  # fmt: skip
     saved_before = _newest_step(workdir, run_id)
-    with Stack(workdir, secure=options.secure, nodes=options.nodes) as stack:
+    with Stack(workdir, secure=options.secure, nodes=options.nodes, spares=options.spares) as stack:
         workdir.remember_run(run_id)
         nodes = (
             f" ({options.nodes} nodes of {options.ranks // options.nodes} ranks)"

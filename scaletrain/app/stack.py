@@ -7,12 +7,17 @@ on success, on failure or on Ctrl-C, stops each child and everything it started.
 A stack of N nodes (`--nodes N`) simulates N machines on loopback: one ckptd per node (node0 ..
 node{N-1}, each told the others' addresses as its peers) and one torchrun agent per node, the
 agents joined by c10d rendezvous into one job whose ranks each talk to their own node's ckptd.
-One node is the same code with no peers. S3 and telemetry are shared, as on a cluster.
+One node is the same code with no peers. S3 and telemetry are shared, as on a cluster. With S
+hot spares (`--spares S`) S more machines (node{N} ..) run warm: their ckptd is a peer of the
+others from the start (it holds replicas) and their agent waits in the rendezvous, python and
+torch loaded, to take the place of a lost node. Once there is more than one machine the
+rendezvous store is a service of its own (`scaletrain rendezvous`), on no training node.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from scaletrain.app.rendezvous import wait_listening
 from scaletrain.app.seaweed import SeaweedS3, free_ports
 from scaletrain.errors import UserError
 from scaletrain.security import ClientSecurity, EmbeddedCredentials, Role
@@ -44,10 +50,19 @@ def ckptd_service(node: int) -> str:
     return "ckptd" if node == 0 else f"ckptd-{node_name(node)}"
 
 
-def check_nodes(ranks: int, nodes: int) -> None:
-    """Refuse a number of nodes that cannot split `ranks` evenly, before anything starts."""
+def check_nodes(ranks: int, nodes: int, spares: int = 0, memory_budget_mb: int = 512) -> None:
+    """Refuse, before anything starts, a number of nodes that cannot split `ranks` evenly, and
+    spares that cannot be started: one node has no peer to restore from, and every simulated
+    machine must fit in this machine's memory."""
     if nodes < 1:
         raise UserError(f"--nodes must be at least 1, got {nodes}")
+    if spares < 0:
+        raise UserError(f"--spares must be 0 or more, got {spares}")
+    if spares and nodes < 2:
+        raise UserError(
+            f"--spares {spares} needs --nodes 2 or more: a spare restores a lost node's part "
+            "from the copies its peers hold"
+        )
     if ranks % nodes:
         lower, upper = ranks // nodes * nodes, (ranks // nodes + 1) * nodes
         nearest = f"{lower} or {upper}" if lower else str(upper)
@@ -55,6 +70,31 @@ def check_nodes(ranks: int, nodes: int) -> None:
             f"--ranks {ranks} is not a multiple of --nodes {nodes}: every node runs the same "
             f"number of ranks; nearest valid --ranks: {nearest}"
         )
+    machines = nodes + spares
+    need_mb = machines * (memory_budget_mb + MACHINE_MB + ranks // nodes * RANK_MB)
+    have_mb = _available_mb()
+    if spares and have_mb is not None and need_mb > have_mb:
+        raise UserError(
+            f"--spares {spares}: {machines} simulated machines need about {need_mb / 1024:.1f} "
+            f"GiB of memory (each a ckptd of up to {memory_budget_mb} MB, an agent and "
+            f"{ranks // nodes} rank(s)), and this machine has {have_mb / 1024:.1f} GiB available"
+        )
+
+
+# What a simulated machine needs besides its ckptd's memory budget (the ckptd and agent
+# processes), and each of its ranks (the debug model), in MB: the bound `check_nodes` applies.
+MACHINE_MB, RANK_MB = 400, 300
+
+
+def _available_mb() -> float | None:
+    """MemAvailable of this machine in MB (None where /proc/meminfo does not say)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
 
 
 @dataclass(frozen=True)
@@ -199,6 +239,7 @@ class Stack:
         secure: bool = False,
         ckptd_args: tuple[str, ...] = (),
         nodes: int = 1,
+        spares: int = 0,
     ) -> None:
         self.workdir = workdir
         self.memory_budget_mb = memory_budget_mb
@@ -208,12 +249,20 @@ class Stack:
         # More `scaletrain ckptd` options (retry backoff, retention, ...).
         self.ckptd_args = ckptd_args
         self.nodes = nodes
+        self.spares = spares
         self.children: list[Child] = []
         self.s3: SeaweedS3 | None = None
         # Node i's ckptd listens on ckptd_addresses[i].
         self.ckptd_addresses: list[str] = []
         self.telemetry_address = ""
+        # The c10d store the agents meet in, when it is a service of its own.
+        self.rendezvous_address = ""
         self._addresses: dict[str, str] = {}  # service name -> address
+
+    @property
+    def machines(self) -> int:
+        """The simulated machines: the training nodes, then the spares."""
+        return self.nodes + self.spares
 
     @property
     def ckptd_address(self) -> str:
@@ -248,9 +297,18 @@ class Stack:
             base_env |= self.credentials.server_env()
         # Every port at once, and S3 told to keep off them: a service spawned here binds its
         # port only once it has imported, while the others are being given theirs.
-        telemetry_port, *ckptd_ports = free_ports(1 + self.nodes)
+        telemetry_port, rendezvous_port, *ckptd_ports = free_ports(2 + self.machines)
         self.telemetry_address = f"127.0.0.1:{telemetry_port}"
         self.ckptd_addresses = [f"127.0.0.1:{port}" for port in ckptd_ports]
+        rendezvous = None
+        if self.machines > 1:
+            self.rendezvous_address = f"127.0.0.1:{rendezvous_port}"
+            rendezvous = self._spawn(
+                "rendezvous",
+                _scaletrain_argv("rendezvous", "--listen", self.rendezvous_address),
+                base_env,
+                self.rendezvous_address,
+            )
         telemetry = self._spawn(
             "telemetry",
             _scaletrain_argv(
@@ -259,7 +317,9 @@ class Stack:
             base_env,
             self.telemetry_address,
         )
-        self.s3 = SeaweedS3(self.workdir.s3, avoid_ports=frozenset([telemetry_port, *ckptd_ports]))
+        self.s3 = SeaweedS3(
+            self.workdir.s3, avoid_ports=frozenset([telemetry_port, rendezvous_port, *ckptd_ports])
+        )
         self.s3.start()
         ckptd_env = base_env | {
             "AWS_ACCESS_KEY_ID": self.s3.access_key_id,
@@ -274,6 +334,8 @@ class Stack:
         self._wait_healthy(telemetry)
         for ckptd in ckptds:
             self._wait_healthy(ckptd)
+        if rendezvous is not None:
+            wait_listening(self.rendezvous_address, timeout_s=60)
 
     def _ckptd_argv(self, node: int) -> list[str]:
         assert self.s3 is not None
@@ -348,7 +410,7 @@ class Stack:
         fails; the ranks then resume from the latest committed checkpoint. `on_start` is handed
         the job once its agents run.
         """
-        check_nodes(ranks, self.nodes)
+        check_nodes(ranks, self.nodes, self.spares, self.memory_budget_mb)
         env = dict(os.environ) | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         if self.credentials is not None:
             # The run's own token: it may write this run's checkpoints and telemetry only.
@@ -358,6 +420,7 @@ class Stack:
         try:
             for node in range(self.nodes):
                 job.start_agent(node)
+            job.start_spares()
             if on_start is not None:
                 on_start(job)
             return job.wait()
@@ -397,14 +460,19 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
 
 
 class Job:
-    """A training job: one torchrun agent per node of the stack, joined by c10d rendezvous.
+    """A training job: one torchrun agent per machine of the stack, joined by c10d rendezvous.
 
-    node0's agent hosts the rendezvous store (`is_host`), and since c10d ranks the agents by
-    process id, node0's agent, started first, is group rank 0: its ranks are 0..k-1 and rank 0
-    talks to node0's ckptd. A node's agent may be killed and started again (`kill_agent`,
-    `start_agent`: a replaced machine); the others then restart their ranks and the job re-forms
-    once the new agent joins. An agent that fails for good ends the job: its peers would wait
-    for it in the rendezvous for ten minutes, so they are stopped at once.
+    On one machine its agent hosts the rendezvous store (`is_host`); on several the store is the
+    stack's rendezvous service. c10d ranks the agents by process id, so node0's agent, started
+    first, is group rank 0: its ranks are 0..k-1 and rank 0 talks to node0's ckptd. The spares'
+    agents start once the job has formed: with every place taken (`--nnodes N`), c10d keeps them
+    in its redundancy list, and when a node is lost the next round takes a spare in its place.
+    torch 2.13 lets such an agent exit 1 when the job ends without it (an AttributeError on the
+    rendezvous' graceful exit), so what an agent that never ran a rank exits with is not the
+    job's result. A node's agent may be killed and started again (`kill_agent`, `start_agent`:
+    a replaced machine); the others then restart their ranks and the job re-forms once the new
+    agent (or a spare) joins. An agent that fails for good after running ranks ends the job:
+    its peers would wait for it in the rendezvous for ten minutes, so they are stopped at once.
     """
 
     def __init__(
@@ -421,27 +489,29 @@ class Job:
         self.trainer_args, self.max_restarts = trainer_args, max_restarts
         self._out = out
         self._env = env
-        if stack.nodes > 1:
+        if stack.machines > 1:
             # torch 2.13's agents share one store with the ranks, and the rank-0 agent tells only
-            # the agents of its first round where it is: an agent started later (a replaced node)
-            # waits for that address forever. Unshared, each attempt gets a fresh store (hosted
-            # by rank 0), announced in every round.
+            # the agents of its first round where it is: an agent started later (a replaced node,
+            # a spare) waits for that address forever. Unshared, each attempt gets a fresh store
+            # (hosted by rank 0), announced in every round.
             self._env = env | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        self._rendezvous = f"127.0.0.1:{free_port()}"
-        self.agents: list[subprocess.Popen[str] | None] = [None] * stack.nodes
-        self._logs = [stack.workdir.trainer_log(node).open("a") for node in range(stack.nodes)]
+        self._rendezvous = stack.rendezvous_address or f"127.0.0.1:{free_port()}"
+        self.agents: list[subprocess.Popen[str] | None] = [None] * stack.machines
+        self._logs = [stack.workdir.trainer_log(node).open("a") for node in range(stack.machines)]
         self._readers: list[threading.Thread] = []
         self._lock = threading.Lock()  # the agents and `_replacing`
         self._out_lock = threading.Lock()  # one line at a time on `out` and the logs
         self._replacing: set[int] = set()  # nodes whose agent was killed, to be started again
+        self._served: set[int] = set()  # pids of the agents that have run ranks
         self._stopped = False
 
     def agent_argv(self, node: int) -> list[str]:
         # No --node-rank: c10d assigns node ranks itself (by process id) and torchrun warns
         # that it ignores one given.
-        conf = f"is_host={str(node == 0).lower()},keep_alive_interval=2,keep_alive_max_attempt=3"
+        hosts = not self.stack.rendezvous_address and node == 0
+        conf = f"is_host={str(hosts).lower()},keep_alive_interval=2,keep_alive_max_attempt=3"
         return [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-m", "scaletrain.app.agent",
             "--nnodes", str(self.stack.nodes), "--nproc-per-node", str(self.per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", self._rendezvous,
             "--rdzv-id", self.run_id, "--rdzv-conf", conf, "--local-addr", "127.0.0.1",
@@ -460,7 +530,7 @@ class Job:
             if self._stopped:
                 return False
             # Simulated nodes share the machine: each names its ranks' host (telemetry's nodes).
-            host = {HOST_ENV: node_name(node)} if self.stack.nodes > 1 else {}
+            host = {HOST_ENV: node_name(node)} if self.stack.machines > 1 else {}
             proc = subprocess.Popen(
                 self.agent_argv(node),
                 stdin=subprocess.DEVNULL,
@@ -476,6 +546,41 @@ class Job:
         reader.start()
         self._readers.append(reader)
         return True
+
+    def start_spares(self) -> None:
+        """Start the spares' agents once every training node's agent runs its ranks (the job
+        formed), from a thread of its own: a spare started sooner could take a node's place in
+        the first round."""
+        if not self.stack.spares:
+            return
+
+        def start() -> None:
+            deadline = time.monotonic() + SPARE_START_WAIT_S
+            while len(self.serving()) < self.stack.nodes and time.monotonic() < deadline:
+                if self._stopped:
+                    return
+                time.sleep(0.2)
+            for node in range(self.stack.nodes, self.stack.machines):
+                if not self.start_agent(node):
+                    return
+                self._say(f"spare {node_name(node)} is warm, waiting in the rendezvous")
+
+        starter = threading.Thread(target=start, name="spares", daemon=True)
+        starter.start()
+
+    def serving(self) -> set[int]:
+        """The machines whose agent runs ranks now."""
+        with self._lock:
+            agents = {node: a for node, a in enumerate(self.agents) if a and a.poll() is None}
+        serving = {node for node, agent in agents.items() if worker_pids(agent.pid)}
+        with self._lock:
+            self._served |= {agents[node].pid for node in serving}
+        return serving
+
+    def _say(self, text: str) -> None:
+        with self._out_lock:
+            self._out.write(f"[scaletrain] {text}\n")
+            self._out.flush()
 
     def _pump(self, node: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
@@ -508,20 +613,32 @@ class Job:
         return [agent.pid, *ranks]
 
     def wait(self) -> int:
-        """Until every agent has exited: 0, or the exit code of the first agent that failed (once
-        one fails, the others are stopped)."""
-        while True:
+        """Until the job has ended: 0 once every agent that ran ranks has exited 0 (spares still
+        waiting are stopped then), or the exit code of the first such agent that failed (the
+        others are stopped). A spare that fails before it ran a rank is reported, not fatal."""
+        reported: set[int] = set()
+        for polls in itertools.count():
+            if self.stack.spares and polls % 5 == 0:  # a scan of /proc: once a second
+                self.serving()
             with self._lock:
-                codes = [
-                    agent.poll()
-                    for node, agent in enumerate(self.agents)
-                    if agent is not None and node not in self._replacing
-                ]
-                replacing = bool(self._replacing)
-            failed = [code for code in codes if code not in (None, 0)]
-            if failed or (not replacing and all(code == 0 for code in codes)):
+                live = {n: a for n, a in enumerate(self.agents) if a and n not in self._replacing}
+                codes = {node: agent.poll() for node, agent in live.items()}
+                served, replacing = set(self._served), bool(self._replacing)
+            counts = {
+                n: c for n, c in codes.items() if live[n].pid in served or not self.stack.spares
+            }
+            failed = [code for code in counts.values() if code not in (None, 0)]
+            ended = all(code is not None for code in codes.values())
+            if failed or (not replacing and counts and all(code == 0 for code in counts.values())):
                 self.stop()
                 return failed[0] if failed else 0
+            if ended and not replacing:
+                self.stop()
+                return next((c for c in codes.values() if c), 0)
+            for node in sorted(set(codes) - set(counts) - reported):
+                if codes[node] not in (None, 0):
+                    reported.add(node)
+                    self._say(f"spare {node_name(node)}'s agent exited ({codes[node]}) unused")
             time.sleep(0.2)
 
     def stop(self) -> None:
@@ -545,6 +662,10 @@ class Job:
         for log in self._logs:
             log.close()
         self._logs = []
+
+
+# How long the spares wait for the job to form before they start anyway.
+SPARE_START_WAIT_S = 300.0
 
 
 def _kill_agent(agent: subprocess.Popen[str]) -> None:

@@ -60,9 +60,10 @@ def whole_tiers(info: checkpoint_pb2.CheckpointInfo) -> list[str]:
     is). Without parts (a listing of the answering node alone), the answering node's tiers."""
     if not info.parts:
         return committed_tiers(info)
-    parts = [set(committed_tiers(p)) if p.reachable else set() for p in info.parts]
+    # A machine that holds no file of it (a spare, a node the run no longer uses) is no part.
+    parts = [set(committed_tiers(p)) if p.reachable else set() for p in info.parts if p.files]
     whole = set(committed_tiers(info)) & {TIER_NAMES[common_pb2.TIER_S3]}
-    whole |= set.intersection(*parts)
+    whole |= set.intersection(*parts) if parts else set()
     return [name for name in TIER_NAMES.values() if name in whole]
 
 

@@ -32,7 +32,7 @@ def trainer_pids(run_id: str) -> dict[int, int]:
             argv = _argv(proc)
             if b"trainer" not in argv or run_id.encode() not in argv:
                 continue
-            if any(b"torch.distributed.run" in a for a in argv):
+            if any(b"torch.distributed.run" in a or b"scaletrain.app.agent" in a for a in argv):
                 continue
             env = dict(
                 item.split(b"=", 1)

@@ -4,10 +4,10 @@ Each simulated node has its own ckptd and torchrun agent; the agents form one 4-
 c10d rendezvous, each rank saving to its own node's ckptd, and a save commits across both. To stay
 inside the CI budget (under three minutes for all of this) the checks share two jobs: a fault-free
 `scaletrain run --nodes 2`, which is also the drill's reference, and one `scaletrain chaos --nodes
-2` whose schedule strikes the two node faults (kill-node: a machine replaced, its SSD gone;
-partition-node: a node's ckptd frozen), an S3 outage (S3 holds whole checkpoints, every node's
-part) and a silent data corruption. The other faults strike the same code on one node as on two
-and run in the one-node chaos suite.
+2 --spares 1` whose schedule strikes the two node faults (kill-node: a machine lost with its
+SSD, the warm spare taking its place; partition-node: a node's ckptd frozen), an S3 outage (S3
+holds whole checkpoints, every node's part) and a silent data corruption. The other faults
+strike the same code on one node as on two and run in the one-node chaos suite.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def drill(tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("two-node-drill")
     report = scaletrain_json(
-        "chaos", "--workdir", str(workdir), *LAYOUT, "--schedule", ",".join(SCHEDULE),
-        "--seed", "3", "--watchdog-min-s", "6",
+        "chaos", "--workdir", str(workdir), *LAYOUT, "--spares", "1",
+        "--schedule", ",".join(SCHEDULE), "--seed", "3", "--watchdog-min-s", "6",
     )  # fmt: skip
     return report | {"workdir": workdir}
 
@@ -163,15 +163,18 @@ def test_a_two_node_drill_ends_bit_for_bit_as_the_fault_free_run(two_nodes: dict
     assert any(step == SDC_STEP for step, *_ in events(drill, "replay"))
 
 
-def test_a_killed_node_is_replaced_by_a_fresh_machine_and_the_job_reforms(drill: dict):
+def test_a_killed_node_is_replaced_by_the_warm_spare_and_comes_back_as_the_next_spare(
+    drill: dict,
+):
     fault = injected(drill, "kill-node")
-    # Never node0: its agent hosts the rendezvous store.
+    # Never node0 (whose ckptd the drill asks), and the spare node2 runs no rank yet.
     assert fault["target"] == "node1"
-    assert "data dir deleted; a fresh ckptd at " in fault["detail"]
+    assert fault["spare"] == "node2", fault
+    assert "data dir deleted; spare node2 took its place; a fresh machine at " in fault["detail"]
     assert " lists step " in fault["detail"], fault
     restart_after(drill, fault)
-    # The fresh machine got node1's part back from node0's copy of it (read through its ckptd,
-    # or copied back into its own tiers first): the restore read no S3.
+    # The spare got node1's part from the copies its peers hold (the spare itself held one,
+    # placed there from the start): the restore read no S3.
     recovery = drill["recoveries"][0]
     assert recovery["step"] <= fault["step"], drill["recoveries"]
     sources = recovery["restored_from"]
@@ -179,10 +182,15 @@ def test_a_killed_node_is_replaced_by_a_fresh_machine_and_the_job_reforms(drill:
     workdir = Workdir(drill["workdir"])
     ckptd_log = (workdir.logs / "ckptd-node1.log").read_text()
     assert ckptd_log.count('"message": "ckptd started on') == 2
-    # Checkpoints committed after the replacement have node1's part on its new SSD.
+    node1 = (workdir.logs / "trainer-node1.log").read_text()
+    assert "the job ended while this machine waited as a spare" in node1
+    # Checkpoints committed after the replacement have a part on node0 and on the spare,
+    # each on its SSD; the fresh node1 holds none.
     final = max(drill["checkpoints"], key=lambda c: c["step"])
     assert final["step"] == STEPS
-    assert all("ssd" in part["tiers"] for part in final["parts"]), final
+    saved = {part["node"]: part for part in final["parts"] if part["files"]}
+    assert sorted(saved) == ["node0", "node2"], final
+    assert all("ssd" in part["tiers"] for part in saved.values()), final
 
 
 def test_a_partitioned_node_is_frozen_and_thawed_and_the_run_goes_on(drill: dict):
