@@ -104,3 +104,31 @@ def test_a_config_file_that_is_not_there_is_one_line_and_starts_nothing(tmp_path
 
 def test_plan_of_an_unknown_preset_lists_the_presets():
     assert_one_line_error(scaletrain("plan", "--model", "llama9"), "llama9", "llama3-8b")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--nodes", "2", "--spares", "-1"), "--spares must be 0 or more, got -1"),
+        (("--spares", "1"), "--spares 1 needs --nodes 2 or more"),
+        (("--nodes", "2", "--spares", "400"), "402 simulated machines need about"),
+    ],
+    ids=["negative", "on-one-node", "more-than-memory-holds"],
+)
+def test_spares_that_cannot_be_started_are_refused_before_anything_starts(
+    tmp_path: Path, args: tuple[str, ...], needle: str
+):
+    for command in ("run", "chaos"):
+        result = scaletrain(command, *args, "--workdir", str(tmp_path / command))
+        assert_one_line_error(result, needle)
+        assert not (tmp_path / command / "logs").exists()
+
+
+def test_the_rendezvous_refuses_a_bad_or_taken_address_in_one_line():
+    assert_one_line_error(scaletrain("rendezvous", "--listen", "nowhere"), "expected HOST:PORT")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = scaletrain("rendezvous", "--listen", f"127.0.0.1:{port}")
+    assert_one_line_error(result, f"cannot listen on 127.0.0.1:{port}")
