@@ -58,7 +58,6 @@ class ReplicaHolding:
     _closed: threading.Event
     _reader: Reader
     _replicator: Replicator | None
-    _latest_safe: dict[str, int]
     policy: Callable[[str], RetentionPolicy]
     retains: Callable[[str], bool]
     _notify: Callable[..., None]
@@ -105,7 +104,7 @@ class ReplicaHolding:
         for run in self.catalog.runs():
             r = self.replicas_of(run)
             steps = sorted(self.catalog.run_states(run), reverse=True)
-            keep = self._latest_safe.get(run)
+            keep = self.catalog.latest_safe(run).get(run)
             recent = steps[: self.policy(run).ssd_last] + ([keep] if keep in steps else [])
             for step in dict.fromkeys(recent):
                 key = CheckpointKey(run, step)

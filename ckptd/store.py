@@ -175,8 +175,6 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         self.s3: S3Tier | None = None
         self._replication: S3Replication | None = None
         self._replicator: Replicator | None = None
-        # run -> its newest node-loss-safe step, as the last sync with the peers saw it.
-        self._latest_safe: dict[str, int] = {}
         try:
             self.node = node_of(data_dir, config.cluster.node)
             self.peers = Peers(
@@ -744,7 +742,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         on_s3 = [s for s, tiers in states.items() if tiers.get(S3) == TIER_COMMITTED]
         wants = wanted(
             self.policy(run), list(states), on_s3, has_s3=self.s3 is not None,
-            keep=self._latest_safe.get(run),
+            keep=self.catalog.latest_safe(run).get(run),
         )  # fmt: skip
         if self.s3 is None:
             for step in on_s3:  # a store without S3 (offline) cannot manage S3's copies

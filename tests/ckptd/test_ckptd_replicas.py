@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -34,12 +35,18 @@ from cluster_testing import (
 from ckptd.config import S3Config
 from ckptd.manifest import FileRecord, Manifest
 from ckptd.metrics import Metrics
-from ckptd.replicas import Throttle, copy_part, effective_replicas, placement
+from ckptd.replicas import (
+    Throttle,
+    copies_for_safety,
+    copy_part,
+    effective_replicas,
+    placement,
+)
 from ckptd.retention import RetentionPolicy, wanted
 from ckptd.tiers import BLOCK_BYTES, CheckpointKey, block_crcs_of
 from ckptd.tiers.memory import MemoryBudget, MemoryFile
 from ckptd.tiers.ssd import SsdTier
-from scaletrain.errors import InvalidArgument
+from scaletrain.errors import InvalidArgument, ScaletrainError
 from scaletrain.v1 import checkpoint_pb2
 
 FAILED = checkpoint_pb2.TIER_STATE_FAILED
@@ -74,6 +81,10 @@ def test_r_is_capped_by_default_and_refused_when_asked_beyond_the_nodes():
     assert effective_replicas(3, 2, 4) == 3
     with pytest.raises(InvalidArgument, match="replicas 3 is more than the 2 node"):
         effective_replicas(3, 2, 2)
+
+
+def test_a_step_is_node_loss_safe_only_once_every_part_has_its_r_copies_and_at_least_two():
+    assert [copies_for_safety(r) for r in (1, 2, 3, 4)] == [2, 2, 3, 4]
 
 
 def test_a_copy_counts_in_memory_once_every_block_checks_then_on_ssd_once_durable(
@@ -358,3 +369,58 @@ def test_a_copy_cut_off_by_its_source_is_retried_and_the_step_is_safe_only_once_
     held = wait_until_safe(cluster, 10)
     assert held == {"node0": ["node0", "node1"], "node1": ["node0", "node1"]}
     assert cluster.clients[0].read("run", 10, "__1_0.distcp") == files["__1_0.distcp"][2]
+
+
+def test_a_node_lost_before_its_part_is_copied_leaves_the_step_unsafe_and_the_older_safe_one_whole(
+    make_cluster,
+) -> None:
+    # Copies at 0.25 MB/s: step 10's small parts are copied at once, step 20's 2 MB parts take
+    # seconds, so node 1 dies (its disk with it) after its vote and before its part of step 20
+    # reaches node 0. SSD keeps one step by the policy: only the "newest node-loss-safe step"
+    # rule keeps step 10 there, even across a restart of the node that survived.
+    cluster = make_cluster(2, None, "--replicas", "2", "--replica-mb-s", "0.25")
+    policy = checkpoint_pb2.RetentionPolicy(memory_last=1, ssd_last=1, s3_every=1)
+    small = checkpoint_files(world_size=2, shard_bytes=20_000, seed=21)
+    save(cluster, 10, small, 2, retention=policy)
+    wait_until_safe(cluster, 10)
+    wait_for(lambda: [p.latest_safe_step for p in cluster.clients[0].list("run", nodes=True)[0].parts]
+             == [10, 10], what="every node to learn that step 10 is node-loss safe")  # fmt: skip
+
+    reported: list[int] = []  # every step any node called node-loss safe meanwhile
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.05):
+            for i in (0, 1):
+                try:
+                    reported.extend(c.ref.step for c in cluster.clients[i].list("run", nodes=True)
+                                    if c.node_loss_safe)  # fmt: skip
+                    reported.append(cluster.clients[i].get("run", node_loss_safe=True).ref.step)
+                except ScaletrainError:
+                    pass  # node 1 is gone; node 0 may have no safe step left
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    save(cluster, 20, checkpoint_files(world_size=2, shard_bytes=2_000_000, seed=22), 2)
+    wait_for(
+        lambda: any((cluster.data_dir(0) / "replicas" / "node1").glob(".incoming/*")),
+        what="node 0 to start copying node 1's part of step 20",
+    )
+    cluster.kill(1)
+    shutil.rmtree(cluster.data_dir(1))  # lost with its disk: its part of step 20 is nowhere
+
+    def restorable_is_step_10() -> None:
+        client = cluster.clients[0]
+        assert client.get("run").ref.step == 10  # never step 20, which nothing can restore
+        assert {c.ref.step for c in client.list("run")} == {10, 20}
+        for path, (_, _, data) in small.items():
+            assert client.read("run", 10, path) == data, path
+
+    restorable_is_step_10()
+    stop.set()
+    watcher.join()
+    assert 20 not in reported and 10 in reported, sorted(set(reported))
+    cluster.kill(0)  # a restart of the node that survived forgets nothing it must keep
+    cluster.start(0)
+    time.sleep(2.0)  # a few syncs with the peer that is gone
+    restorable_is_step_10()
