@@ -8,6 +8,7 @@ reads with ckptd's own metrics (`ckptd_tier_bytes_total{tier="S3",op="read"}`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -171,6 +172,13 @@ def copies(cluster: Cluster, i: int, step: int) -> tuple[bool, dict[str, list[st
     return info.node_loss_safe, held
 
 
+def parts(cluster: Cluster, i: int, step: int) -> list[checkpoint_pb2.NodePart]:
+    """Every node's part of `step` as node i sees it."""
+    return list(
+        next(c for c in cluster.clients[i].list("run", nodes=True) if c.ref.step == step).parts
+    )
+
+
 def wait_until_safe(
     cluster: Cluster, step: int, r: int = 2, i: int = 0, exactly: bool = False
 ) -> dict[str, list[str]]:
@@ -275,15 +283,13 @@ def test_an_old_steps_ssd_copy_goes_once_every_node_learns_a_newer_step_is_node_
         wait_until_safe(cluster, step)
         wait_until_every_node_sees_it_on_s3(cluster, step)
 
-    def parts(step: int) -> list[checkpoint_pb2.NodePart]:
-        listed = cluster.clients[0].list("run", nodes=True)
-        return list(next(c for c in listed if c.ref.step == step).parts)
-
-    wait_for(lambda: [p.latest_safe_step for p in parts(20)] == [20, 20],
+    wait_for(lambda: [p.latest_safe_step for p in parts(cluster, 0, 20)] == [20, 20],
              timeout_s=30, what="every node to learn that step 20 is node-loss safe")  # fmt: skip
 
     def held(step: int) -> list[list[int]]:
-        return [sorted(t.tier for t in p.tiers if t.state == COMMITTED) for p in parts(step)]
+        return [
+            sorted(t.tier for t in p.tiers if t.state == COMMITTED) for p in parts(cluster, 0, step)
+        ]
 
     assert held(10) == [[S3], [S3]]
     assert held(20) == [[MEMORY, SSD, S3], [MEMORY, SSD, S3]]
@@ -383,24 +389,24 @@ def test_a_node_lost_before_its_part_is_copied_leaves_the_step_unsafe_and_the_ol
     small = checkpoint_files(world_size=2, shard_bytes=20_000, seed=21)
     save(cluster, 10, small, 2, retention=policy)
     wait_until_safe(cluster, 10)
-    wait_for(lambda: [p.latest_safe_step for p in cluster.clients[0].list("run", nodes=True)[0].parts]
-             == [10, 10], what="every node to learn that step 10 is node-loss safe")  # fmt: skip
+    wait_for(lambda: [p.latest_safe_step for p in parts(cluster, 0, 10)] == [10, 10],
+             what="every node to learn that step 10 is node-loss safe")  # fmt: skip
 
     reported: list[int] = []  # every step any node called node-loss safe meanwhile
     stop = threading.Event()
 
     def watch() -> None:
         while not stop.wait(0.05):
-            for i in (0, 1):
-                try:
-                    reported.extend(c.ref.step for c in cluster.clients[i].list("run", nodes=True)
-                                    if c.node_loss_safe)  # fmt: skip
-                    reported.append(cluster.clients[i].get("run", node_loss_safe=True).ref.step)
-                except ScaletrainError:
-                    pass  # node 1 is gone; node 0 may have no safe step left
+            for client in cluster.clients:  # once node 1 is gone, no step is safe: NotFound
+                with contextlib.suppress(ScaletrainError):
+                    listed = client.list("run", nodes=True)
+                    reported.extend(c.ref.step for c in listed if c.node_loss_safe)
+                with contextlib.suppress(ScaletrainError):
+                    reported.append(client.get("run", node_loss_safe=True).ref.step)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    wait_for(lambda: 10 in reported, what="the watch to see step 10 node-loss safe")
     save(cluster, 20, checkpoint_files(world_size=2, shard_bytes=2_000_000, seed=22), 2)
     wait_for(
         lambda: any((cluster.data_dir(0) / "replicas" / "node1").glob(".incoming/*")),
@@ -419,8 +425,58 @@ def test_a_node_lost_before_its_part_is_copied_leaves_the_step_unsafe_and_the_ol
     restorable_is_step_10()
     stop.set()
     watcher.join()
-    assert 20 not in reported and 10 in reported, sorted(set(reported))
+    assert 20 not in reported, sorted(set(reported))
     cluster.kill(0)  # a restart of the node that survived forgets nothing it must keep
     cluster.start(0)
     time.sleep(2.0)  # a few syncs with the peer that is gone
     restorable_is_step_10()
+
+
+def test_a_node_lost_for_good_gets_its_copies_remade_on_the_rest_and_saves_go_on_without_it(
+    make_cluster,
+) -> None:
+    cluster = make_cluster(3, None, "--replicas", "2")
+    files = checkpoint_files(world_size=3, shard_bytes=200_000, seed=31)
+    save(cluster, 10, files, 3)  # rank i on node i
+    assert any(
+        "node1" in holders for holders in wait_until_safe(cluster, 10, exactly=True).values()
+    )
+    cluster.kill(1)
+    shutil.rmtree(cluster.data_dir(1))  # lost for good, with its disk
+
+    # Every part that had a copy on node 1 gets one on a node that remains: R = 2 again.
+    rest = ["node0", "node2"]
+    remade = (True, dict.fromkeys(["node0", "node1", "node2"], rest))
+    for i in (0, 2):
+        wait_for(lambda i=i: copies(cluster, i, 10) == remade, timeout_s=30,
+                 what=f"node {i} to see every part of step 10 on nodes 0 and 2")  # fmt: skip
+
+    # The job re-formed on nodes 0 and 2 saves without waiting for node 1, which is known down.
+    opened = cluster.clients[0].open_save("run", 20, 2)
+    reformed = checkpoint_files(world_size=2, shard_bytes=100_000, seed=32)
+    for path, (rank, kind, data) in reformed.items():
+        client = cluster.clients[2 * rank]
+        client.join_save(opened, "run", 20, 2)
+        client.write_file(opened.save_id, path, rank, kind, data)
+    started = time.monotonic()
+    assert cluster.clients[0].commit(opened.save_id).committed
+    assert time.monotonic() - started < 1.5  # the connect timeout, which each phase waited out
+    assert wait_until_safe(cluster, 20, exactly=True) == dict.fromkeys(rest, rest)
+
+    # Node 2 lost too: one live node of the 3, R = 2. A save still commits, said to be below R,
+    # and becomes node-loss safe once a replacement for node 1 joins, as do the older steps.
+    cluster.kill(2)
+    wait_for(lambda: not next(p for p in parts(cluster, 0, 20) if p.node == "node2").reachable,
+             what="node 0 to see node 2 down")  # fmt: skip
+    opened = cluster.clients[0].open_save("run", 30, 1)
+    for path, (rank, kind, data) in checkpoint_files(world_size=1, shard_bytes=50_000).items():
+        cluster.clients[0].write_file(opened.save_id, path, rank, kind, data)
+    assert cluster.clients[0].commit(opened.save_id).committed
+    log = cluster.procs[0].log
+    below_r = "run/30 is below R: its run asks for 2 copies of each part, and 1 node(s) are live"
+    wait_for(lambda: f"{below_r} (down: node1, node2)" in log.read_text(), what="a warning")
+    assert copies(cluster, 0, 30) == (False, {"node0": ["node0"]})
+    cluster.start(1)  # a replacement: an empty machine under the lost node's name
+    for step in (10, 20, 30):
+        wait_until_safe(cluster, step)
+    assert cluster.clients[0].get("run", node_loss_safe=True).ref.step == 30
