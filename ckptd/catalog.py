@@ -96,6 +96,12 @@ CREATE TABLE IF NOT EXISTS runs (
     s3_every INTEGER NOT NULL,
     replicas INTEGER NOT NULL DEFAULT 0
 );
+-- Each run's newest node-loss-safe step, which SSD keeps whatever its age: kept here, as a
+-- restart must not forget it while no newer step is safe (a node lost before its copies).
+CREATE TABLE IF NOT EXISTS safe_steps (
+    run TEXT PRIMARY KEY,
+    step INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS deletions (
     run TEXT NOT NULL,
     step INTEGER NOT NULL,
@@ -420,6 +426,16 @@ class Catalog:
             "SELECT memory_last, ssd_last, s3_every, replicas FROM runs WHERE run = ?", (run,)
         )
         return RetentionPolicy(*rows[0]) if rows else None
+
+    def set_latest_safe(self, run: str, step: int) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO safe_steps (run, step) VALUES (?, ?)", (run, step))
+
+    def latest_safe(self, run: str = "") -> dict[str, int]:
+        """run -> its newest node-loss-safe step as this node last learned it (of `run`)."""
+        if run:
+            return dict(self._query("SELECT run, step FROM safe_steps WHERE run = ?", (run,)))
+        return dict(self._query("SELECT run, step FROM safe_steps"))
 
     def runs(self) -> list[str]:
         rows = self._query("SELECT DISTINCT run FROM checkpoints WHERE state = ?", (COMMITTED,))

@@ -226,7 +226,7 @@ class CkptdClient:
         self, run: str, step: int | None = None, node_loss_safe: bool = False
     ) -> checkpoint_pb2.CheckpointInfo:
         """A committed checkpoint; with `step` None the newest committed one of `run` that can
-        be restored in full now (with `node_loss_safe`: whose every part is on 2 nodes)."""
+        be restored in full now (with `node_loss_safe`: whose every part is on R nodes)."""
         request = checkpoint_pb2.GetCheckpointRequest(
             ref=checkpoint_pb2.CheckpointRef(run=run, step=step or 0),
             latest=step is None,

@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -99,6 +99,11 @@ class Peer:
             grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
             raise PeerUnreachable(f"{self.address}: no connection within {timeout_s:g}s") from None
+
+    @property
+    def name(self) -> str:
+        """Its node name, or its address until it has told its name."""
+        return self.node or self.address
 
     def cluster(self) -> checkpoint_pb2_grpc.ClusterServiceStub:
         assert self.channel is not None
@@ -232,9 +237,13 @@ class Peers:
                     peer.node, peer.zone, peer.reachable = node, zone, True
 
     def call(
-        self, peers: list[Peer], fn: Callable[[Peer], object]
+        self,
+        peers: list[Peer],
+        fn: Callable[[Peer], object],
+        brief: Collection[str] = (),
     ) -> dict[str, object | BaseException]:
-        """`fn(peer)` on every peer at once: address -> its result, or the exception raised."""
+        """`fn(peer)` on every peer at once: address -> its result, or the exception raised.
+        The peers at the addresses `brief` get no wait for a connection (`fn` bounds the call)."""
         if not peers:
             return {}
         results: dict[str, object | BaseException] = {}
@@ -242,7 +251,8 @@ class Peers:
 
         def connected(peer: Peer) -> object:
             try:
-                peer.connect(timeout)
+                if peer.address not in brief:
+                    peer.connect(timeout)
                 result = fn(peer)
             except BaseException as exc:
                 if _unreachable(exc):
@@ -288,11 +298,21 @@ def _unreachable(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class Votes:
-    """What the peers answered to Prepare: their files, and who could not be asked."""
+    """What the peers answered to Prepare: their files, and who could not be asked (by name,
+    else address)."""
 
     files: list[FileRecord]
     world_sizes: dict[str, int]
     unreachable: dict[str, str]
+
+    def merged(self, later: Votes, asked: Collection[str]) -> Votes:
+        """These votes with `later`, the answers of the peers `asked` (by name) once more."""
+        unreachable = {n: e for n, e in self.unreachable.items() if n not in asked}
+        return Votes(
+            [*self.files, *later.files],
+            {**self.world_sizes, **later.world_sizes},
+            {**unreachable, **later.unreachable},
+        )
 
 
 class Coordinator:
@@ -301,19 +321,42 @@ class Coordinator:
     def __init__(self, peers: Peers) -> None:
         self.peers = peers
 
-    def prepare(self, save: SaveRecord) -> Votes:
+    def prepare(self, save: SaveRecord, complete: Callable[[Votes], bool]) -> Votes:
         """Every peer's part of `save`, made durable there. A peer that holds none of it answers
         NOT_FOUND; an unreachable one is listed (the save fails only if it needed that peer);
-        any other refusal (a stale epoch, an aborted save) raises."""
+        any other refusal (a stale epoch, an aborted save) raises.
+
+        A peer known down (its last call or greeting failed: a node lost for good) is not
+        waited for: it is asked once within the connect timeout, where it could otherwise hold
+        the save of the live nodes' ranks for a connection (or, frozen, for the whole
+        prepare_timeout_s). Only if the votes are then not `complete` (it may be back, with
+        ranks that wrote to it) is it asked again, as patiently as any peer."""
         request = checkpoint_pb2.PrepareRequest(
             save_id=save.save_id,
             ref=checkpoint_pb2.CheckpointRef(run=save.key.run, step=save.key.step),
             epoch=save.coordination.epoch,
             coordinator=self.peers.node,
         )
-        timeout = self.peers.config.prepare_timeout_s
         peers = self.peers.all()
-        answers = self.peers.call(peers, lambda p: p.cluster().Prepare(request, timeout=timeout))
+        down = {p.address for p in peers if not p.reachable}
+        votes = self._ask(request, peers, down)
+        late = [p for p in peers if p.address in down and p.name in votes.unreachable]
+        if late and not complete(votes):
+            votes = votes.merged(self._ask(request, late, set()), {p.name for p in late})
+        return votes
+
+    def _ask(
+        self, request: checkpoint_pb2.PrepareRequest, peers: list[Peer], brief: set[str]
+    ) -> Votes:
+        """The votes of `peers`; those at the addresses `brief` get the connect timeout."""
+        config = self.peers.config
+
+        def vote(peer: Peer) -> checkpoint_pb2.PrepareResponse:
+            brief_one = peer.address in brief
+            timeout = config.connect_timeout_s if brief_one else config.prepare_timeout_s
+            return peer.cluster().Prepare(request, timeout=timeout)
+
+        answers = self.peers.call(peers, vote, brief)
         files: list[FileRecord] = []
         sizes: dict[str, int] = {}
         unreachable: dict[str, str] = {}
@@ -321,12 +364,12 @@ class Coordinator:
             answer = answers[peer.address]
             if _unreachable(answer):
                 assert isinstance(answer, BaseException)
-                unreachable[peer.node or peer.address] = f"{peer.address}: {_describe(answer)}"
+                unreachable[peer.name] = f"{peer.address}: {_describe(answer)}"
                 continue
             if isinstance(answer, grpc.RpcError):
                 if answer.code() == grpc.StatusCode.NOT_FOUND:
                     continue  # no rank wrote to that node: it holds nothing of this save
-                raise error_from_rpc(answer, f"vote of node {peer.node or peer.address}")
+                raise error_from_rpc(answer, f"vote of node {peer.name}")
             if isinstance(answer, BaseException):
                 raise answer
             assert isinstance(answer, checkpoint_pb2.PrepareResponse)
@@ -340,10 +383,11 @@ class Coordinator:
         manifest: Manifest | None,
         reason: str = "",
         retention: checkpoint_pb2.RetentionPolicy | None = None,
+        unreachable: Collection[str] = (),
     ) -> None:
         """Tell every peer the outcome (commit with `manifest` and the run's `retention`, else
         abort); a peer that does not hear it asks for it later (Outcome), so failures here are
-        only logged."""
+        only logged, and the peers the vote found `unreachable` (by name) are not waited for."""
         request = checkpoint_pb2.DecideRequest(
             save_id=save.save_id,
             ref=checkpoint_pb2.CheckpointRef(run=save.key.run, step=save.key.step),
@@ -354,7 +398,7 @@ class Coordinator:
             reason=reason,
             retention=retention,
         )
-        peers = self.peers.all()
+        peers = [p for p in self.peers.all() if p.name not in unreachable]
         answers = self.peers.call(
             peers, lambda p: p.cluster().Decide(request, timeout=DEFAULT_TIMEOUT_S)
         )
@@ -363,7 +407,7 @@ class Coordinator:
             if isinstance(answer, BaseException):
                 log.warning(
                     "node %s did not take the decision on %s (it will ask): %s",
-                    peer.node or peer.address, save.key, answer,
+                    peer.name, save.key, answer,
                 )  # fmt: skip
 
 
@@ -373,8 +417,20 @@ def check_votes(
     files: list[FileRecord],
     votes: Votes,
 ) -> None:
-    """Refuse to commit unless the parts together hold the metadata and every rank's shard,
-    every node agrees on the world size and no file is on two nodes."""
+    """Refuse to commit unless the votes are complete (`vote_problems`)."""
+    problems = vote_problems(world_size, files, votes)
+    if problems and votes.unreachable:
+        problems.append(
+            "unreachable: " + "; ".join(f"node {n} ({e})" for n, e in votes.unreachable.items())
+        )
+    if problems:
+        raise FailedPrecondition(f"cannot commit {key}: " + "; ".join(problems))
+
+
+def vote_problems(world_size: int, files: list[FileRecord], votes: Votes) -> list[str]:
+    """What keeps a save of `files` (every node's) from committing: the parts together must hold
+    the metadata and every rank's shard, every node agree on the world size, and no file be on
+    two nodes."""
     problems = []
     for node, size in sorted(votes.world_sizes.items()):
         if size != world_size:
@@ -391,12 +447,7 @@ def check_votes(
     if missing:
         shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
         problems.append(f"no shard file from rank(s) {shown} of world size {world_size}")
-    if problems and votes.unreachable:
-        problems.append(
-            "unreachable: " + "; ".join(f"node {n} ({e})" for n, e in votes.unreachable.items())
-        )
-    if problems:
-        raise FailedPrecondition(f"cannot commit {key}: " + "; ".join(problems))
+    return problems
 
 
 # -- asking peers ----------------------------------------------------------------------------------
@@ -446,7 +497,7 @@ def catalogs(peers: Peers, run: str = "") -> dict[str, checkpoint_pb2.CatalogRes
             peer.node = answer.node
             found[answer.node] = answer
         else:
-            found[peer.node or peer.address] = _describe(answer)  # type: ignore[arg-type]
+            found[peer.name] = _describe(answer)  # type: ignore[arg-type]
     return found
 
 

@@ -58,7 +58,6 @@ class ReplicaHolding:
     _closed: threading.Event
     _reader: Reader
     _replicator: Replicator | None
-    _latest_safe: dict[str, int]
     policy: Callable[[str], RetentionPolicy]
     retains: Callable[[str], bool]
     _notify: Callable[..., None]
@@ -74,8 +73,11 @@ class ReplicaHolding:
         return zones
 
     def node_count(self) -> int:
-        """The nodes of the cluster as configured (this one and every peer it knows of)."""
-        return 1 + len(self.peers.all())
+        """The nodes of the cluster: this one and every peer it knows of, by name (a node
+        replaced at another address, under the lost one's name, is still one node). Live or
+        not: R is what the run asks of the cluster; placement makes what the live nodes can
+        hold, and a step is node-loss safe only once its R copies exist."""
+        return len({self.node} | {peer.name for peer in self.peers.all()})
 
     def replicas_of(self, run: str) -> int:
         """R for `run`: what it asked for, else ckptd's default, capped at the nodes there are."""
@@ -105,7 +107,7 @@ class ReplicaHolding:
         for run in self.catalog.runs():
             r = self.replicas_of(run)
             steps = sorted(self.catalog.run_states(run), reverse=True)
-            keep = self._latest_safe.get(run)
+            keep = self.catalog.latest_safe(run).get(run)
             recent = steps[: self.policy(run).ssd_last] + ([keep] if keep in steps else [])
             for step in dict.fromkeys(recent):
                 key = CheckpointKey(run, step)
@@ -180,6 +182,8 @@ class ReplicaHolding:
             for holder in placement(owner, zones, r):
                 if holder != owner:
                     offers.setdefault(holder, []).append(owner)
+        if len(zones) < r:
+            self._warn_below_r(manifest.key, r, zones)
         for owner in offers.pop(self.node, []):
             self.offer_replica(ref, owner, self.node)
         targets = [p for p in self.peers.all() if p.node in offers]
@@ -197,6 +201,18 @@ class ReplicaHolding:
 
         if targets:
             threading.Thread(target=send, name="ckptd-offers", daemon=True).start()
+
+    def _warn_below_r(self, key: CheckpointKey, r: int, zones: dict[str, str]) -> None:
+        """Say that a commit has fewer live nodes than its R copies need: it is saved all the
+        same, and is not node-loss safe until a node comes back or a replacement joins (each
+        node's sync then makes the missing copies)."""
+        down = sorted(p.name for p in self.peers.all() if p.name not in zones)
+        log.warning(
+            "%s is below R: its run asks for %d copies of each part, and %d node(s) are live "
+            "(down: %s); it becomes node-loss safe once a node comes back or a replacement joins",
+            key, r, len(zones), ", ".join(down) or "none",
+            extra={"run": key.run, "step": key.step},
+        )  # fmt: skip
 
     # -- making a copy ---------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ node's checkpoints (Catalog, and the sync that resolves in-doubt saves and fetch
 node missed while it was down, frozen or replaced). It also answers the cluster-wide questions
 of the store's API: every node's part of a checkpoint and its copies (replicas), whether a step
 can be restored in full right now ("latest" only names such a step), and whether it is
-node-loss safe (every part on at least 2 nodes).
+node-loss safe (every part on R nodes, and at least 2).
 
 A mixin of `CheckpointStore`: it acts on the store's saves and catalog, under the store's lock.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ckptd import cluster
@@ -25,6 +26,7 @@ from ckptd.cluster import Peers, check_epoch
 from ckptd.crash import crash_point
 from ckptd.manifest import FileRecord, Manifest
 from ckptd.names import MAX_WORLD_SIZE, check_run, key_of, manifest_from_peer
+from ckptd.replicas import copies_for_safety
 from ckptd.retention import RetentionPolicy
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.ssd import SsdTier
@@ -61,7 +63,7 @@ class ClusterMember:
     _saves: dict[str, _OpenSave]
     _forgotten: set[CheckpointKey]
     _replication: S3Replication | None
-    _latest_safe: dict[str, int]
+    replicas_of: Callable[[str], int]
 
     def join_save(
         self,
@@ -247,9 +249,12 @@ class ClusterMember:
     def node_loss_safe(
         self, key: CheckpointKey, views: dict[str, checkpoint_pb2.CatalogResponse | str]
     ) -> bool:
-        """Whether every part of `key` has a committed copy on at least 2 nodes."""
+        """Whether every part of `key` has a committed copy on as many nodes as its run's R
+        asks, and on at least 2 (`copies_for_safety`). Copies are made after the commit, so a
+        step is not safe until they land: a node lost before leaves it unsafe for good."""
+        need = copies_for_safety(self.replicas_of(key.run))
         copies = self._copies(key, views)
-        return bool(copies) and all(len(self._holders(c)) >= 2 for c in copies.values())
+        return bool(copies) and all(len(self._holders(c)) >= need for c in copies.values())
 
     def _parts(
         self,
@@ -283,7 +288,7 @@ class ClusterMember:
             else:
                 part.reachable = True
                 part.latest_safe_step = (
-                    self._latest_safe.get(info.ref.run, 0)
+                    self.catalog.latest_safe(info.ref.run).get(info.ref.run, 0)
                     if node == self.node
                     else view.latest_safe.get(info.ref.run, 0)  # type: ignore[union-attr]
                 )
@@ -334,12 +339,14 @@ class ClusterMember:
         return None
 
     def _learn_latest_safe(self, run: str, step: int) -> None:
-        """Take `step` as the run's newest node-loss-safe step. Retention runs again when it
-        changes: the SSD copy it kept of the step safe before may go now, where it would
-        otherwise wait for the run's next commit (never, once the run has ended)."""
+        """Take `step` as the run's newest node-loss-safe step, in the catalog: a restart must
+        not forget it while no newer step is safe (its part lost with a node before its
+        copies were made), or retention would drop the step a restore needs. Retention runs
+        again when it changes: the SSD copy it kept of the step safe before may go now, where
+        it would otherwise wait for the run's next commit (never, once the run has ended)."""
         with self._lock:
-            if self._latest_safe.get(run) != step:
-                self._latest_safe[run] = step
+            if self.catalog.latest_safe(run).get(run) != step:
+                self.catalog.set_latest_safe(run, step)
                 self._apply_retention(run)
 
     def policies(self, run: str = "") -> dict[str, checkpoint_pb2.RetentionPolicy]:
@@ -350,8 +357,7 @@ class ClusterMember:
 
     def latest_safe_steps(self, run: str = "") -> dict[str, int]:
         """run -> its newest node-loss-safe step as this node last learned it (of `run`)."""
-        with self._lock:
-            return {r: s for r, s in self._latest_safe.items() if not run or r == run}
+        return self.catalog.latest_safe(run)
 
     def sync_with_peers(self) -> None:
         """Resolve the saves this node voted on, and learn the commits it missed (down, frozen,

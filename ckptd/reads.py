@@ -381,7 +381,7 @@ class Reader:
         for peer in self._peer_order(key, record):
             if pos >= record.size:
                 break
-            name = f"node {peer.node or peer.address}"
+            name = f"node {peer.name}"
             try:
                 fast = open_peer_range(
                     peer, key, record.path, pos, record.size - pos, f"copy {key}/{record.path}"
@@ -441,7 +441,7 @@ class Reader:
     ) -> tuple[int, bytes] | None:
         """Bytes [lo, hi) of `record` from `peer`'s own tiers, checked against the block CRCs
         this node holds; None (and why, in `problems`) when the peer has no good copy."""
-        name = f"node {peer.node or peer.address}"
+        name = f"node {peer.name}"
         try:
             served, data = read_from_peer(
                 peer, key, record.path, lo, hi - lo, self._peers.config.connect_timeout_s

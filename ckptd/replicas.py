@@ -67,6 +67,13 @@ def effective_replicas(asked: int, default: int, nodes: int) -> int:
     return max(1, min(default, nodes))
 
 
+def copies_for_safety(r: int) -> int:
+    """The nodes each part of a step must be on for the step to count as node-loss safe under
+    R = `r`: all R copies the run asks for, and at least 2 (with R = 1, a part has no copy that
+    outlives its node: such a run's steps are never node-loss safe)."""
+    return max(2, r)
+
+
 def placement(owner: str, zones: Mapping[str, str], r: int) -> list[str]:
     """The nodes that should hold `owner`'s part: up to `r` of the live nodes `zones` (node ->
     its zone, "" when it has none), the owner first when it is live.

@@ -34,7 +34,7 @@ import grpc
 
 from ckptd import cluster
 from ckptd.catalog import COMMITTED, OPEN, Catalog, Coordination, SaveRecord
-from ckptd.cluster import Coordinator, Peers, check_votes, new_epoch
+from ckptd.cluster import Coordinator, Peers, check_votes, new_epoch, vote_problems
 from ckptd.config import CkptdConfig
 from ckptd.crash import crash_point
 from ckptd.datadir import lock_data_dir, node_of
@@ -175,16 +175,14 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         self.s3: S3Tier | None = None
         self._replication: S3Replication | None = None
         self._replicator: Replicator | None = None
-        # run -> its newest node-loss-safe step, as the last sync with the peers saw it.
-        self._latest_safe: dict[str, int] = {}
         try:
             self.node = node_of(data_dir, config.cluster.node)
             self.peers = Peers(
                 config.cluster,
                 self.node,
-                on_reachable=lambda peer: self.metrics.peer_reachable.labels(
-                    peer.node or peer.address
-                ).set(int(peer.reachable)),
+                on_reachable=lambda peer: self.metrics.peer_reachable.labels(peer.name).set(
+                    int(peer.reachable)
+                ),
             )
             self._coordinator = Coordinator(self.peers)
             self.catalog = Catalog(data_dir, node=self.node)
@@ -588,7 +586,10 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         try:
             phase.labels("local").observe(time.perf_counter() - started)
             with phase.labels("prepare").time():
-                votes = self._coordinator.prepare(record)
+                votes = self._coordinator.prepare(
+                    record,
+                    lambda v: not vote_problems(record.world_size, [*files, *v.files], v),
+                )
             everything = sorted([*files, *votes.files], key=lambda f: f.path)
             check_votes(key, record.world_size, everything, votes)
             crash_point("cluster-voted")
@@ -611,7 +612,10 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             raise
         crash_point("cluster-decided")
         with phase.labels("notify").time():
-            self._coordinator.decide(record, manifest, retention=self.policy(key.run).to_proto())
+            self._coordinator.decide(
+                record, manifest, retention=self.policy(key.run).to_proto(),
+                unreachable=votes.unreachable,
+            )  # fmt: skip
         self.offer_replicas(manifest)
         log.info(
             "committed %s (%d bytes on %d node(s), %.3fs)", key, manifest.total_bytes,
@@ -744,7 +748,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         on_s3 = [s for s, tiers in states.items() if tiers.get(S3) == TIER_COMMITTED]
         wants = wanted(
             self.policy(run), list(states), on_s3, has_s3=self.s3 is not None,
-            keep=self._latest_safe.get(run),
+            keep=self.catalog.latest_safe(run).get(run),
         )  # fmt: skip
         if self.s3 is None:
             for step in on_s3:  # a store without S3 (offline) cannot manage S3's copies

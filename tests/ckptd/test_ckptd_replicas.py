@@ -8,12 +8,14 @@ reads with ckptd's own metrics (`ckptd_tier_bytes_total{tier="S3",op="read"}`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -34,12 +36,18 @@ from cluster_testing import (
 from ckptd.config import S3Config
 from ckptd.manifest import FileRecord, Manifest
 from ckptd.metrics import Metrics
-from ckptd.replicas import Throttle, copy_part, effective_replicas, placement
+from ckptd.replicas import (
+    Throttle,
+    copies_for_safety,
+    copy_part,
+    effective_replicas,
+    placement,
+)
 from ckptd.retention import RetentionPolicy, wanted
 from ckptd.tiers import BLOCK_BYTES, CheckpointKey, block_crcs_of
 from ckptd.tiers.memory import MemoryBudget, MemoryFile
 from ckptd.tiers.ssd import SsdTier
-from scaletrain.errors import InvalidArgument
+from scaletrain.errors import InvalidArgument, ScaletrainError
 from scaletrain.v1 import checkpoint_pb2
 
 FAILED = checkpoint_pb2.TIER_STATE_FAILED
@@ -74,6 +82,10 @@ def test_r_is_capped_by_default_and_refused_when_asked_beyond_the_nodes():
     assert effective_replicas(3, 2, 4) == 3
     with pytest.raises(InvalidArgument, match="replicas 3 is more than the 2 node"):
         effective_replicas(3, 2, 2)
+
+
+def test_a_step_is_node_loss_safe_only_once_every_part_has_its_r_copies_and_at_least_two():
+    assert [copies_for_safety(r) for r in (1, 2, 3, 4)] == [2, 2, 3, 4]
 
 
 def test_a_copy_counts_in_memory_once_every_block_checks_then_on_ssd_once_durable(
@@ -158,6 +170,13 @@ def copies(cluster: Cluster, i: int, step: int) -> tuple[bool, dict[str, list[st
             own + [c.node for c in part.replicas if any(t.state == COMMITTED for t in c.tiers)]
         )
     return info.node_loss_safe, held
+
+
+def parts(cluster: Cluster, i: int, step: int) -> list[checkpoint_pb2.NodePart]:
+    """Every node's part of `step` as node i sees it."""
+    return list(
+        next(c for c in cluster.clients[i].list("run", nodes=True) if c.ref.step == step).parts
+    )
 
 
 def wait_until_safe(
@@ -264,15 +283,13 @@ def test_an_old_steps_ssd_copy_goes_once_every_node_learns_a_newer_step_is_node_
         wait_until_safe(cluster, step)
         wait_until_every_node_sees_it_on_s3(cluster, step)
 
-    def parts(step: int) -> list[checkpoint_pb2.NodePart]:
-        listed = cluster.clients[0].list("run", nodes=True)
-        return list(next(c for c in listed if c.ref.step == step).parts)
-
-    wait_for(lambda: [p.latest_safe_step for p in parts(20)] == [20, 20],
+    wait_for(lambda: [p.latest_safe_step for p in parts(cluster, 0, 20)] == [20, 20],
              timeout_s=30, what="every node to learn that step 20 is node-loss safe")  # fmt: skip
 
     def held(step: int) -> list[list[int]]:
-        return [sorted(t.tier for t in p.tiers if t.state == COMMITTED) for p in parts(step)]
+        return [
+            sorted(t.tier for t in p.tiers if t.state == COMMITTED) for p in parts(cluster, 0, step)
+        ]
 
     assert held(10) == [[S3], [S3]]
     assert held(20) == [[MEMORY, SSD, S3], [MEMORY, SSD, S3]]
@@ -358,3 +375,108 @@ def test_a_copy_cut_off_by_its_source_is_retried_and_the_step_is_safe_only_once_
     held = wait_until_safe(cluster, 10)
     assert held == {"node0": ["node0", "node1"], "node1": ["node0", "node1"]}
     assert cluster.clients[0].read("run", 10, "__1_0.distcp") == files["__1_0.distcp"][2]
+
+
+def test_a_node_lost_before_its_part_is_copied_leaves_the_step_unsafe_and_the_older_safe_one_whole(
+    make_cluster,
+) -> None:
+    # Copies at 0.25 MB/s: step 10's small parts are copied at once, step 20's 2 MB parts take
+    # seconds, so node 1 dies (its disk with it) after its vote and before its part of step 20
+    # reaches node 0. SSD keeps one step by the policy: only the "newest node-loss-safe step"
+    # rule keeps step 10 there, even across a restart of the node that survived.
+    cluster = make_cluster(2, None, "--replicas", "2", "--replica-mb-s", "0.25")
+    policy = checkpoint_pb2.RetentionPolicy(memory_last=1, ssd_last=1, s3_every=1)
+    small = checkpoint_files(world_size=2, shard_bytes=20_000, seed=21)
+    save(cluster, 10, small, 2, retention=policy)
+    wait_until_safe(cluster, 10)
+    wait_for(lambda: [p.latest_safe_step for p in parts(cluster, 0, 10)] == [10, 10],
+             what="every node to learn that step 10 is node-loss safe")  # fmt: skip
+
+    reported: list[int] = []  # every step any node called node-loss safe meanwhile
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.05):
+            for client in cluster.clients:  # once node 1 is gone, no step is safe: NotFound
+                with contextlib.suppress(ScaletrainError):
+                    listed = client.list("run", nodes=True)
+                    reported.extend(c.ref.step for c in listed if c.node_loss_safe)
+                with contextlib.suppress(ScaletrainError):
+                    reported.append(client.get("run", node_loss_safe=True).ref.step)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    wait_for(lambda: 10 in reported, what="the watch to see step 10 node-loss safe")
+    save(cluster, 20, checkpoint_files(world_size=2, shard_bytes=2_000_000, seed=22), 2)
+    wait_for(
+        lambda: any((cluster.data_dir(0) / "replicas" / "node1").glob(".incoming/*")),
+        what="node 0 to start copying node 1's part of step 20",
+    )
+    cluster.kill(1)
+    shutil.rmtree(cluster.data_dir(1))  # lost with its disk: its part of step 20 is nowhere
+
+    def restorable_is_step_10() -> None:
+        client = cluster.clients[0]
+        assert client.get("run").ref.step == 10  # never step 20, which nothing can restore
+        assert {c.ref.step for c in client.list("run")} == {10, 20}
+        for path, (_, _, data) in small.items():
+            assert client.read("run", 10, path) == data, path
+
+    restorable_is_step_10()
+    stop.set()
+    watcher.join()
+    assert 20 not in reported, sorted(set(reported))
+    cluster.kill(0)  # a restart of the node that survived forgets nothing it must keep
+    cluster.start(0)
+    time.sleep(2.0)  # a few syncs with the peer that is gone
+    restorable_is_step_10()
+
+
+def test_a_node_lost_for_good_gets_its_copies_remade_on_the_rest_and_saves_go_on_without_it(
+    make_cluster,
+) -> None:
+    cluster = make_cluster(3, None, "--replicas", "2")
+    files = checkpoint_files(world_size=3, shard_bytes=200_000, seed=31)
+    save(cluster, 10, files, 3)  # rank i on node i
+    assert any(
+        "node1" in holders for holders in wait_until_safe(cluster, 10, exactly=True).values()
+    )
+    cluster.kill(1)
+    shutil.rmtree(cluster.data_dir(1))  # lost for good, with its disk
+
+    # Every part that had a copy on node 1 gets one on a node that remains: R = 2 again.
+    rest = ["node0", "node2"]
+    remade = (True, dict.fromkeys(["node0", "node1", "node2"], rest))
+    for i in (0, 2):
+        wait_for(lambda i=i: copies(cluster, i, 10) == remade, timeout_s=30,
+                 what=f"node {i} to see every part of step 10 on nodes 0 and 2")  # fmt: skip
+
+    # The job re-formed on nodes 0 and 2 saves without waiting for node 1, which is known down.
+    opened = cluster.clients[0].open_save("run", 20, 2)
+    reformed = checkpoint_files(world_size=2, shard_bytes=100_000, seed=32)
+    for path, (rank, kind, data) in reformed.items():
+        client = cluster.clients[2 * rank]
+        client.join_save(opened, "run", 20, 2)
+        client.write_file(opened.save_id, path, rank, kind, data)
+    started = time.monotonic()
+    assert cluster.clients[0].commit(opened.save_id).committed
+    assert time.monotonic() - started < 1.5  # the connect timeout, which each phase waited out
+    assert wait_until_safe(cluster, 20, exactly=True) == dict.fromkeys(rest, rest)
+
+    # Node 2 lost too: one live node of the 3, R = 2. A save still commits, said to be below R,
+    # and becomes node-loss safe once a replacement for node 1 joins, as do the older steps.
+    cluster.kill(2)
+    wait_for(lambda: not next(p for p in parts(cluster, 0, 20) if p.node == "node2").reachable,
+             what="node 0 to see node 2 down")  # fmt: skip
+    opened = cluster.clients[0].open_save("run", 30, 1)
+    for path, (rank, kind, data) in checkpoint_files(world_size=1, shard_bytes=50_000).items():
+        cluster.clients[0].write_file(opened.save_id, path, rank, kind, data)
+    assert cluster.clients[0].commit(opened.save_id).committed
+    log = cluster.procs[0].log
+    below_r = "run/30 is below R: its run asks for 2 copies of each part, and 1 node(s) are live"
+    wait_for(lambda: f"{below_r} (down: node1, node2)" in log.read_text(), what="a warning")
+    assert copies(cluster, 0, 30) == (False, {"node0": ["node0"]})
+    cluster.start(1)  # a replacement: an empty machine under the lost node's name
+    for step in (10, 20, 30):
+        wait_until_safe(cluster, step)
+    assert cluster.clients[0].get("run", node_loss_safe=True).ref.step == 30
