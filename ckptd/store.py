@@ -45,7 +45,7 @@ from ckptd.member import ClusterMember
 from ckptd.metrics import Metrics
 from ckptd.names import MAX_WORLD_SIZE, check_path, check_run, key_of
 from ckptd.reads import READ_PIECE_BYTES, Piece, Reader
-from ckptd.replicas import ReplicaTiers, Replicator
+from ckptd.replicas import ReplicaTiers, Replicator, copies_for_safety
 from ckptd.replication import S3Replication
 from ckptd.retention import RetentionPolicy, droppable, wanted
 from ckptd.tiers import CheckpointKey
@@ -922,8 +922,8 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
     ) -> checkpoint_pb2.CheckpointInfo:
         """A committed checkpoint, or with `latest` the newest committed one of `ref.run` that
         can be restored in full right now (each part on a live node, or S3 whole); with
-        `node_loss_safe` too, the newest whose every part is on at least 2 nodes. A latest one
-        comes with every node's part and its copies (CheckpointInfo.parts)."""
+        `node_loss_safe` too, the newest whose every part has its run's R copies (at least 2).
+        A latest one comes with every node's part and its copies (CheckpointInfo.parts)."""
         views: dict[str, checkpoint_pb2.CatalogResponse | str] = {}
         if latest:
             run = check_run(ref.run)
@@ -961,7 +961,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         """What keeps `key` from being restorable (or node-loss safe) now, naming each part
         short of copies and the nodes that did not answer."""
         copies = self._copies(key, views)
-        need = 2 if node_loss_safe else 1
+        need = copies_for_safety(self.replicas_of(key.run)) if node_loss_safe else 1
         short = [
             f"{owner}'s part ({len(self._holders(held))} of {need} copies on a live node)"
             for owner, held in sorted(copies.items())

@@ -298,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument(
         "--node-loss-safe",
         action="store_true",
-        help="the run's newest checkpoint whose every part is on 2 nodes (asks --ckptd)",
+        help="the run's newest node-loss-safe checkpoint: each part with its R copies "
+        "(asks --ckptd)",
     )
     show.add_argument("--json", action="store_true")
     verify = _ckpt_parser(
