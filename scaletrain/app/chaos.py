@@ -43,13 +43,13 @@ _COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
 # What has copies on tiers: a checkpoint as one node sees it, or one node's part of it.
 _Copies = TypeVar("_Copies", checkpoint_pb2.CheckpointInfo, checkpoint_pb2.NodePart)
 
-# The drill of `scaletrain chaos` without --schedule: every kind, 14 faults over its 400 steps
+# The drill of `scaletrain chaos` without --schedule: every kind, 15 faults over its 400 steps
 # (on one node, `default_schedule` leaves out those of MULTI_NODE). The long outages come late:
 # the job trains on through them, so they move later faults on.
 DEFAULT_SCHEDULE = (
     "sdc@5,kill-rank@10,kill-telemetry@20,stop-rank@30,kill-ckptd@40,corrupt-shard@50,sdc@60,"
     "kill-rank@70,stop-s3@80,partition-node@90,disk-full@100,kill-telemetry@110,kill-ckptd@120,"
-    "kill-node@130"
+    "kill-node@130,kill-node-mid-save@140"
 )
 # A drill's phase without progress this long fails a rank (the trainer's default is for real
 # runs; options given to the drill come later and win).
@@ -58,6 +58,8 @@ DRILL_WATCHDOG_MIN_S = 10.0
 _WAIT_S = 180.0
 # How long a node's ckptd, frozen, leaves a commit that its vote already reached to land.
 _COMMIT_SETTLE_S = 1.0
+# How fast ckptd copies parts to peers in a drill with kill-node-mid-save (MB/s).
+MID_SAVE_REPLICA_MB_S = 2
 _STEP_LINE = re.compile(r"^\[trainer\] step (\d+) ")
 
 
@@ -163,6 +165,8 @@ class ChaosReport:
     faults_injected: int
     faults_survived: int
     checkpoints_committed: int
+    # Checkpoints seen committed that can no longer be restored (a fault lost them); those
+    # kill-node-mid-save struck before their parts had copies are `lost_with_node` instead.
     checkpoints_lost: list[int]
     restarts: int
     steps_replayed: int
@@ -178,6 +182,7 @@ class ChaosReport:
     # Each restart's restore: the step it resumed from and the bytes it read from each copy
     # ("memory@node0", "SSD@node1" (a node's own part or a replica it holds), "S3").
     recoveries: list[dict[str, object]] = field(default_factory=list)
+    lost_with_node: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -229,6 +234,8 @@ class Drill:
         self.injected: list[Injected] = []
         self._fresh_at: float | None = None  # kill-node's fresh ckptd, for its Injected
         self.spare_used = ""  # kill-node with spares: the spare that took the node's place
+        # Steps kill-node-mid-save struck before their parts had copies: lost with the node.
+        self.lost_with_node: set[int] = set()
         # kill-node strikes once the job has a checkpoint to resume from, steps after it was due:
         # the step its ranks were frozen at, for its Injected.
         self._struck_step: int | None = None
@@ -410,13 +417,8 @@ class Drill:
 
     def _kill_node(self, fault: Fault) -> tuple[str, str]:
         assert self.job is not None
-        # Never node0: its ckptd is the one the drill and the summary ask.
-        attempts, node = self.tap.attempts, self._node_for(fault, first=1)
-        serving = self.job.serving()
-        if self.options.spares:  # a node that runs ranks now: a spare may have taken its place
-            nodes = sorted(serving - {0})
-            node = nodes[self._random(fault).randrange(len(nodes))] if nodes else node
-        name, address = node_name(node), self.stack.ckptd_addresses[node]
+        attempts, serving = self.tap.attempts, self.job.serving()
+        node = self._node_to_kill(fault, serving)
         ckptd = self.stack.service(ckptd_service(node))
         # The job must have a checkpoint to resume from before its ranks are frozen; with
         # replicas, its newest one on 2 nodes (copied in the background after its commit).
@@ -448,28 +450,75 @@ class Drill:
             if not on_s3 or (before is not None and self._committed_steps() == before):
                 break
             ckptd.signal(signal.SIGCONT)
-        self._struck_step = self.tap.step
-        self.job.kill_agent(node)
-        ckptd.kill()
-        data_dir = self.stack.workdir.ckptd_dir(node)
-        shutil.rmtree(data_dir)
-        data_dir.mkdir()
         held = (
             "every committed checkpoint was on S3 or on 2 nodes"
             if on_s3
             else "a committed checkpoint was NEITHER on S3 NOR on 2 nodes"
         )
+        return self._lose_node(node, held, attempts, serving)
+
+    def _kill_node_mid_save(self, fault: Fault) -> tuple[str, str]:
+        """Lose a node in the instant after a save committed, before its part has its copies:
+        the step may go with it, and the job must resume from the newest step it can restore
+        (never start over). A step lost so was never node-loss safe (`lost_with_node`)."""
+        assert self.job is not None
+        attempts, serving = self.tap.attempts, self.job.serving()
+        node = self._node_to_kill(fault, serving)
+        before = max(self._committed_steps() or {0})
+        deadline = time.monotonic() + _WAIT_S
+        while not self._done.is_set() and time.monotonic() < deadline:
+            steps = self._committed_steps() or set()
+            if steps and max(steps) > before:
+                break
+            time.sleep(0.02)
+        else:
+            raise _JobEnded
+        newest = max(steps)
+        self._struck_step = self.tap.step
+        with contextlib.suppress(ScaletrainError), CkptdClient(self.stack.ckptd_address) as c:
+            info = c.get(self.run_id, newest)
+            if not info.node_loss_safe and common_pb2.TIER_S3 not in {
+                t.tier for t in info.tiers if t.state == _COMMITTED
+            }:
+                self.lost_with_node.add(newest)
+        state = "not yet node-loss safe" if newest in self.lost_with_node else "already safe"
+        return self._lose_node(node, f"step {newest} committed, {state}", attempts, serving)
+
+    def _node_to_kill(self, fault: Fault, serving: set[int]) -> int:
+        """A node picked by the seed: never node0 (whose ckptd the drill and the summary ask);
+        with spares, one that runs ranks now (a spare may have taken a node's place). The
+        machine an earlier kill lost may still be coming back: until it is, the job waits for
+        it as for a replaced machine."""
+        nodes = sorted(serving - {0}) if self.options.spares else []
+        if not nodes:
+            return self._node_for(fault, first=1)
+        return nodes[self._random(fault).randrange(len(nodes))]
+
+    def _lose_node(self, node: int, held: str, attempts: int, serving: set[int]) -> tuple[str, str]:
+        """SIGKILL node `node`'s agent, ranks and ckptd and delete its data dir (its SSD); a
+        spare takes its place, or the machine comes back empty at the same address."""
+        assert self.job is not None
+        self._struck_step = self._struck_step or self.tap.step
+        self.job.kill_agent(node)
+        self.stack.service(ckptd_service(node)).kill()
+        data_dir = self.stack.workdir.ckptd_dir(node)
+        shutil.rmtree(data_dir)
+        data_dir.mkdir()
+        name, address = node_name(node), self.stack.ckptd_addresses[node]
         killed = f"agent, ranks and ckptd SIGKILLed ({held}), data dir deleted"
         if self.options.spares:
             # A warm spare takes the node's place in the next round: the job goes on without
-            # waiting for a new machine, which then joins as the next spare.
+            # waiting for a new machine, which joins as the next spare while the drill goes on.
             restarted = self._await_restart(attempts)
             self.spare_used = ", ".join(map(node_name, sorted(self.job.serving() - serving)))
-            fresh = self._fresh_machine(node)
+            threading.Thread(
+                target=self._spare_machine, args=(node,), name="chaos-fresh-machine", daemon=True
+            ).start()
             return name, (
                 f"{killed}; spare {self.spare_used or 'NONE'} took its place; a fresh machine "
-                f"at {address} {fresh}, a spare now{restarted}"
+                f"comes up at {address} as the next spare{restarted}"
             )
+        self._fresh_at = time.time()
         detail = f"{killed}; a fresh ckptd at {address} {self._fresh_machine(node)}, agent "
         return name, detail + "started again" + self._await_restart(attempts)
 
@@ -478,11 +527,16 @@ class Drill:
         has learned the newest checkpoint, then its agent. Returns what the ckptd learned."""
         assert self.job is not None
         self.stack.restart_service(ckptd_service(node))
-        self._fresh_at = time.time()
         learned = self._wait_knows_newest(self.stack.ckptd_addresses[node])
         if not self.job.start_agent(node):
             raise _JobEnded
         return learned
+
+    def _spare_machine(self, node: int) -> None:
+        """A new machine in node `node`'s place, as the next spare (a thread of its own)."""
+        with contextlib.suppress(_JobEnded, ScaletrainError, UserError):
+            learned = self._fresh_machine(node)
+            self.tap.write(f"[chaos] a fresh machine {node_name(node)} {learned}, the next spare\n")
 
     def _wait_committed(
         self, enough: Callable[[list[checkpoint_pb2.CheckpointInfo]], bool], deadline: float = 0
@@ -506,10 +560,12 @@ class Drill:
         return None
 
     def _wait_knows_newest(self, address: str) -> str:
-        """Wait until the ckptd at `address` lists node0's newest committed checkpoint."""
+        """Wait until the ckptd at `address` lists node0's newest committed checkpoint that can
+        be restored (one lost with a node mid-save is committed, but gone)."""
         deadline = time.monotonic() + _WAIT_S
-        with CkptdClient(self.stack.ckptd_address) as client:
-            newest = max((c.ref.step for c in _committed(client.list(self.run_id))), default=-1)
+        newest = -1
+        with contextlib.suppress(ScaletrainError), CkptdClient(self.stack.ckptd_address) as c:
+            newest = c.get(self.run_id).ref.step
         while time.monotonic() < deadline and not self._done.is_set():
             if newest in (self._committed_steps(address) or ()):
                 return f"lists step {newest}"
@@ -595,12 +651,22 @@ FAULTS: dict[str, FaultKind] = {
     "kill-node": FaultKind(
         "(--nodes 2 or more) a machine replaced: SIGKILL a random node's torchrun agent, its ranks "
         "and its ckptd, delete its ckptd's data dir (its SSD), start a fresh ckptd with an empty "
-        "one at the same address, then the node's agent again; the other agents restart their "
-        "ranks and the job re-forms with it. Never node0: its agent hosts the rendezvous store "
-        "(and holds rank 0). The node's ranks are frozen first, until S3 holds every committed "
-        "checkpoint: a part that only the dead machine held could not survive it, so the drill "
-        "strikes when none is.",
+        "one at the same address, then the node's agent again (with --spares, a warm spare takes "
+        "its place first and the fresh machine becomes a spare); the other agents restart their "
+        "ranks and the job re-forms with it. Never node0: the drill asks its ckptd. The node's "
+        "ranks are frozen first, until every committed checkpoint is on S3 or node-loss safe: "
+        "a part that only the dead machine held could not survive it, so the drill strikes "
+        "when none is (kill-node-mid-save strikes when one is).",
         Drill._kill_node,
+        restarts=True,
+        min_nodes=2,
+    ),
+    "kill-node-mid-save": FaultKind(
+        "(--nodes 2 or more) as kill-node, but in the instant after the next save commits, "
+        "before its part is copied to a peer (the drill slows copies to 2 MB/s): that step may "
+        "be lost with the node, having never been node-loss safe; the job must resume from the "
+        "newest step it can still restore.",
+        Drill._kill_node_mid_save,
         restarts=True,
         min_nodes=2,
     ),
@@ -761,6 +827,9 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
     )
     # ckptd retries S3 soon after an outage ends; S3 keeps every checkpoint, so none may vanish.
     ckptd_args = ("--s3-backoff-max-s", "2", "--s3-every", "1")
+    if any(f.kind == "kill-node-mid-save" for f in options.schedule):
+        # Copies slow enough that "committed, its part not yet on a peer" lasts seconds.
+        ckptd_args += ("--replica-mb-s", str(MID_SAVE_REPLICA_MB_S))
     stack = Stack(workdir, ckptd_args=ckptd_args, nodes=options.nodes, spares=options.spares)
     with disk, stack:
         workdir.remember_run(run_id)
@@ -801,7 +870,8 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         faults_injected=len(drill.injected),
         faults_survived=len(drill.injected) if completed else 0,
         checkpoints_committed=len(drill.committed | final),
-        checkpoints_lost=sorted(drill.committed - final),
+        checkpoints_lost=sorted(drill.committed - final - drill.lost_with_node),
+        lost_with_node=sorted(drill.lost_with_node - final),
         restarts=replays.restarts,
         steps_replayed=replays.steps_after_restarts,
         steps_replayed_in_place=replays.steps_in_place,

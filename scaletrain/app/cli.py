@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     drill.add_argument(
         "--schedule",
         help="KIND@STEP[:SECONDS],... with KIND one of the fault kinds below "
-        "(default: 14 faults of every kind; 13 on one node, without kill-node)",
+        "(default: 15 faults of every kind; 13 on one node, without the kill-node kinds)",
     )
     drill.add_argument(
         "--max-restarts", type=int, help="default: one per fault that needs a restart, plus 2"

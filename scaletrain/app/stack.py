@@ -629,7 +629,10 @@ class Job:
             }
             failed = [code for code in counts.values() if code not in (None, 0)]
             ended = all(code is not None for code in codes.values())
-            if failed or (not replacing and counts and all(code == 0 for code in counts.values())):
+            # A machine being replaced holds the end only without spares: with them the job no
+            # longer needs it (it comes back as a spare).
+            settled = not replacing or bool(self.stack.spares)
+            if failed or (settled and counts and all(code == 0 for code in counts.values())):
                 self.stop()
                 return failed[0] if failed else 0
             if ended and not replacing:

@@ -13,6 +13,7 @@ strike the same code on one node as on two and run in the one-node chaos suite.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -38,7 +39,10 @@ RANKS, NODES, STEPS, EVERY = 4, 2, 30, 5
 # ckptd's default retention: memory keeps the newest 2 checkpoints, SSD the newest 5, S3 all.
 KEEP = {"memory": 2, "ssd": 5, "s3": STEPS}
 SDC_STEP = 18
-SCHEDULE = ["kill-node@8", "partition-node@13:2", f"sdc@{SDC_STEP}", "stop-s3@22:2"]
+# kill-node-mid-save strikes as the next save after step 14 commits, early enough that the job
+# still has steps to go when it has recovered (a recovery takes longer than the 30 steps).
+SCHEDULE = ["kill-node@8", "partition-node@13:2", "kill-node-mid-save@14", f"sdc@{SDC_STEP}",
+            "stop-s3@22:2"]  # fmt: skip
 # A global batch every data-parallel degree of the reshard test divides (4, 2 and 8 ranks).
 MODEL = [*TINY, "--global-batch", "24"]
 LAYOUT = ["--ranks", str(RANKS), "--nodes", str(NODES), "--steps", str(STEPS),
@@ -170,8 +174,11 @@ def test_a_killed_node_is_replaced_by_the_warm_spare_and_comes_back_as_the_next_
     # Never node0 (whose ckptd the drill asks), and the spare node2 runs no rank yet.
     assert fault["target"] == "node1"
     assert fault["spare"] == "node2", fault
-    assert "data dir deleted; spare node2 took its place; a fresh machine at " in fault["detail"]
-    assert " lists step " in fault["detail"], fault
+    assert (
+        "data dir deleted; spare node2 took its place; a fresh machine comes up at "
+        in (fault["detail"])
+    )
+    assert "[chaos] a fresh machine node1 lists step " in drill["_log"]
     restart_after(drill, fault)
     # The spare got node1's part from the copies its peers hold (the spare itself held one,
     # placed there from the start): the restore read no S3.
@@ -191,6 +198,24 @@ def test_a_killed_node_is_replaced_by_the_warm_spare_and_comes_back_as_the_next_
     saved = {part["node"]: part for part in final["parts"] if part["files"]}
     assert sorted(saved) == ["node0", "node2"], final
     assert all("ssd" in part["tiers"] for part in saved.values()), final
+
+
+def test_a_node_lost_right_after_a_commit_loses_at_most_that_unsafe_step_and_the_job_goes_on(
+    drill: dict,
+):
+    fault = injected(drill, "kill-node-mid-save")
+    assert fault["target"] in ("node1", "node2"), fault  # node2: the spare, now a node
+    assert fault["spare"], fault
+    (struck,) = re.findall(
+        r"step (\d+) committed, (?:not yet node-loss safe|already safe)", fault["detail"]
+    )
+    # Only a step that was never node-loss safe may go with the node; the drill's
+    # checkpoints_lost (asserted empty above) counts every other.
+    assert set(drill["lost_with_node"]) <= {int(struck)}, drill["lost_with_node"]
+    restart_after(drill, fault)
+    resumed = drill["recoveries"][-1]
+    assert resumed["step"] <= int(struck), drill["recoveries"]
+    assert "S3" not in resumed["restored_from"], resumed
 
 
 def test_a_partitioned_node_is_frozen_and_thawed_and_the_run_goes_on(drill: dict):
