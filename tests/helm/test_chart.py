@@ -422,6 +422,28 @@ def test_rank_zero_publishes_its_pod_ip_in_a_store_announced_every_round(case: s
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"
 
 
+@pytest.mark.parametrize("case", MATRIX)
+def test_a_launcher_created_again_for_the_run_meets_in_a_fresh_rendezvous(case: str) -> None:
+    """The store outlives the launcher, and torch closes a rendezvous for good once its agents end:
+    the pods of a Job meet under the Job's uid, which its replacement pods share and a Job created
+    again (to resume the run) does not. The operator's pods carry no uid of their PyTorchJob."""
+    launcher = trainer(rendered(case))
+    c = container(launcher)
+    torchrun, argv = torchrun_and_trainer_args(c)
+    notes = rendered_raw(case)["scaletrain/templates/NOTES.txt"]
+    restart = f"rollout restart deployment/{NAME}-rendezvous"
+    if launcher["kind"] == "PyTorchJob":
+        assert flag(torchrun, "--rdzv-id") == flag(argv, "--run-id") == RELEASE
+        assert "JOB_UID" not in env_of(c)
+        assert restart in notes
+    else:
+        assert flag(torchrun, "--rdzv-id") == f"{RELEASE}-$(JOB_UID)"
+        assert env_of(c)["JOB_UID"]["valueFrom"] == {
+            "fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}
+        }
+        assert restart not in notes
+
+
 def test_the_rendezvous_takes_its_own_placement_and_resources(chart) -> None:
     placement = {
         "nodeSelector": {"node-role.example.com/system": "true"},
@@ -496,7 +518,8 @@ def test_trainer_takes_its_layout_fp8_recipe_and_services_from_values(chart) -> 
     docs = parse(render_raw(chart, values))
     c = container(trainer(docs))
     torchrun, argv = torchrun_and_trainer_args(c)
-    assert flag(torchrun, "--rdzv-id") == flag(argv, "--run-id") == "llama-8b-r1"
+    assert flag(argv, "--run-id") == "llama-8b-r1"
+    assert flag(torchrun, "--rdzv-id") == "llama-8b-r1-$(JOB_UID)"
     expected = {
         "--dp-replicate": "2",
         "--dp-shard": "4",
@@ -539,7 +562,8 @@ def test_every_command_line_is_one_its_program_accepts(case: str) -> None:
 def test_defaults_run_one_process_on_one_node_without_resuming() -> None:
     c = container(trainer(rendered("defaults")))
     torchrun, argv = torchrun_and_trainer_args(c)
-    assert flag(torchrun, "--rdzv-id") == flag(argv, "--run-id") == RELEASE
+    assert flag(argv, "--run-id") == RELEASE
+    assert flag(torchrun, "--rdzv-id") == f"{RELEASE}-$(JOB_UID)"
     assert flag(argv, "--fp8") == "none"
     assert flag(argv, "--dp-shard") == "-1"
     assert "--resume" not in argv and "--compile" not in argv

@@ -12,7 +12,7 @@ The rendezvous: its Deployment and Service, and the endpoint (FQDN:port) torchru
 {{/*
 The trainer's pod template, shared by the three launchers (Job, JobSet, PyTorchJob):
 include "scaletrain.trainerPodTemplate" (dict "root" . "container" "trainer"
-  "restartPolicy" "Never-or-empty")
+  "restartPolicy" "Never-or-empty" "job" true-for-the-pods-of-a-Job)
 Every pod, spares included, runs a torchrun agent with one process per GPU. The agents meet in the
 rendezvous' store as clients (is_host=false): none hosts it, so no training pod is one the job
 cannot lose, and the first trainer.nodes agents of a round train while the others wait as spares.
@@ -75,7 +75,13 @@ spec:
         - --rdzv-conf
         - is_host=false
         - --rdzv-id
+        {{- if .job }}
+        # One rendezvous per Job: the store outlives the Job, and torch closes a rendezvous for good
+        # when its agents end, so a Job created again for the run (to resume it) would find it closed.
+        - {{ printf "%s-$(JOB_UID)" $runId | quote }}
+        {{- else }}
         - {{ $runId | quote }}
+        {{- end }}
         # The address rank 0's agent publishes for its ranks' store: the pod IP, which every pod
         # reaches without DNS (a pod's own hostname does not resolve from the others).
         - --local-addr
@@ -147,6 +153,13 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: status.podIP
+        {{- if .job }}
+        # The same for every pod of the Job and its replacements, new for each Job.
+        - name: JOB_UID
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.labels['batch.kubernetes.io/controller-uid']
+        {{- end }}
         # A fresh store for the ranks in every round, announced to every agent of that round:
         # shared (torch's default), rank 0's agent tells only the agents of its first round where
         # it is, and an agent that joins later (a spare taking over, a replaced pod) waits forever.
