@@ -1,6 +1,7 @@
 """The scaletrain Helm chart: lints clean, renders valid manifests, and deploys the platform the way
 cluster operators expect (node-local ckptd, PostgreSQL with a read-only UI user, a trainer launched
-as an Indexed Job, a JobSet or a PyTorchJob, probes, limits, non-root, NetworkPolicies).
+as an Indexed Job, a JobSet or a PyTorchJob with hot spares, its rendezvous off the training nodes,
+probes, limits, non-root, NetworkPolicies).
 
 Offline: the real Helm v4 engine (helm-python-sdk) renders the chart and kubernetes-validate checks
 every manifest against the Kubernetes OpenAPI schemas; no cluster is needed. Each values case is
@@ -103,12 +104,22 @@ CKPTD_CLUSTER_CASES: dict[str, dict[str, Any]] = {
     "ckptd-cluster-off": {"ckptd": {"cluster": {"enabled": False}}},
 }
 CLUSTER_FLAGS = ("--node", "--advertise", "--peers", "--peers-dns", "--replicas", "--replica-mb-s")
+# Hot spares on each launcher, a single node's included, placed like the big job's nodes.
+SPARES_CASES: dict[str, dict[str, Any]] = {
+    f"{launcher}/{nodes}-nodes+{spares}-spares": {
+        "trainer": {"launcher": launcher, "nodes": nodes, "spares": spares, "nprocPerNode": 8},
+        "trainingNodes": CASES[BIG_JOB]["trainingNodes"],
+    }
+    for launcher, (nodes, spares) in itertools.product(
+        ("Job", "JobSet", "PyTorchJob"), ((1, 1), (16, 2))
+    )
+}
 
 
 @cache
 def rendered_raw(case: str) -> dict[str, str]:
     with helm.Chart.load(CHART_DIR) as chart:
-        return render_raw(chart, (CASES | CKPTD_CLUSTER_CASES)[case])
+        return render_raw(chart, (CASES | CKPTD_CLUSTER_CASES | SPARES_CASES)[case])
 
 
 @cache
@@ -285,32 +296,39 @@ def test_long_release_names_keep_object_and_trainer_host_names_within_dns_limits
 
 
 def torchrun_and_trainer_args(c: dict) -> tuple[list[str], list[str]]:
-    assert c["command"] == ["torchrun"]
+    # torchrun less torch 2.13's crash on a spare the job ended without: it takes torchrun's args.
+    assert c["command"] == ["python", "-m", "scaletrain.app.agent"]
     argv = c["args"]
     module_at = argv.index("-m")
     assert argv[module_at + 1] == "trainer"
     return argv[:module_at], argv[module_at + 2 :]
 
 
+def pods_of(launcher: dict) -> int:
+    """The trainer pods a launcher runs at once, spares included."""
+    spec = launcher["spec"]
+    if launcher["kind"] == "Job":
+        assert spec["completionMode"] == "Indexed"
+        assert spec["parallelism"] == spec["completions"]
+        return spec["parallelism"]
+    if launcher["kind"] == "JobSet":
+        (job,) = spec["replicatedJobs"]
+        assert job["replicas"] == 1
+        assert job["template"]["spec"]["completionMode"] == "Indexed"
+        assert job["template"]["spec"]["parallelism"] == job["template"]["spec"]["completions"]
+        return job["template"]["spec"]["parallelism"]
+    replicas = spec["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1
+    return 1 + replicas.get("Worker", {"replicas": 0})["replicas"]
+
+
 @pytest.mark.parametrize("case", MATRIX)
 def test_every_launcher_runs_one_pod_per_node_with_a_gpu_per_process(case: str) -> None:
     nodes = CASES[case]["trainer"]["nodes"]
     launcher = trainer(rendered(case))
-    spec = launcher["spec"]
-    if launcher["kind"] == "Job":
-        assert spec["completionMode"] == "Indexed"
-        assert spec["parallelism"] == spec["completions"] == nodes
-    elif launcher["kind"] == "JobSet":
-        (job,) = spec["replicatedJobs"]
-        assert job["replicas"] == 1
-        assert job["template"]["spec"]["completionMode"] == "Indexed"
-        assert job["template"]["spec"]["parallelism"] == nodes
-        assert job["template"]["spec"]["completions"] == nodes
-    else:
-        replicas = spec["pytorchReplicaSpecs"]
-        assert replicas["Master"]["replicas"] == 1
-        assert replicas.get("Worker", {"replicas": 0})["replicas"] == nodes - 1
-        assert spec["nprocPerNode"] == "8"
+    assert pods_of(launcher) == nodes
+    if launcher["kind"] == "PyTorchJob":
+        assert launcher["spec"]["nprocPerNode"] == "8"
         assert container(launcher)["name"] == "pytorch"
     c = container(launcher)
     torchrun, _ = torchrun_and_trainer_args(c)
@@ -320,40 +338,142 @@ def test_every_launcher_runs_one_pod_per_node_with_a_gpu_per_process(case: str) 
         assert c["resources"][section]["nvidia.com/gpu"] == 8
 
 
-@pytest.mark.parametrize("case", MATRIX)
-def test_the_rendezvous_endpoint_is_the_first_pod_of_the_launcher(case: str) -> None:
+@pytest.mark.parametrize("case", SPARES_CASES)
+def test_spares_add_pods_to_each_launcher_and_keep_the_rounds_at_nodes(case: str) -> None:
+    values = SPARES_CASES[case]["trainer"]
+    docs = rendered(case)
+    launcher = trainer(docs)
+    assert pods_of(launcher) == values["nodes"] + values["spares"]
+    torchrun, _ = torchrun_and_trainer_args(container(launcher))
+    # min = max = nodes: a round takes the first `nodes` agents, the others wait as spares.
+    assert flag(torchrun, "--nnodes") == str(values["nodes"])
+    # Spares are placed like the nodes they stand in for.
+    spec = pod_spec(launcher)
+    assert spec["nodeSelector"] == SPARES_CASES[case]["trainingNodes"]["nodeSelector"]
+    assert spec["tolerations"] == SPARES_CASES[case]["trainingNodes"]["tolerations"]
+    assert (
+        f"+ {values['spares']} hot spare(s)" in rendered_raw(case)["scaletrain/templates/NOTES.txt"]
+    )
+
+
+@pytest.mark.parametrize("case", SPARES_CASES)
+def test_spares_lint_and_render_valid_kubernetes(case: str) -> None:
+    report = helm.lint(
+        CHART_DIR, SPARES_CASES[case], strict=True, kube_version=f"v{KUBE_VERSIONS[-1]}"
+    )
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+    launcher = trainer(rendered(case))
+    if launcher["kind"] == "Job":
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(launcher, version, strict=True)
+    for template in pod_templates(launcher):
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", **template}, version)
+
+
+@pytest.mark.parametrize("case", [*MATRIX, *SPARES_CASES])
+def test_the_rendezvous_is_a_service_of_its_own_off_the_training_nodes(case: str) -> None:
     docs = rendered(case)
     launcher = trainer(docs)
     c = container(launcher)
     torchrun, _ = torchrun_and_trainer_args(c)
-    endpoint = flag(torchrun, "--rdzv-endpoint")
     assert flag(torchrun, "--rdzv-backend") == "c10d"
-    name, domain = launcher["metadata"]["name"], f"{NAMESPACE}.svc.cluster.local"
-    if launcher["kind"] == "Job":
-        service = one(docs, "Service", "trainer")
-        assert service["spec"]["clusterIP"] == "None"
-        assert service["spec"]["publishNotReadyAddresses"] is True
-        assert service["spec"]["selector"].items() <= (
-            launcher["spec"]["template"]["metadata"]["labels"].items()
-        )
-        assert pod_spec(launcher)["subdomain"] == service["metadata"]["name"]
-        (port,) = service["spec"]["ports"]
-        host = f"{name}-0.{service['metadata']['name']}.{domain}"
-        assert endpoint == f"{host}:{port['port']}"
-        assert port["targetPort"] == c["ports"][0]["name"]
-    elif launcher["kind"] == "JobSet":
-        network = launcher["spec"]["network"]
-        assert network["enableDNSHostnames"] is True
-        assert network["publishNotReadyAddresses"] is True
-        job_name = launcher["spec"]["replicatedJobs"][0]["name"]
-        host = f"{name}-{job_name}-0-0.{network['subdomain']}.{domain}"
-        assert endpoint == f"{host}:{c['ports'][0]['containerPort']}"
-        assert of_kind(docs, "Service", "trainer") == []
+    # Every agent is a client of the store: none hosts it, so no training pod is indispensable.
+    assert flag(torchrun, "--rdzv-conf") == "is_host=false"
+    rendezvous = workload(docs, "rendezvous")
+    assert rendezvous["kind"] == "Deployment"
+    assert rendezvous["spec"]["replicas"] == 1
+    # Never two stores behind the Service, not even during a rollout.
+    assert rendezvous["spec"]["strategy"] == {"type": "Recreate"}
+    store = container(rendezvous)
+    assert store["command"] == ["scaletrain", "rendezvous"]
+    assert store["args"] == ["--listen", "0.0.0.0:29400"]
+    (port,) = store["ports"]
+    service = client_service(docs, "rendezvous")
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["selector"].items() <= (
+        rendezvous["spec"]["template"]["metadata"]["labels"].items()
+    )
+    (service_port,) = service["spec"]["ports"]
+    assert (service_port["port"], service_port["targetPort"]) == (29400, port["name"])
+    fqdn = f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    assert flag(torchrun, "--rdzv-endpoint") == f"{fqdn}:{service_port['port']}"
+    # Off the training nodes: none of their placement, which the trainer pods do have.
+    spec = pod_spec(rendezvous)
+    placement = CASES.get(case, SPARES_CASES.get(case)).get("trainingNodes")
+    assert not {"nodeSelector", "tolerations", "affinity"} & spec.keys()
+    assert ("nodeSelector" in pod_spec(launcher)) == (placement is not None)
+    # Nothing else serves the trainer pods: they find each other through the store, not DNS.
+    assert of_kind(docs, "Service", "trainer") == []
+    assert "subdomain" not in pod_spec(launcher)
+    assert "network" not in launcher["spec"]
+    assert "ports" not in c
+
+
+@pytest.mark.parametrize("case", ["defaults", *SPARES_CASES])
+def test_rank_zero_publishes_its_pod_ip_in_a_store_announced_every_round(case: str) -> None:
+    c = container(trainer(rendered(case)))
+    torchrun, _ = torchrun_and_trainer_args(c)
+    assert flag(torchrun, "--local-addr") == "$(POD_IP)"
+    env = env_of(c)
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # Unshared, a spare that takes over (or a replaced pod) learns where the ranks' store is.
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"
+
+
+@pytest.mark.parametrize("case", MATRIX)
+def test_a_launcher_created_again_for_the_run_meets_in_a_fresh_rendezvous(case: str) -> None:
+    """The store outlives the launcher, and torch closes a rendezvous for good once its agents end:
+    the pods of a Job meet under the Job's uid, which its replacement pods share and a Job created
+    again (to resume the run) does not. The operator's pods carry no uid of their PyTorchJob."""
+    launcher = trainer(rendered(case))
+    c = container(launcher)
+    torchrun, argv = torchrun_and_trainer_args(c)
+    notes = rendered_raw(case)["scaletrain/templates/NOTES.txt"]
+    restart = f"rollout restart deployment/{NAME}-rendezvous"
+    if launcher["kind"] == "PyTorchJob":
+        assert flag(torchrun, "--rdzv-id") == flag(argv, "--run-id") == RELEASE
+        assert "JOB_UID" not in env_of(c)
+        assert restart in notes
     else:
-        # The operator sets both, from the Master's Service and its port named pytorchjob-port.
-        assert endpoint == "$(MASTER_ADDR):$(MASTER_PORT)"
-        assert c["ports"][0]["name"] == "pytorchjob-port"
-        assert of_kind(docs, "Service", "trainer") == []
+        assert flag(torchrun, "--rdzv-id") == f"{RELEASE}-$(JOB_UID)"
+        assert env_of(c)["JOB_UID"]["valueFrom"] == {
+            "fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}
+        }
+        assert restart not in notes
+
+
+def test_the_rendezvous_takes_its_own_placement_and_resources(chart) -> None:
+    placement = {
+        "nodeSelector": {"node-role.example.com/system": "true"},
+        "tolerations": [{"key": "system", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "spot", "operator": "DoesNotExist"}]}
+                    ]
+                }
+            }
+        },
+    }
+    resources = {
+        "requests": {"cpu": "50m", "memory": "256Mi"},
+        "limits": {"cpu": "500m", "memory": "768Mi"},
+    }
+    values = {
+        "trainingNodes": CASES[BIG_JOB]["trainingNodes"],
+        "trainer": {"rendezvous": {**placement, "resources": resources}},
+    }
+    docs = parse(render_raw(chart, values))
+    rendezvous = workload(docs, "rendezvous")
+    spec = pod_spec(rendezvous)
+    assert {key: spec[key] for key in placement} == placement
+    assert container(rendezvous)["resources"] == resources
+    assert (
+        pod_spec(trainer(docs))["nodeSelector"] == CASES[BIG_JOB]["trainingNodes"]["nodeSelector"]
+    )
 
 
 @pytest.mark.parametrize("case", MATRIX)
@@ -398,7 +518,8 @@ def test_trainer_takes_its_layout_fp8_recipe_and_services_from_values(chart) -> 
     docs = parse(render_raw(chart, values))
     c = container(trainer(docs))
     torchrun, argv = torchrun_and_trainer_args(c)
-    assert flag(torchrun, "--rdzv-id") == flag(argv, "--run-id") == "llama-8b-r1"
+    assert flag(argv, "--run-id") == "llama-8b-r1"
+    assert flag(torchrun, "--rdzv-id") == "llama-8b-r1-$(JOB_UID)"
     expected = {
         "--dp-replicate": "2",
         "--dp-shard": "4",
@@ -428,9 +549,10 @@ def test_every_command_line_is_one_its_program_accepts(case: str) -> None:
     c = container(trainer(docs))
     torchrun = get_args_parser().parse_args(c["args"])
     assert (torchrun.module, torchrun.training_script) == (True, "trainer")
+    assert (torchrun.nnodes, torchrun.rdzv_conf) == ("16", "is_host=false")
     config = from_args(parser().parse_args(torchrun.training_script_args))
     assert (config.parallel.dp_replicate, config.parallel.tp) == (2, 4)
-    for component in ("ckptd", "telemetry", "ui"):
+    for component in ("ckptd", "telemetry", "ui", "rendezvous"):
         c = container(workload(docs, component))
         assert c["command"][0] == "scaletrain"
         args = build_parser().parse_args(c["command"][1:] + c["args"])
@@ -440,7 +562,8 @@ def test_every_command_line_is_one_its_program_accepts(case: str) -> None:
 def test_defaults_run_one_process_on_one_node_without_resuming() -> None:
     c = container(trainer(rendered("defaults")))
     torchrun, argv = torchrun_and_trainer_args(c)
-    assert flag(torchrun, "--rdzv-id") == flag(argv, "--run-id") == RELEASE
+    assert flag(argv, "--run-id") == RELEASE
+    assert flag(torchrun, "--rdzv-id") == f"{RELEASE}-$(JOB_UID)"
     assert flag(argv, "--fp8") == "none"
     assert flag(argv, "--dp-shard") == "-1"
     assert "--resume" not in argv and "--compile" not in argv
@@ -505,6 +628,10 @@ def test_every_service_has_startup_liveness_and_readiness_probes(case: str) -> N
         pg = container(workload(docs, "postgresql"))
         for probe in probes:
             assert "pg_isready" in pg[probe]["exec"]["command"][-1], probe
+    # The store speaks no health protocol: that it accepts connections is its health.
+    rendezvous = container(workload(docs, "rendezvous"))
+    for probe in probes:
+        assert rendezvous[probe]["tcpSocket"] == {"port": "rdzv"}, probe
 
 
 # --- ckptd ----------------------------------------------------------------------------------------
@@ -888,6 +1015,8 @@ def test_network_policies_admit_only_the_intended_peers(case: str) -> None:
     assert admitted(docs, "telemetry") == {"grpc": {"trainer", "ckptd"}, "metrics": {"*"}}
     assert admitted(docs, "postgresql") == {"postgresql": {"telemetry", "ui"}}
     assert admitted(docs, "ui") == {"http": {"*"}}
+    assert admitted(docs, "rendezvous") == {"rdzv": {"trainer"}}
+    # The ranks' store on rank 0's pod, and NCCL.
     assert admitted(docs, "trainer") == {"*": {"trainer"}}
 
 
@@ -942,6 +1071,7 @@ def test_notes_say_how_to_open_the_ui_and_follow_the_job(launcher: str, command:
     ]
     assert f"port-forward svc/{NAME}-ui 8501" in notes
     assert f"kubectl -n {NAMESPACE} {command} {NAME}-trainer" in notes
+    assert f"Rendezvous: {NAME}-rendezvous.{NAMESPACE}.svc.cluster.local:29400" in notes
     assert (
         f"logs -f -l app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=trainer"
         in (notes)
@@ -985,6 +1115,13 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
         ({"ui": {"replicas": -2}}, helm.HelmValuesError, "at '/ui/replicas'"),
         (with_trainer(nodes=0), helm.HelmValuesError, "at '/trainer/nodes': minimum"),
         (with_trainer(nodes="two"), helm.HelmValuesError, "at '/trainer/nodes'"),
+        (with_trainer(spares=-1), helm.HelmValuesError, "at '/trainer/spares': minimum"),
+        (with_trainer(spares=1.5), helm.HelmValuesError, "at '/trainer/spares'"),
+        (
+            with_trainer(rendezvous={"nodeSelector": {"pool": True}}),
+            helm.HelmValuesError,
+            "at '/trainer/rendezvous/nodeSelector/pool'",
+        ),
         (
             with_trainer(fp8={"recipe": "fp4"}),
             helm.HelmValuesError,
@@ -1070,6 +1207,9 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
         "negative-ui-replicas",
         "zero-nodes",
         "nodes-not-a-number",
+        "negative-spares",
+        "fractional-spares",
+        "rendezvous-node-selector-not-a-string",
         "unknown-fp8-recipe",
         "unknown-launcher",
         "zero-tensor-parallel",

@@ -1,9 +1,21 @@
 {{/*
+The rendezvous: its Deployment and Service, and the endpoint (FQDN:port) torchrun's agents dial.
+*/}}
+{{- define "scaletrain.rendezvousName" -}}
+{{- include "scaletrain.componentName" (list . "rendezvous") }}
+{{- end }}
+
+{{- define "scaletrain.rendezvousEndpoint" -}}
+{{- printf "%s.%s.svc.%s:%v" (include "scaletrain.rendezvousName" .) .Release.Namespace .Values.clusterDomain .Values.trainer.rdzvPort }}
+{{- end }}
+
+{{/*
 The trainer's pod template, shared by the three launchers (Job, JobSet, PyTorchJob):
-include "scaletrain.trainerPodTemplate" (dict "root" . "endpoint" "HOST:PORT" "container" "trainer"
-  "portName" "rdzv" "subdomain" "svc-or-empty" "restartPolicy" "Never-or-empty")
-Every pod runs torchrun with one process per GPU; the c10d store lives on the first pod (the
-endpoint's host), which recognises its own name and hosts it.
+include "scaletrain.trainerPodTemplate" (dict "root" . "container" "trainer"
+  "restartPolicy" "Never-or-empty" "job" true-for-the-pods-of-a-Job)
+Every pod, spares included, runs a torchrun agent with one process per GPU. The agents meet in the
+rendezvous' store as clients (is_host=false): none hosts it, so no training pod is one the job
+cannot lose, and the first trainer.nodes agents of a round train while the others wait as spares.
 */}}
 {{- define "scaletrain.trainerPodTemplate" -}}
 {{- $root := .root }}
@@ -28,9 +40,6 @@ spec:
   {{- with .restartPolicy }}
   restartPolicy: {{ . }}
   {{- end }}
-  {{- with .subdomain }}
-  subdomain: {{ . }}
-  {{- end }}
   {{- with $root.Values.trainingNodes.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
@@ -47,9 +56,14 @@ spec:
     - name: {{ .container }}
       image: {{ include "scaletrain.image" $root | quote }}
       imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      # torchrun, less torch 2.13's crash when the job ends while an agent still waits as a
+      # spare: an unused spare exits 0, so an Indexed Job whose spares were never needed completes.
       command:
-        - torchrun
+        - python
+        - -m
+        - scaletrain.app.agent
       args:
+        # Spares or not, a round is trainer.nodes agents: the others wait in its redundancy list.
         - --nnodes
         - {{ $t.nodes | int64 | quote }}
         - --nproc-per-node
@@ -57,9 +71,21 @@ spec:
         - --rdzv-backend
         - c10d
         - --rdzv-endpoint
-        - {{ .endpoint | quote }}
+        - {{ include "scaletrain.rendezvousEndpoint" $root | quote }}
+        - --rdzv-conf
+        - is_host=false
         - --rdzv-id
+        {{- if .job }}
+        # One rendezvous per Job: the store outlives the Job, and torch closes a rendezvous for good
+        # when its agents end, so a Job created again for the run (to resume it) would find it closed.
+        - {{ printf "%s-$(JOB_UID)" $runId | quote }}
+        {{- else }}
         - {{ $runId | quote }}
+        {{- end }}
+        # The address rank 0's agent publishes for its ranks' store: the pod IP, which every pod
+        # reaches without DNS (a pod's own hostname does not resolve from the others).
+        - --local-addr
+        - $(POD_IP)
         - --max-restarts
         - {{ $t.maxRestarts | int64 | quote }}
         - -m
@@ -123,13 +149,25 @@ spec:
           value: {{ $t.ompNumThreads | int64 | quote }}
         - name: HOME
           value: /tmp
+        - name: POD_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
+        {{- if .job }}
+        # The same for every pod of the Job and its replacements, new for each Job.
+        - name: JOB_UID
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.labels['batch.kubernetes.io/controller-uid']
+        {{- end }}
+        # A fresh store for the ranks in every round, announced to every agent of that round:
+        # shared (torch's default), rank 0's agent tells only the agents of its first round where
+        # it is, and an agent that joins later (a spare taking over, a replaced pod) waits forever.
+        - name: TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+          value: "1"
         {{- with $t.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
-      ports:
-        - name: {{ .portName }}
-          containerPort: {{ $t.rdzvPort }}
-          protocol: TCP
       securityContext:
         {{- toYaml $root.Values.securityContext | nindent 8 }}
       resources:
