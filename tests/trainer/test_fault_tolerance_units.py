@@ -13,8 +13,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scaletrain.app.chaos import DEFAULT_SCHEDULE, KINDS, Fault, parse_schedule
+from scaletrain.app.chaos import (
+    DEFAULT_SCHEDULE,
+    FAULTS,
+    KINDS,
+    ChaosOptions,
+    Fault,
+    kinds_help,
+    parse_schedule,
+    restart_budget,
+)
 from scaletrain.app.cli import main
+from scaletrain.app.stack import Workdir
 from trainer.health.preflight import check_ranks, matmul_ok
 from trainer.health.watchdog import (
     HANG_EXIT_CODE,
@@ -190,11 +200,39 @@ def test_the_default_drill_has_at_least_ten_faults_of_every_kind():
         ("melt-cpu@3", "KIND@STEP"),
         ("kill-rank@0", "the step must be 1 or more"),
         (" , ", "--schedule is empty"),
+        ("kill-rank@every90", r"KIND@STEP\[:SECONDS\] or KIND@everyNs"),
+        ("kill-rank@every0s", "N of everyNs must be more than 0"),
+        ("stop-s3@every1.2.3s", "N and SECONDS must be numbers"),
+        ("sdc@every30s", "sdc strikes in its STEP only"),
     ],
 )
 def test_a_bad_schedule_is_refused_in_one_line(schedule: str, message: str):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         parse_schedule(schedule)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_repeating_fault_is_parsed_after_the_once_only_ones_with_its_period():
+    assert parse_schedule("kill-rank@every90s,stop-s3@every45.5s:5,kill-ckptd@7") == [
+        Fault("kill-ckptd", 7, 1.0),
+        Fault("kill-rank", 0, 0.0, every_s=90.0),
+        Fault("stop-s3", 0, 5.0, every_s=45.5),
+    ]
+
+
+def test_the_restart_budget_leaves_room_for_a_repeating_fault_that_restarts(tmp_path: Path):
+    def budget(schedule: str, **given: int) -> int:
+        return restart_budget(ChaosOptions(Workdir(tmp_path), parse_schedule(schedule), **given))
+
+    assert budget("kill-rank@5,stop-s3@every9s") == 3
+    assert budget("kill-rank@5,kill-rank@every90s") == 23
+    assert budget("kill-rank@every90s", max_restarts=4) == 4
+
+
+def test_the_help_lists_both_schedule_forms_and_every_kind_from_the_one_table():
+    text = kinds_help()
+    assert "KIND@STEP[:SECONDS] or KIND@everyNs[:SECONDS]" in text
+    assert all(f"  {kind} " in text for kind in FAULTS)
 
 
 def test_a_bad_restart_budget_or_late_fault_is_refused_before_anything_starts(
