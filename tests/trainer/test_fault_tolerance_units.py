@@ -3,11 +3,13 @@ the chaos schedule and the restart budget's option."""
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +20,9 @@ from scaletrain.app.chaos import (
     FAULTS,
     KINDS,
     ChaosOptions,
+    Drill,
     Fault,
+    _Tap,
     kinds_help,
     parse_schedule,
     restart_budget,
@@ -244,3 +248,29 @@ def test_a_bad_restart_budget_or_late_fault_is_refused_before_anything_starts(
     assert code == 1
     assert "kill-rank@5 at or after the last step 5" in capsys.readouterr().err
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_repeating_fault_is_due_every_n_seconds_after_a_step_and_within_the_restart_budget(
+    tmp_path: Path,
+):
+    """The drill's scheduler alone, on a job seen only through its output lines."""
+    schedule = parse_schedule("kill-rank@every0.2s,stop-s3@3")
+    options = ChaosOptions(Workdir(tmp_path), schedule, max_restarts=3)
+    tap = _Tap(io.StringIO())
+    drill = Drill(SimpleNamespace(telemetry_address="127.0.0.1:9"), options, "r1", tap)  # type: ignore[arg-type]
+    try:
+        once, due = [schedule[0]], {schedule[1]: drill.started_at + 0.2}
+        tap.write("[trainer] run r1: 4 ranks, 1 parameters, steps 1..9\n[trainer] step 1 loss 1\n")
+        assert drill._next_due(once, due, 0) == schedule[1]
+        assert time.time() >= drill.started_at + 0.2
+        assert due[schedule[1]] == pytest.approx(drill.started_at + 0.4)
+        # No step since the previous fault: the once-only one, at its step, comes first.
+        mark = tap.mark()
+        threading.Timer(0.5, tap.write, ["[trainer] step 3 loss 1\n"]).start()
+        assert drill._next_due(once, due, mark) == schedule[0] and once == []
+        # One restart used: striking again would leave fewer than 2 of the budget of 3.
+        tap.write("[trainer] run r1: 4 ranks, 1 parameters, steps 2..9\n[trainer] step 4 loss 1\n")
+        threading.Timer(0.6, drill.finish).start()
+        assert drill._next_due(once, due, 0) is None
+    finally:
+        drill.close()
