@@ -6,13 +6,14 @@ stop-rank, kill-node; the debug model on 4 ranks over 2 simulated nodes, one fau
 the default chaos schedule (`DEFAULT_SCHEDULE`, every kind of fault over 400 steps). Each figure
 comes from the drill's recovery record of its fault (`scaletrain.app.recovery`): the time from
 the strike to the first completed step after it (MTTR), when the job saw it, the steps computed
-again, the bytes its restore read from S3 and from the other tiers; and, for the default
+again, the bytes its restore read from each tier (memory, SSD, S3); and, for the default
 schedule, its goodput, its effective training time and what each kind of fault cost.
 
 The table has one column of figures: the cold restart (torchrun restarts every rank, which reads
 its state back from ckptd). A faster path (warm spares, peers' memory) adds its own drills beside
 these, in the same command, and prints its ratio against this column.
-Run: `OMP_NUM_THREADS=1 .venv/bin/python bench/recovery.py [--steps 30] [--no-default]`.
+Run: `OMP_NUM_THREADS=1 .venv/bin/python bench/recovery.py [--steps 30] [--no-default]
+[--workdir DIR]`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from scaletrain.app.chaos import DEFAULT_SCHEDULE, ChaosOptions, ChaosReport, ch
 from scaletrain.app.stack import Workdir
 
 KINDS = ("kill-rank", "stop-rank", "kill-node")
+# The tiers a restore reads from, as the recovery records name them.
+TIERS = ("memory", "SSD", "S3")
 
 
 def drill(root: Path, schedule: str, args: argparse.Namespace, steps: int) -> ChaosReport:
@@ -56,9 +59,8 @@ def figures(report: ChaosReport) -> dict[str, Any]:
         "mttr_s": record["mttr_s"],
         "detected_s": None if detected is None else round(detected - record["injected_at"], 2),
         "steps_lost": record["steps_lost"],
-        "s3_mb": round(tiers.get("S3", 0) / 1e6, 3),
-        "other_tiers_mb": round(sum(b for t, b in tiers.items() if t != "S3") / 1e6, 3),
         "badput_s": record["badput_s"],
+        **{f"{tier}_mb": round(tiers.get(tier, 0) / 1e6, 3) for tier in TIERS},
     }
 
 
@@ -70,17 +72,21 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=5)
     parser.add_argument("--no-default", action="store_true", help="skip the default schedule")
     parser.add_argument(
+        "--workdir", type=Path, help="keep each drill's workdir (logs, telemetry) under this"
+    )
+    parser.add_argument(
         "--trainer", nargs=argparse.REMAINDER, default=[], help="trainer flags (default: debug)"
     )
     args = parser.parse_args()
     rows: dict[str, dict[str, Any]] = {}
     result: dict[str, Any] = {"cold_restart": rows}
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
+        root = args.workdir or Path(tmp)
         for kind in KINDS:
-            report = drill(Path(tmp) / kind, f"{kind}@{args.fault_step}", args, args.steps)
+            report = drill(root / kind, f"{kind}@{args.fault_step}", args, args.steps)
             rows[kind] = figures(report)
         if not args.no_default:
-            report = drill(Path(tmp) / "default", DEFAULT_SCHEDULE, args, 400)
+            report = drill(root / "default", DEFAULT_SCHEDULE, args, 400)
             result["default_schedule"] = {
                 "goodput": report.goodput,
                 "effective_training": report.effective_training,
@@ -88,7 +94,7 @@ def main() -> None:
                 "faults": report.faults_injected,
                 "badput_by_fault_s": report.badput_by_fault_s,
             }
-    columns = ("MTTR s", "seen s", "lost", "S3 MB", "other MB", "cost s")
+    columns = ("MTTR s", "seen s", "lost", "cost s", *(f"{tier} MB" for tier in TIERS))
     print(f"{'cold restart (baseline)':<24}" + "".join(f"{c:>10}" for c in columns))
     for kind, row in rows.items():
         print(f"{kind:<24}" + "".join(f"{v!s:>10}" for v in row.values()))
