@@ -364,9 +364,10 @@ class Drill:
     def _inject_all(self) -> None:
         """Each fault when due, one after the other: a KIND@STEP once the job finished its step,
         a KIND@everyNs every N seconds from the job's start. A fault never overlaps the previous
-        one (a restart while telemetry is down would fail again), so the job trains on during an
-        outage and a later fault may strike later than scheduled; a repeating one waits for a
-        step completed after the previous fault, so that each recovery is its own."""
+        one (a restart while telemetry is down would fail again) and waits for a step completed
+        after it (so that each recovery is its own, its first step after before the next
+        strike), so the job trains on during an outage and a later fault may strike later than
+        scheduled."""
         once = [f for f in self.options.schedule if not f.every_s]
         due = {f: self.started_at + f.every_s for f in self.options.schedule if f.every_s}
         mark = 0
@@ -379,25 +380,30 @@ class Drill:
                 return
             except (OSError, ScaletrainError, UserError) as exc:
                 target, detail = "-", f"could not inject: {exc}"
+            ended_at, mark = time.time(), self.tap.mark()
             if self._strike is not None:
                 step, at = self._strike
             if FAULTS[fault.kind].trainer_args is not None:
                 step = fault.step  # the trainer struck it itself, in its STEP
             record = Injected(
                 fault.kind, step, target, detail, round(at - self.started_at, 2),
-                self._fresh_at, injected_at=at, ended_at=time.time(),
+                self._fresh_at, injected_at=at, ended_at=ended_at,
             )  # fmt: skip
             self._fresh_at = None
             self.injected.append(record)
             self._report(record)
-            mark = self.tap.mark()
 
     def _next_due(self, once: list[Fault], due: dict[Fault, float], mark: int) -> Fault | None:
         """The next fault to strike, taken from `once` (in step order) or moved on in `due` (its
-        next time), waiting until one is due; None once the job ended or none is left. `mark`:
-        where the tap stood when the previous fault was over."""
+        next time), waiting until one is due and the job completed a step since `mark` (where
+        the tap stood when the previous fault was over); None once the job ended or none is
+        left."""
+
+        def step_due() -> bool:
+            return bool(once) and self.tap.step >= once[0].step and self._stepped(mark)
+
         while not self._done.is_set():
-            if once and self.tap.step >= once[0].step:
+            if step_due():
                 return once.pop(0)
             now = time.time()
             ready = [f for f, at in due.items() if at <= now and self._may_repeat(f, once, mark)]
@@ -408,16 +414,18 @@ class Drill:
             if not once and not due:
                 return None
             wake = max(min(due.values(), default=now + _WAIT_S) - now, 0.2)
-            self.tap.wait(
-                lambda: self._done.is_set() or (bool(once) and self.tap.step >= once[0].step), wake
-            )
+            self.tap.wait(lambda: self._done.is_set() or step_due(), wake)
         return None
+
+    def _stepped(self, mark: int) -> bool:
+        """Whether the job completed a step since the tap's `mark`."""
+        return self.tap.seen_since(mark, "[trainer] step ")
 
     def _may_repeat(self, fault: Fault, once: list[Fault], mark: int) -> bool:
         """Whether repeating `fault` may strike now: the job completed a step since the previous
         fault was over, and one that restarts the job leaves _SPARE_RESTARTS of the budget after
         the restarts of the `once` faults still to come."""
-        if not self.tap.seen_since(mark, "[trainer] step "):
+        if not self._stepped(mark):
             return False
         if not FAULTS[fault.kind].restarts:
             return True

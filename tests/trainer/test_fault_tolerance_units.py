@@ -264,12 +264,15 @@ def test_a_repeating_fault_is_due_every_n_seconds_after_a_step_and_within_the_re
         assert drill._next_due(once, due, 0) == schedule[1]
         assert time.time() >= drill.started_at + 0.2
         assert due[schedule[1]] == pytest.approx(drill.started_at + 0.4)
-        # No step since the previous fault: the once-only one, at its step, comes first.
-        mark = tap.mark()
-        threading.Timer(0.5, tap.write, ["[trainer] step 3 loss 1\n"]).start()
+        # At its step, the once-only one waits for a step after the previous fault, then comes
+        # before the repeating one due too.
+        tap.write("[trainer] step 3 loss 1\n")
+        mark, waited = tap.mark(), time.time()
+        threading.Timer(0.5, tap.write, ["[trainer] step 4 loss 1\n"]).start()
         assert drill._next_due(once, due, mark) == schedule[0] and once == []
+        assert time.time() - waited >= 0.5
         # One restart used: striking again would leave fewer than 2 of the budget of 3.
-        tap.write("[trainer] run r1: 4 ranks, 1 parameters, steps 2..9\n[trainer] step 4 loss 1\n")
+        tap.write("[trainer] run r1: 4 ranks, 1 parameters, steps 2..9\n[trainer] step 5 loss 1\n")
         threading.Timer(0.6, drill.finish).start()
         assert drill._next_due(once, due, 0) is None
     finally:
