@@ -39,7 +39,14 @@ from sqlalchemy import Engine
 
 from ckptd.client import CkptdClient
 from scaletrain.app.embedded import check_layout, flag_value, new_run_id
-from scaletrain.app.recovery import Recovery, Timeline, recovery_record, signs
+from scaletrain.app.recovery import (
+    ATTEMPT_LINE,
+    STEP_LINE,
+    Recovery,
+    Timeline,
+    recovery_record,
+    signs,
+)
 from scaletrain.app.stack import Job, Stack, Workdir, check_nodes, ckptd_service, node_name
 from scaletrain.app.summary import summarize
 from scaletrain.errors import ScaletrainError, UserError
@@ -67,7 +74,6 @@ DRILL_WATCHDOG_MIN_S = 10.0
 _WAIT_S = 180.0
 # How long a node's ckptd, frozen, leaves a commit that its vote already reached to land.
 _COMMIT_SETTLE_S = 1.0
-_STEP_LINE = re.compile(r"^\[trainer\] step (\d+) ")
 # A repeating fault that restarts the job strikes while this many restarts of the budget are left
 # (after the once-only faults' own), and the budget without --max-restarts has this many for it.
 _SPARE_RESTARTS = 2
@@ -258,10 +264,10 @@ class _Tap:
             for line in text.splitlines():
                 self.lines.append(line)
                 self.stamps.append(now)
-                match = _STEP_LINE.match(line)
+                match = STEP_LINE.match(line)
                 if match:
                     self.step = int(match[1])
-                elif line.startswith("[trainer] run ") and " ranks, " in line:
+                elif ATTEMPT_LINE.match(line):
                     self.attempts += 1
             self.cond.notify_all()
 
