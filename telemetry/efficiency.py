@@ -19,6 +19,11 @@ Badput, by cause:
   - other: whatever the above do not explain (logging, the end of the run, gaps without records).
 Per step, each cause counts the slowest rank's time in it, and the step's causes together never
 exceed its wall time.
+
+Badput by fault: what each kind of injected fault cost, the sum of its `recovery` events' badput_s
+(`scaletrain.app.recovery`: the wall time from the strike to the first step after it, less the
+steps kept meanwhile, plus the compute of the steps it lost). It attributes the same wall time
+the causes above split (a restart's cost is in "restart" too), so it is not added to them.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ BADPUT_CAUSES = ("startup", "checkpoint_stall", "restart", "replay", "data_wait"
 # The event whose attributes say the trainer threw a step's update away (its batch was skipped).
 SKIPPING_EVENT = "loss_spike"
 SKIPPED = "skipped"
+# A fault's recovery record (attributes: kind, badput_s, ...), one per fault a drill injected.
+RECOVERY_EVENT = "recovery"
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ class Goodput:
     wall_s: float
     productive_s: float
     badput_s: dict[str, float] = field(default_factory=dict)
+    # Fault kind -> seconds its recoveries cost (see the module docstring); empty without any.
+    badput_by_fault_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def goodput(self) -> float:
@@ -180,8 +189,14 @@ def goodput(bind: Bind, run_id: str) -> Goodput:
                 )
             ).scalar()
         skipped = _skipped_steps_seconds(connection, run_id, latest)
+        by_fault = _badput_by_fault(connection, run_id)
     if not attempts:
-        return Goodput(wall_s=0.0, productive_s=0.0, badput_s=dict.fromkeys(BADPUT_CAUSES, 0.0))
+        return Goodput(
+            wall_s=0.0,
+            productive_s=0.0,
+            badput_s=dict.fromkeys(BADPUT_CAUSES, 0.0),
+            badput_by_fault_s=by_fault,
+        )
     sums = {name: float(value or 0.0) for name, value in sums.items()}
     end = run.finished_at or attempts[-1][2]
     wall_s = max((end - run.started_at).total_seconds(), 0.0)
@@ -202,7 +217,9 @@ def goodput(bind: Bind, run_id: str) -> Goodput:
     # Per-step time is measured on each rank; clocks and rounding can make the parts exceed the
     # whole by a hair, which is not "negative other".
     badput["other"] = max(wall_s - accounted, 0.0)
-    return Goodput(wall_s=wall_s, productive_s=productive_s, badput_s=badput)
+    return Goodput(
+        wall_s=wall_s, productive_s=productive_s, badput_s=badput, badput_by_fault_s=by_fault
+    )
 
 
 # The per-step figures that goodput sums over a run.
@@ -264,6 +281,17 @@ def _skipped_steps_seconds(
         select(func.sum(per_step()["productive_s"])).where(*latest, StepRollup.step.in_(skipped))
     ).scalar()
     return float(seconds or 0.0)
+
+
+def _badput_by_fault(connection: Any, run_id: str) -> dict[str, float]:
+    """Fault kind -> the summed badput_s of the run's recovery records (one event per fault)."""
+    costs: dict[str, float] = {}
+    for (attributes,) in connection.execute(
+        select(Event.attributes).where(Event.run_id == run_id, Event.kind == RECOVERY_EVENT)
+    ):
+        kind = (attributes or {}).get("kind", "")
+        costs[kind] = costs.get(kind, 0.0) + float((attributes or {}).get("badput_s") or 0.0)
+    return costs
 
 
 def _aware(value: datetime) -> datetime:

@@ -16,6 +16,7 @@ Where a step was recorded by several attempts, each rank's latest attempt counts
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from sqlalchemy.orm import aliased
 from scaletrain.names import TIER_NAMES
 from scaletrain.v1 import common_pb2
 from telemetry import partitions
-from telemetry.efficiency import LATEST_ROLLUP, mfu
+from telemetry.efficiency import LATEST_ROLLUP, RECOVERY_EVENT, mfu
 from telemetry.models import (
     TRAINER_TIER,
     WHOLE_TIER,
@@ -77,6 +78,12 @@ SLOWEST_NODE_COLUMNS = ["node", "worst_rank", "relative", "steps"]
 FOUND_COLUMNS = ["rank", "node"]
 RANK_PHASE_COLUMNS = ["rank", "step_s", "compute_s", *PHASE_COLUMNS, "relative_score"]
 MARKER_COLUMNS = ["step", "kind", "label"]
+# A fault's recovery (a drill's `recovery` event): the table's columns, then the steps its band
+# spans on the loss curve (from where the job resumed, or the fault's step, to its first step).
+RECOVERY_COLUMNS = [
+    "kind", "target", "step", "injected", "detected_s", "first_step", "first_step_s", "mttr_s",
+    "steps_lost", "restored_from", "spare", "badput_s", "from_step", "to_step",
+]  # fmt: skip
 TIMELINE_COLUMNS = [
     "step", "started_at", "blocking_s", "background_s", "tiers", "failed_tiers", "nodes",
     *(f"{tier}_bytes" for tier in TIERS),
@@ -541,6 +548,39 @@ def markers(bind: Bind, run_id: str, *, limit: int = 2000) -> pd.DataFrame:
         event_rows = [tuple(row) for row in connection.execute(marked)][::-1]
     frame = pd.DataFrame(checkpoint_rows + event_rows, columns=MARKER_COLUMNS)
     return frame.sort_values("step", kind="stable", ignore_index=True)
+
+
+def recoveries(bind: Bind, run_id: str, *, limit: int = 1000) -> pd.DataFrame:
+    """The run's recovery records (one per fault a drill injected), oldest first, at most the
+    latest `limit`: RECOVERY_COLUMNS. Times after the fault's strike in seconds (NaN: never);
+    `restored_from` the restore's bytes per copy ({"memory@node0": 2100000}; {} without one)."""
+    with connection_of(bind) as connection:
+        rows = connection.execute(
+            select(Event.time, Event.attributes)
+            .where(Event.run_id == run_id, Event.kind == RECOVERY_EVENT)
+            .order_by(Event.time.desc())
+            .limit(limit)
+        ).all()
+    frame = [_recovery_row(at, attributes or {}) for at, attributes in reversed(rows)]
+    return pd.DataFrame(frame, columns=RECOVERY_COLUMNS)
+
+
+def _recovery_row(at: datetime, attributes: dict[str, str]) -> list[Any]:
+    """A `recovery` event's attributes (strings, "" for None) as a row of RECOVERY_COLUMNS."""
+
+    def number(name: str) -> float:
+        return _float(attributes.get(name) or None)
+
+    injected, step = number("injected_at"), int(attributes.get("step") or 0)
+    first = int(attributes["first_step"]) if attributes.get("first_step") else None
+    resumed = int(attributes["resumed_from"]) if attributes.get("resumed_from") else step
+    return [
+        attributes.get("kind", ""), attributes.get("target", ""), step, at,
+        number("detected_at") - injected, first, number("first_step_at") - injected,
+        number("mttr_s"), int(attributes.get("steps_lost") or 0),
+        json.loads(attributes.get("restored_from") or "{}"), attributes.get("spare") == "true",
+        number("badput_s"), min(resumed, step), max(step, first or step),
+    ]  # fmt: skip
 
 
 def checkpoint_parts(bind: Bind, run_id: str) -> pd.DataFrame:

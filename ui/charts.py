@@ -16,6 +16,7 @@ MARKER_COLOURS = {
     "loss_spike": "#ff7f0e",
     "sdc": "#d62728",
     "replay": "#9467bd",
+    "recovery": "#e377c2",
 }
 # The validation loss beside the training loss.
 EVAL_COLOUR = "#17becf"
@@ -29,13 +30,18 @@ PHASE_LABELS = {
 
 
 def loss_chart(
-    points: pd.DataFrame, markers: pd.DataFrame, evals: pd.DataFrame | None = None
+    points: pd.DataFrame,
+    markers: pd.DataFrame,
+    evals: pd.DataFrame | None = None,
+    recoveries: pd.DataFrame | None = None,
 ) -> alt.LayerChart:
     """Mean loss over ranks as a line over the min-max band of the ranks, and the validation
     loss (`views.eval_points`) as a dashed line with a point per evaluation. Restarts, loss
     spikes, SDC events and replays are vertical rules; checkpoints, which may be hundreds, are
-    triangles along the bottom so that they never hide the curve. Colours by kind, one legend
-    for both."""
+    triangles along the bottom so that they never hide the curve; each fault's recovery
+    (`views.recoveries`) is a band over the steps it spans (those it lost, or those it lasted),
+    so that a recovery shows where on the curve its time went. Colours by kind, one legend for
+    all."""
     base = alt.Chart(points).encode(
         x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
     )
@@ -64,6 +70,21 @@ def loss_chart(
         .encode(x="step:Q", color=colour, tooltip=["step:Q", "kind:N", "label:N"])
     )
     layers = band + line + ticks + rules
+    if recoveries is not None and not recoveries.empty:
+        spans = recoveries.assign(kind="recovery", to_step=recoveries["to_step"] + 0.5)
+        layers += (
+            alt.Chart(spans[["kind", "target", "from_step", "to_step", "mttr_s", "steps_lost"]])
+            .mark_rect(opacity=0.15)
+            .encode(
+                x="from_step:Q",
+                x2="to_step:Q",
+                color=colour,
+                tooltip=[
+                    alt.Tooltip("kind:N", title="marker"), "target:N", "from_step:Q",
+                    alt.Tooltip("mttr_s:Q", format=".1f", title="MTTR s"), "steps_lost:Q",
+                ],
+            )
+        )  # fmt: skip
     if evals is not None and not evals.empty:
         validation = (
             alt.Chart(evals)

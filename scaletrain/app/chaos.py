@@ -1,14 +1,19 @@
 """`scaletrain chaos`: a drill that trains on the embedded stack while a schedule of faults strikes.
 
 The schedule is a list of KIND@STEP[:SECONDS], each fault injected once, in order, as soon as the
-job has finished step STEP (the job is watched through its `[trainer] step N` lines). Each kind is
-defined once, in `FAULTS`: what it does, the SECONDS it lasts when the item does not say, and how
-the drill strikes (`scaletrain chaos --help` lists them).
+job has finished step STEP (the job is watched through its `[trainer] step N` lines), and of
+KIND@everyNs[:SECONDS], a fault struck every N seconds of the job for as long as it runs, as a
+cluster's faults come. Each kind is defined once, in `FAULTS`: what it does, the SECONDS it lasts
+when the item does not say, how the drill strikes and which sign shows that the job saw it
+(`scaletrain chaos --help` lists them).
 
-Every fault is recorded in telemetry as a `fault` event. The report says how many faults were
-injected and survived, how many committed checkpoints were lost (any checkpoint ever seen
-committed on some tier must still be committed on one at the end), how many steps were computed
-again after restarts, and the run's goodput from telemetry.
+Every fault is recorded in telemetry as a `fault` event, and once the job ended as a `recovery`
+event with its recovery record (`scaletrain.app.recovery`: injected, detected, first step after,
+MTTR, steps lost, what restored the state). The report says how many faults were injected and
+survived, how many committed checkpoints were lost (any checkpoint ever seen committed on some
+tier must still be committed on one at the end), how many steps were computed again after
+restarts, each fault's recovery, the run's goodput from telemetry with what each kind of fault
+cost, and the effective training time (the time in steps that were kept over the job's wall time).
 """
 
 from __future__ import annotations
@@ -26,11 +31,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, TypeVar
 
+from sqlalchemy import Engine
+
 from ckptd.client import CkptdClient
 from scaletrain.app.embedded import check_layout, flag_value, new_run_id
+from scaletrain.app.recovery import (
+    ATTEMPT_LINE,
+    STEP_LINE,
+    Recovery,
+    Timeline,
+    recovery_record,
+    signs,
+)
 from scaletrain.app.stack import Job, Stack, Workdir, check_nodes, ckptd_service, node_name
 from scaletrain.app.summary import summarize
 from scaletrain.errors import ScaletrainError, UserError
@@ -60,7 +76,14 @@ _WAIT_S = 180.0
 _COMMIT_SETTLE_S = 1.0
 # How fast ckptd copies parts to peers in a drill with kill-node-mid-save (MB/s).
 MID_SAVE_REPLICA_MB_S = 2
-_STEP_LINE = re.compile(r"^\[trainer\] step (\d+) ")
+# A repeating fault that restarts the job strikes while this many restarts of the budget are left
+# (after the once-only faults' own), and the budget without --max-restarts has this many for it.
+_SPARE_RESTARTS = 2
+_REPEAT_RESTARTS = 20
+# The first signs of a fault (`FaultKind.detected_by`): a rank or its agent failing (a survivor's
+# traceback, the agent stopping the others or reporting the exit), a save failing, ...
+_RANK_FAILED = r"\]: Traceback|closing signal SIG|failed \(exitcode: |error: watchdog:"
+_SAVE_FAILED = r"checkpoint of step \d+ failed|^event checkpoint_failed: "
 
 
 class _JobEnded(Exception):
@@ -70,8 +93,11 @@ class _JobEnded(Exception):
 @dataclass(frozen=True)
 class Fault:
     kind: str
+    # The step after which it strikes once (0 for a repeating fault).
     step: int
     seconds: float = 0.0
+    # It strikes every `every_s` seconds of the job instead (0: once, after `step`).
+    every_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -93,25 +119,54 @@ class FaultKind:
     trainer_args: Callable[[Fault, int], list[str]] | None = None
     # It fills the SSD tier's disk, which must then be a small tmpfs.
     fills_disk: bool = False
+    # The first sign that the job saw it: a regex searched in the job's output lines, telemetry's
+    # events ("event KIND: MESSAGE") and ckptd's log ("ckptd: MESSAGE"), from the strike on.
+    detected_by: str = _RANK_FAILED
+
+
+# One item of --schedule: KIND@STEP[:SECONDS] or KIND@everyNs[:SECONDS] (SCHEDULE_FORMS says so).
+_ITEM = re.compile(r"([a-z0-9-]+)@(?:(\d+)|every([0-9.]+)s)(?::([0-9.]+))?")
+SCHEDULE_FORMS = "KIND@STEP[:SECONDS] or KIND@everyNs[:SECONDS]"
 
 
 def parse_schedule(text: str) -> list[Fault]:
-    """KIND@STEP[:SECONDS],... in step order; ValueError names the bad item."""
+    """KIND@STEP[:SECONDS] and KIND@everyNs[:SECONDS],... in step order (the repeating ones
+    last); ValueError names the bad item in one line."""
     faults = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        match = re.fullmatch(r"([a-z0-9-]+)@(\d+)(?::([0-9.]+))?", item)
+        match = _ITEM.fullmatch(item)
         if match is None or match[1] not in FAULTS:
             raise ValueError(
-                f"--schedule item {item!r}: expected KIND@STEP[:SECONDS] with KIND one of "
+                f"--schedule item {item!r}: expected {SCHEDULE_FORMS} with KIND one of "
                 f"{', '.join(KINDS)}"
             )
-        step, seconds = int(match[2]), float(match[3] or FAULTS[match[1]].default_seconds)
-        if step < 1:
+        kind = FAULTS[match[1]]
+        try:
+            every = float(match[3] or 0)
+            seconds = float(match[4] or kind.default_seconds)
+        except ValueError:
+            raise ValueError(f"--schedule item {item!r}: N and SECONDS must be numbers") from None
+        step = int(match[2] or 0)
+        if match[2] is not None and step < 1:
             raise ValueError(f"--schedule item {item!r}: the step must be 1 or more")
-        faults.append(Fault(match[1], step, seconds))
+        if match[3] is not None and every <= 0:
+            raise ValueError(f"--schedule item {item!r}: N of everyNs must be more than 0")
+        if every and kind.trainer_args is not None:
+            raise ValueError(f"--schedule item {item!r}: {match[1]} strikes in its STEP only")
+        faults.append(Fault(match[1], step, seconds, every))
     if not faults:
-        raise ValueError("--schedule is empty: give at least one KIND@STEP")
-    return sorted(faults, key=lambda f: f.step)
+        raise ValueError(f"--schedule is empty: give at least one {SCHEDULE_FORMS}")
+    return sorted(faults, key=lambda f: (f.every_s > 0, f.step))
+
+
+def restart_budget(options: ChaosOptions) -> int:
+    """The restarts torchrun may do: --max-restarts, else one per once-only fault that restarts,
+    _SPARE_RESTARTS more, and _REPEAT_RESTARTS more for repeating ones that restart."""
+    if options.max_restarts is not None:
+        return options.max_restarts
+    once = sum(FAULTS[f.kind].restarts for f in options.schedule if not f.every_s)
+    repeating = any(FAULTS[f.kind].restarts for f in options.schedule if f.every_s)
+    return once + _SPARE_RESTARTS + (_REPEAT_RESTARTS if repeating else 0)
 
 
 def default_schedule(nodes: int) -> str:
@@ -148,11 +203,16 @@ class Injected:
     step: int
     target: str
     detail: str
+    # Seconds into the job when it struck.
     injected_at_s: float
     # kill-node: when (time.time()) the replacement machine's fresh ckptd started.
     fresh_ckptd_at: float | None = None
     # kill-node with spares: the spare machine that took the lost node's place.
     spare: str = ""
+    # When (time.time()) it struck, and when the drill let it go (a service restarted, a
+    # process continued, a restart seen).
+    injected_at: float = 0.0
+    ended_at: float = 0.0
 
 
 @dataclass
@@ -183,6 +243,12 @@ class ChaosReport:
     # ("memory@node0", "SSD@node1" (a node's own part or a replica it holds), "S3").
     recoveries: list[dict[str, object]] = field(default_factory=list)
     lost_with_node: list[int] = field(default_factory=list)
+    # Each injected fault's recovery record (`scaletrain.app.recovery.Recovery`), in order.
+    fault_recoveries: list[dict[str, object]] = field(default_factory=list)
+    # What each kind of fault cost, from telemetry's goodput (the sum of its records' badput_s).
+    badput_by_fault_s: dict[str, float] = field(default_factory=dict)
+    # The time in steps that were kept over the job's wall time (None: no wall time).
+    effective_training: float | None = None
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -197,16 +263,20 @@ class _Tap:
         self.step = 0
         self.attempts = 0
         self.lines: list[str] = []
+        # When (time.time()) each of `lines` arrived: the recovery records' clock.
+        self.stamps: list[float] = []
 
     def write(self, text: str) -> None:
+        now = time.time()
         self._out.write(text)
         with self.cond:
             for line in text.splitlines():
                 self.lines.append(line)
-                match = _STEP_LINE.match(line)
+                self.stamps.append(now)
+                match = STEP_LINE.match(line)
                 if match:
                     self.step = int(match[1])
-                elif line.startswith("[trainer] run ") and " ranks, " in line:
+                elif ATTEMPT_LINE.match(line):
                     self.attempts += 1
             self.cond.notify_all()
 
@@ -225,6 +295,11 @@ class _Tap:
     def seen_since(self, mark: int, text: str) -> bool:
         return any(text in line for line in self.lines[mark:])
 
+    def stamped(self) -> list[tuple[float, str]]:
+        """Every line so far with the time it arrived."""
+        with self.cond:
+            return list(zip(self.stamps, self.lines, strict=True))
+
 
 class Drill:
     """Injects the schedule into one job on `stack`, from a thread of its own."""
@@ -236,13 +311,15 @@ class Drill:
         self.spare_used = ""  # kill-node with spares: the spare that took the node's place
         # Steps kill-node-mid-save struck before their parts had copies: lost with the node.
         self.lost_with_node: set[int] = set()
-        # kill-node strikes once the job has a checkpoint to resume from, steps after it was due:
-        # the step its ranks were frozen at, for its Injected.
-        self._struck_step: int | None = None
+        # A fault that waits for its moment inside its injector (kill-node, kill-ckptd) sets
+        # `_struck_step` when it strikes: (that step, the time then), for its Injected.
+        self._strike: tuple[int, float] | None = None
         self.committed: set[int] = set()
         self.job: Job | None = None
         self._done = threading.Event()
-        self._started = time.monotonic()
+        # The job's start and end (time.time()): the wall time of the drill.
+        self.started_at = time.time()
+        self.ended_at: float | None = None
         self._telemetry = TelemetryClient(stack.telemetry_address)
         self._threads = [
             threading.Thread(target=self._inject_all, name="chaos"),
@@ -269,45 +346,139 @@ class Drill:
         """A random node from node `first` on."""
         return self._random(fault).randrange(first, self.options.nodes)
 
+    @property
+    def _struck_step(self) -> int | None:
+        """The step the job had completed when an injector that waits for its moment struck."""
+        return None if self._strike is None else self._strike[0]
+
+    @_struck_step.setter
+    def _struck_step(self, step: int | None) -> None:
+        # Stamped here, as the injector strikes: not when `_inject_all` gets round to it.
+        self._strike = None if step is None else (step, time.time())
+
     def start(self, job: Job) -> None:
         self.job = job
+        self.started_at = time.time()
         for thread in self._threads:
             thread.start()
 
     def finish(self) -> None:
         """After the job ended: stop injecting, wait for outages in progress to end."""
+        self.ended_at = time.time()
         self._done.set()
         with self.tap.cond:
             self.tap.cond.notify_all()
         for thread in self._threads:
             if thread.ident is not None:
                 thread.join()
+
+    def close(self) -> None:
+        """Deliver what was reported to telemetry (the recovery records too), and let go."""
         self._telemetry.flush(timeout_s=10)
         self._telemetry.close()
 
     # -- injection -------------------------------------------------------------------------------
 
     def _inject_all(self) -> None:
-        """Each fault once the job finished its step, one after the other: a fault never
-        overlaps the previous one (a restart while telemetry is down would fail again), so the
-        job trains on during an outage and a later fault may strike a later step than scheduled."""
-        for fault in self.options.schedule:
-            self.tap.wait(lambda f=fault: self._done.is_set() or self.tap.step >= f.step, None)
-            if self._done.is_set():
-                return
-            at, step = round(time.monotonic() - self._started, 2), self.tap.step
+        """Each fault when due, one after the other: a KIND@STEP once the job finished its step,
+        a KIND@everyNs every N seconds from the job's start. A fault never overlaps the previous
+        one (a restart while telemetry is down would fail again) and waits for a step completed
+        after it (so that each recovery is its own, its first step after before the next
+        strike), so the job trains on during an outage and a later fault may strike later than
+        scheduled."""
+        once = [f for f in self.options.schedule if not f.every_s]
+        due = {f: self.started_at + f.every_s for f in self.options.schedule if f.every_s}
+        mark = 0
+        while (fault := self._next_due(once, due, mark)) is not None:
+            self._strike = None
+            at, step = time.time(), self.tap.step
             try:
                 target, detail = FAULTS[fault.kind].inject(self, fault)
             except _JobEnded:
                 return
             except (OSError, ScaletrainError, UserError) as exc:
                 target, detail = "-", f"could not inject: {exc}"
-            if self._struck_step is not None:
-                step, self._struck_step = self._struck_step, None
-            record = Injected(fault.kind, step, target, detail, at, self._fresh_at, self.spare_used)
+            ended_at, mark = time.time(), self.tap.mark()
+            if self._strike is not None:
+                step, at = self._strike
+            if FAULTS[fault.kind].trainer_args is not None:
+                step = fault.step  # the trainer struck it itself, in its STEP
+            record = Injected(
+                fault.kind, step, target, detail, round(at - self.started_at, 2),
+                self._fresh_at, self.spare_used, injected_at=at, ended_at=ended_at,
+            )  # fmt: skip
             self._fresh_at, self.spare_used = None, ""
             self.injected.append(record)
             self._report(record)
+
+    def _next_due(self, once: list[Fault], due: dict[Fault, float], mark: int) -> Fault | None:
+        """The next fault to strike, taken from `once` (in step order) or moved on in `due` (its
+        next time), waiting until one is due and the job completed a step since `mark` (where
+        the tap stood when the previous fault was over); None once the job ended or none is
+        left."""
+
+        def step_due() -> bool:
+            return bool(once) and self.tap.step >= once[0].step and self._stepped(mark)
+
+        while not self._done.is_set():
+            if step_due():
+                return once.pop(0)
+            now = time.time()
+            ready = [f for f, at in due.items() if at <= now and self._may_repeat(f, once, mark)]
+            if ready:
+                fault = min(ready, key=due.__getitem__)
+                due[fault] += fault.every_s
+                return fault
+            if not once and not due:
+                return None
+            wake = max(min(due.values(), default=now + _WAIT_S) - now, 0.2)
+            self.tap.wait(lambda: self._done.is_set() or step_due(), wake)
+        return None
+
+    def _stepped(self, mark: int) -> bool:
+        """Whether the job completed a step since the tap's `mark`."""
+        return self.tap.seen_since(mark, "[trainer] step ")
+
+    def _may_repeat(self, fault: Fault, once: list[Fault], mark: int) -> bool:
+        """Whether repeating `fault` may strike now: the job completed a step since the previous
+        fault was over, and one that restarts the job leaves _SPARE_RESTARTS of the budget after
+        the restarts of the `once` faults still to come."""
+        if not self._stepped(mark):
+            return False
+        if not FAULTS[fault.kind].restarts:
+            return True
+        to_come = sum(FAULTS[f.kind].restarts for f in once)
+        left = restart_budget(self.options) - max(self.tap.attempts - 1, 0) - to_come
+        return left > _SPARE_RESTARTS
+
+    def recovery_records(self, engine: Engine) -> list[Recovery]:
+        """Each injected fault's recovery record, from the job's output, telemetry (its events
+        and restarts, in `engine`) and the ckptd logs; each also reported to telemetry as a
+        `recovery` event stamped at its strike."""
+        lines = self.tap.stamped()
+        timeline = Timeline(lines)
+        seen = signs(engine, self.run_id, self.stack.workdir.logs, lines)
+        restarts = queries.restarts(engine, self.run_id)
+        records = []
+        for fault in self.injected:
+            kind = FAULTS[fault.kind]
+            injected_at, ended_at = fault.injected_at, fault.ended_at
+            if kind.trainer_args is not None:
+                # The trainer strikes it itself, inside step STEP: from that step's start.
+                injected_at = ended_at = timeline.step_started(fault.step) or injected_at
+            record = recovery_record(
+                kind=fault.kind, target=fault.target, step=fault.step, injected_at=injected_at,
+                ended_at=ended_at, restarts=kind.restarts, detected_by=re.compile(kind.detected_by),
+                timeline=timeline, signs=seen, restarts_seen=restarts, spare=bool(fault.spare),
+            )  # fmt: skip
+            records.append(record)
+            report = event(
+                self.run_id, "recovery", step=record.step, message=_describe(record),
+                attributes=record.attributes(),
+            )  # fmt: skip
+            report.time.FromDatetime(datetime.fromtimestamp(record.injected_at, UTC))
+            self._telemetry.report_event(report)
+        return records
 
     def _report(self, record: Injected) -> None:
         rank = int(record.target.removeprefix("rank ")) if record.target.startswith("rank ") else -1
@@ -358,6 +529,7 @@ class Drill:
         self.tap.wait(lambda: self._done.is_set() or self.tap.seen_since(mark, "checkpoint staged"))
         if self._done.is_set():
             raise _JobEnded
+        self._struck_step = self.tap.step
         self.stack.service("ckptd").kill()
         time.sleep(fault.seconds)
         self.stack.restart_service("ckptd")
@@ -596,6 +768,19 @@ class Drill:
                 }
 
 
+def _describe(record: Recovery) -> str:
+    """A recovery record in one line, for the `recovery` event's message."""
+    back = "no step after it"
+    if record.mttr_s is not None:
+        back = f"trained again {record.mttr_s:.1f}s after it struck"
+    restore = (
+        f", resumed from step {record.resumed_from} ({record.steps_lost} steps lost)"
+        if record.resumed_from is not None
+        else ""
+    )
+    return f"recovery from {record.kind} on {record.target}: {back}{restore}"
+
+
 def _sdc_flags(fault: Fault, rank: int) -> list[str]:
     return ["--inject-sdc", f"step={fault.step},rank={rank}"]
 
@@ -612,17 +797,20 @@ FAULTS: dict[str, FaultKind] = {
         "the agent's SIGTERM); the job restarts.",
         Drill._stop_rank,
         restarts=True,
+        detected_by=r"error: watchdog:",
     ),
     "kill-ckptd": FaultKind(
         "SIGKILL ckptd right after the next checkpoint was staged (its upload in flight), restart "
         "it SECONDS later (default 1) on the same data dir.",
         Drill._kill_ckptd,
         default_seconds=1.0,
+        detected_by=_SAVE_FAILED,
     ),
     "stop-s3": FaultKind(
         "stop the S3 server for SECONDS (default 30), then start it again.",
         Drill._stop_s3,
         default_seconds=30.0,
+        detected_by=r"^ckptd: S3 job .* failed",
     ),
     "disk-full": FaultKind(
         "fill the SSD tier's disk (a size-limited tmpfs, which needs root) until a save fails or "
@@ -630,6 +818,7 @@ FAULTS: dict[str, FaultKind] = {
         Drill._disk_full,
         default_seconds=60.0,
         fills_disk=True,
+        detected_by=_SAVE_FAILED,
     ),
     "corrupt-shard": FaultKind(
         "SIGKILL a rank, damage one shard of the latest checkpoint on SSD and restart ckptd (its "
@@ -641,12 +830,14 @@ FAULTS: dict[str, FaultKind] = {
         "SIGKILL the telemetry service, restart it SECONDS later (default 3).",
         Drill._kill_telemetry,
         default_seconds=3.0,
+        detected_by=r"^telemetry: keeping \d+ records",
     ),
     "sdc": FaultKind(
         "flip a bit of a random rank's gradients in step STEP (--inject-sdc): the step guard must "
         "catch and replay it.",
         Drill._sdc,
         trainer_args=_sdc_flags,
+        detected_by=r"^event sdc: ",
     ),
     "kill-node": FaultKind(
         "(--nodes 2 or more) a machine replaced: SIGKILL a random node's torchrun agent, its ranks "
@@ -675,6 +866,7 @@ FAULTS: dict[str, FaultKind] = {
         "and its peers cannot reach it meanwhile.",
         Drill._partition_node,
         default_seconds=5.0,
+        detected_by=_SAVE_FAILED,
     ),
 }
 KINDS = tuple(FAULTS)
@@ -684,7 +876,10 @@ MULTI_NODE = frozenset(kind for kind, fault in FAULTS.items() if fault.min_nodes
 
 def kinds_help() -> str:
     """Every kind and what it does, for `scaletrain chaos --help`."""
-    lines = ["fault kinds (KIND@STEP[:SECONDS]):"]
+    lines = [
+        f"fault kinds ({SCHEDULE_FORMS}: once after step STEP,",
+        "or every N seconds of the job; SECONDS: how long the fault lasts):",
+    ]
     for kind, fault in FAULTS.items():
         lines += textwrap.wrap(
             fault.describe, 79, initial_indent=f"  {kind:<16}", subsequent_indent=" " * 18
@@ -810,8 +1005,7 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         raise UserError(f"--schedule: {', '.join(late)} at or after the last step {options.steps}")
     workdir = options.workdir
     run_id = new_run_id()
-    restarting = sum(FAULTS[f.kind].restarts for f in options.schedule)
-    max_restarts = restarting + 2 if options.max_restarts is None else options.max_restarts
+    max_restarts = restart_budget(options)
     trainer_args = [
         "--steps", str(options.steps), "--ckpt-every", str(options.ckpt_every),
         "--log-every", "1", "--watchdog-min-s", str(DRILL_WATCHDOG_MIN_S),
@@ -844,15 +1038,23 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         tap = _Tap(out)
         drill = Drill(stack, options, run_id, tap)
         try:
-            code = stack.train(
-                run_id, options.ranks, trainer_args + drill.trainer_args(), tap, max_restarts,
-                on_start=drill.start,
-            )  # fmt: skip
+            try:
+                code = stack.train(
+                    run_id, options.ranks, trainer_args + drill.trainer_args(), tap, max_restarts,
+                    on_start=drill.start,
+                )  # fmt: skip
+            finally:
+                drill.finish()
+            # After a failure, only what is committed now: nothing will upload any more.
+            checkpoints = wait_on_s3(stack.ckptd_address, run_id, 120.0 if code == 0 else 0.0)
+            final = {c.ref.step for c in _intact(checkpoints)}
+            engine = connect(workdir.db_url)
+            try:
+                records = drill.recovery_records(engine)
+            finally:
+                engine.dispose()
         finally:
-            drill.finish()
-        # After a failure, only what is committed now: nothing will upload any more.
-        checkpoints = wait_on_s3(stack.ckptd_address, run_id, 120.0 if code == 0 else 0.0)
-        final = {c.ref.step for c in _intact(checkpoints)}
+            drill.close()
     summary = summarize(workdir, run_id, checkpoints, time.monotonic() - started)
     engine = connect(workdir.db_url)
     try:
@@ -860,6 +1062,9 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         recoveries = [asdict(r) for r in queries.restarts(engine, run_id)]
     finally:
         engine.dispose()
+    effective = Timeline(tap.stamped()).effective_training(
+        drill.started_at, drill.ended_at or time.time()
+    )
     completed = code == 0
     return ChaosReport(
         run_id=run_id,
@@ -883,4 +1088,7 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         faults=[asdict(i) for i in drill.injected],
         checkpoints=summary.checkpoints,
         recoveries=recoveries,
+        fault_recoveries=[asdict(r) for r in records],
+        badput_by_fault_s=summary.badput_by_fault_s,
+        effective_training=None if effective is None else round(effective, 4),
     )

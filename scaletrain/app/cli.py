@@ -120,11 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     _launcher_args(drill, CHAOS_DEFAULTS)
     drill.add_argument(
         "--schedule",
-        help="KIND@STEP[:SECONDS],... with KIND one of the fault kinds below "
-        "(default: 15 faults of every kind; 13 on one node, without the kill-node kinds)",
+        help="KIND@STEP[:SECONDS] (once, after step STEP) or KIND@everyNs[:SECONDS] (every N "
+        "seconds of the job),... with KIND one of the fault kinds below (default: 15 faults "
+        "of every kind; 13 on one node, without the kill-node kinds)",
     )
     drill.add_argument(
-        "--max-restarts", type=int, help="default: one per fault that needs a restart, plus 2"
+        "--max-restarts",
+        type=int,
+        help="default: one per fault that needs a restart, plus 2 (and 20 for repeating ones)",
     )
     drill.add_argument(
         "--seed",
@@ -660,10 +663,14 @@ def _print_report(r) -> None:
     print(f"steps replayed       {r.steps_replayed} after restarts, "
           f"{r.steps_replayed_in_place} in place (step guard)")  # fmt: skip
     print(f"goodput              {goodput}  badput: {_badput(r.badput_s)}")
+    print(f"badput by fault      {_badput(r.badput_by_fault_s)}")
+    effective = "n/a" if r.effective_training is None else f"{r.effective_training:.1%}"
+    print(f"effective training   {effective} of the job's wall time in steps that were kept")
     print(f"final loss           {r.last_loss!r}  params sha256 {r.params_sha256}")
     print(f"wall time            {r.wall_s:.1f} s")
-    for f in r.faults:
+    for f, rec in zip(r.faults, r.fault_recoveries, strict=True):
         print(f"  step {f['step']:>5}  {f['kind']:<15} {f['target']:<10} {f['detail']}")
+        print(f"{'':14}{_recovery_line(rec)}")
     for recovery in r.recoveries:
         from ckptd.readpath import describe_sources
 
@@ -671,6 +678,24 @@ def _print_report(r) -> None:
             f"  restore from step {recovery['step']:>5}: "
             f"{describe_sources(recovery['restored_from'])}"
         )
+
+
+def _recovery_line(rec: dict) -> str:
+    """A fault's recovery record, seconds after its strike."""
+
+    def after(at: float | None) -> str:
+        return "never" if at is None else f"+{at - rec['injected_at']:.1f}s"
+
+    restore = ""
+    if rec["resumed_from"] is not None:
+        restore = (
+            f", resumed from step {rec['resumed_from']} ({rec['steps_lost']} steps lost) "
+            f"reading {_tiers([f'{t} {b / 1e6:.2f} MB' for t, b in rec['bytes_per_tier'].items()])}"
+        )
+    return (
+        f"detected {after(rec['detected_at'])}, first step {after(rec['first_step_at'])}"
+        f"{restore}; cost {rec['badput_s']:.1f}s"
+    )
 
 
 def _badput(seconds: dict[str, float]) -> str:

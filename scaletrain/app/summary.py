@@ -39,6 +39,8 @@ class RunSummary:
     mfu_label: str = ""
     goodput: float | None = None
     badput_s: dict[str, float] = field(default_factory=dict)
+    # What each kind of fault cost (a drill's recovery records), in seconds.
+    badput_by_fault_s: dict[str, float] = field(default_factory=dict)
     health_events: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
@@ -118,6 +120,9 @@ def summarize(
         mfu_label=health.mfu.label,
         goodput=_finite(health.goodput.goodput),
         badput_s={cause: round(s, 3) for cause, s in health.goodput.badput_s.items()},
+        badput_by_fault_s={
+            kind: round(s, 3) for kind, s in health.goodput.badput_by_fault_s.items()
+        },
         health_events=health.event_counts,
     )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sqlite3
 import subprocess
 import sys
+from datetime import UTC, datetime
 
 import pytest
 from e2e_runs import TINY, events, injected, restart_after, scaletrain_json
@@ -152,6 +153,43 @@ def test_case8_an_injected_silent_data_corruption_is_caught_and_replayed(drill: 
     sdc = [(step, r) for step, r, *_ in events(drill, "sdc")]
     assert (SDC_STEP, rank) in sdc
     assert any(step == SDC_STEP for step, *_ in events(drill, "replay"))
+
+
+def test_each_fault_has_a_recovery_record_in_the_report_and_in_telemetry(drill: dict):
+    records = drill["fault_recoveries"]
+    assert [r["kind"] for r in records] == [f["kind"] for f in drill["faults"]]
+    with sqlite3.connect(drill["workdir"] / "telemetry.db") as db:
+        (last,) = db.execute(
+            "SELECT max(time) FROM rank_steps WHERE run_id = ?", (drill["run_id"],)
+        ).fetchone()
+    last_step_at = datetime.fromisoformat(last).replace(tzinfo=UTC).timestamp()
+    for fault, record in zip(drill["faults"], records, strict=True):
+        if record["first_step"] is None:
+            # A fault the job rode through may end after its last step: each fault waits for
+            # the previous one, so on a loaded machine the late ones slip to the end of the run.
+            assert not record["restarted"] and fault["ended_at"] > last_step_at - 1, record
+            continue
+        assert record["injected_at"] <= record["detected_at"] <= record["first_step_at"], record
+        assert (
+            record["mttr_s"] > 0 and record["steps_lost"] >= 0 and record["spare"] is False
+        )  # no spares on one node
+        if record["kind"] in ("kill-rank", "stop-rank", "corrupt-shard"):
+            assert record["restarted"] and record["resumed_from"] <= record["step"], record
+            # Read from the tiers, unless nothing was committed yet (a start from step 0).
+            restored = sum(record["bytes_per_tier"].values())
+            assert (restored > 0) == (record["resumed_from"] > 0), record
+    # corrupt-shard's damaged SSD copy was read from S3 instead.
+    (corrupt,) = [r for r in records if r["kind"] == "corrupt-shard"]
+    assert corrupt["bytes_per_tier"].get("S3", 0) > 0
+    recorded = [attrs for *_, attrs in events(drill, "recovery")]
+    # Stamped at each strike: sdc's (in its step, by the trainer) may come before the drill's.
+    assert sorted((a["kind"], a["mttr_s"]) for a in recorded) == sorted(
+        (r["kind"], "" if r["mttr_s"] is None else str(r["mttr_s"])) for r in records
+    )
+    # Goodput counts what each kind cost, and the drill says how much of it trained for good.
+    assert set(drill["badput_by_fault_s"]) == {r["kind"] for r in records}
+    assert drill["badput_by_fault_s"]["kill-rank"] > 0
+    assert 0 < drill["effective_training"] < 1
 
 
 def test_the_drill_prints_its_report_and_every_rank_heartbeats(drill: dict):

@@ -190,6 +190,8 @@ def test_a_killed_node_is_replaced_by_the_warm_spare_and_comes_back_as_the_next_
     ckptd_log = (workdir.logs / "ckptd-node1.log").read_text()
     assert ckptd_log.count('"message": "ckptd started on') == 2
     assert "[scaletrain] spare node2 is warm, waiting in the rendezvous" in drill["_log"]
+    (record,) = [r for r in drill["fault_recoveries"] if r["kind"] == "kill-node"]
+    assert record["spare"] is True and record["mttr_s"] > 0, record
     # The last checkpoint has a part on node0 and on the spare that took the last lost node's
     # place (kill-node-mid-save strikes later), each on its SSD; the spare of the end holds none.
     final = max(drill["checkpoints"], key=lambda c: c["step"])

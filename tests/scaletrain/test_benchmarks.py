@@ -122,3 +122,8 @@ def test_the_page_benchmark_fills_a_small_cluster_run_and_prints_its_ratios(tmp_
     )  # fmt: skip
     report = json.loads(printed[printed.index("{") :])
     assert report["ratio_run_page_warm_to_baseline"] > 0 and report["goodput_s"] > 0
+
+
+def test_the_recovery_benchmark_imports_what_it_drills_with() -> None:
+    """Only its start: each of its drills takes minutes (the chaos suite runs a drill's records)."""
+    assert "cold restart" in run_bench("recovery.py", "--help")

@@ -153,6 +153,23 @@ def test_goodput_splits_the_wall_time_by_cause(run: TelemetryStore, engine: Engi
     assert result.badput_s == pytest.approx(expected)
 
 
+def test_goodput_counts_what_each_kind_of_fault_cost_from_its_recovery_records(
+    run: TelemetryStore, engine: Engine
+) -> None:
+    assert goodput(engine, "run-1").badput_by_fault_s == {}
+    costs = [("kill-rank", "14.5"), ("stop-s3", "0.25"), ("kill-rank", "6"), ("sdc", "")]
+    run.add_events(
+        [
+            stamped(event("run-1", "recovery", step=4, attributes={"kind": kind, "badput_s": s}), i)
+            for i, (kind, s) in enumerate(costs)
+        ]
+    )
+    result = goodput(engine, "run-1")
+    assert result.badput_by_fault_s == pytest.approx({"kill-rank": 20.5, "stop-s3": 0.25, "sdc": 0})
+    # An attribution of the same wall time the causes split: never added to them.
+    assert result.badput_s["restart"] == pytest.approx(16.0)
+
+
 def test_goodput_of_a_run_without_records_is_empty(
     store: TelemetryStore, engine: Engine, run_request: RegisterRun
 ) -> None:

@@ -3,18 +3,32 @@ the chaos schedule and the restart budget's option."""
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from scaletrain.app.chaos import DEFAULT_SCHEDULE, KINDS, Fault, parse_schedule
+from scaletrain.app.chaos import (
+    DEFAULT_SCHEDULE,
+    FAULTS,
+    KINDS,
+    ChaosOptions,
+    Drill,
+    Fault,
+    _Tap,
+    kinds_help,
+    parse_schedule,
+    restart_budget,
+)
 from scaletrain.app.cli import main
+from scaletrain.app.stack import Workdir
 from trainer.health.preflight import check_ranks, matmul_ok
 from trainer.health.watchdog import (
     HANG_EXIT_CODE,
@@ -190,11 +204,39 @@ def test_the_default_drill_has_at_least_ten_faults_of_every_kind():
         ("melt-cpu@3", "KIND@STEP"),
         ("kill-rank@0", "the step must be 1 or more"),
         (" , ", "--schedule is empty"),
+        ("kill-rank@every90", r"KIND@STEP\[:SECONDS\] or KIND@everyNs"),
+        ("kill-rank@every0s", "N of everyNs must be more than 0"),
+        ("stop-s3@every1.2.3s", "N and SECONDS must be numbers"),
+        ("sdc@every30s", "sdc strikes in its STEP only"),
     ],
 )
 def test_a_bad_schedule_is_refused_in_one_line(schedule: str, message: str):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         parse_schedule(schedule)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_repeating_fault_is_parsed_after_the_once_only_ones_with_its_period():
+    assert parse_schedule("kill-rank@every90s,stop-s3@every45.5s:5,kill-ckptd@7") == [
+        Fault("kill-ckptd", 7, 1.0),
+        Fault("kill-rank", 0, 0.0, every_s=90.0),
+        Fault("stop-s3", 0, 5.0, every_s=45.5),
+    ]
+
+
+def test_the_restart_budget_leaves_room_for_a_repeating_fault_that_restarts(tmp_path: Path):
+    def budget(schedule: str, **given: int) -> int:
+        return restart_budget(ChaosOptions(Workdir(tmp_path), parse_schedule(schedule), **given))
+
+    assert budget("kill-rank@5,stop-s3@every9s") == 3
+    assert budget("kill-rank@5,kill-rank@every90s") == 23
+    assert budget("kill-rank@every90s", max_restarts=4) == 4
+
+
+def test_the_help_lists_both_schedule_forms_and_every_kind_from_the_one_table():
+    text = kinds_help()
+    assert "KIND@STEP[:SECONDS] or KIND@everyNs[:SECONDS]" in text
+    assert all(f"  {kind} " in text for kind in FAULTS)
 
 
 def test_a_bad_restart_budget_or_late_fault_is_refused_before_anything_starts(
@@ -206,3 +248,32 @@ def test_a_bad_restart_budget_or_late_fault_is_refused_before_anything_starts(
     assert code == 1
     assert "kill-rank@5 at or after the last step 5" in capsys.readouterr().err
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_repeating_fault_is_due_every_n_seconds_after_a_step_and_within_the_restart_budget(
+    tmp_path: Path,
+):
+    """The drill's scheduler alone, on a job seen only through its output lines."""
+    schedule = parse_schedule("kill-rank@every0.2s,stop-s3@3")
+    options = ChaosOptions(Workdir(tmp_path), schedule, max_restarts=3)
+    tap = _Tap(io.StringIO())
+    drill = Drill(SimpleNamespace(telemetry_address="127.0.0.1:9"), options, "r1", tap)  # type: ignore[arg-type]
+    try:
+        once, due = [schedule[0]], {schedule[1]: drill.started_at + 0.2}
+        tap.write("[trainer] run r1: 4 ranks, 1 parameters, steps 1..9\n[trainer] step 1 loss 1\n")
+        assert drill._next_due(once, due, 0) == schedule[1]
+        assert time.time() >= drill.started_at + 0.2
+        assert due[schedule[1]] == pytest.approx(drill.started_at + 0.4)
+        # At its step, the once-only one waits for a step after the previous fault, then comes
+        # before the repeating one due too.
+        tap.write("[trainer] step 3 loss 1\n")
+        mark, waited = tap.mark(), time.time()
+        threading.Timer(0.5, tap.write, ["[trainer] step 4 loss 1\n"]).start()
+        assert drill._next_due(once, due, mark) == schedule[0] and once == []
+        assert time.time() - waited >= 0.5
+        # One restart used: striking again would leave fewer than 2 of the budget of 3.
+        tap.write("[trainer] run r1: 4 ranks, 1 parameters, steps 2..9\n[trainer] step 5 loss 1\n")
+        threading.Timer(0.6, drill.finish).start()
+        assert drill._next_due(once, due, 0) is None
+    finally:
+        drill.close()

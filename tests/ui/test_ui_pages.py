@@ -10,6 +10,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 from ui_testing import OVERVIEW, RUN_HEALTH, SDC_STEP, STRAGGLER_RANK, RealRun, open_page
 
+from scaletrain.app.recovery import Recovery
 from scaletrain.v1 import telemetry_pb2
 from telemetry.client import event, rank_step
 from telemetry.db import connect, migrate
@@ -228,3 +229,40 @@ def test_the_pages_render_from_postgresql(
     assert metrics(page)["step"] == "40"
     assert len(page.get("vega_lite_chart")) >= 5
     assert "Slower than their peers now: rank 3" in page.warning[0].value
+
+
+def test_a_run_with_a_recovery_record_shows_it_in_a_table_and_as_a_band_on_the_loss_curve(
+    monkeypatch: pytest.MonkeyPatch, empty_db: str
+) -> None:
+    store = TelemetryStore(connect(empty_db))
+    store.register_run(telemetry_pb2.RegisterRunRequest(run_id="drilled", world_size=2))
+    store.add_steps(
+        [rank_step("drilled", s, r, loss=2.0, times={"step": 0.1}) for s in range(1, 11)
+         for r in (0, 1)]
+    )  # fmt: skip
+    store.roll_up()
+    record = Recovery(
+        kind="kill-rank", target="rank 1", step=7, injected_at=1000.0, detected_at=1000.4,
+        detected_by="[rank0]: Traceback", first_step=6, first_step_at=1012.5, mttr_s=12.5,
+        restarted=True, resumed_from=5, steps_lost=2, restored_from={"memory@node0": 2_100_000},
+        bytes_per_tier={"memory": 2_100_000}, badput_s=12.6,
+    )  # fmt: skip
+    store.add_events(
+        [event("drilled", "recovery", step=7, message="recovery", attributes=record.attributes())]
+    )
+    app = open_page(monkeypatch, empty_db, RUN_HEALTH, run="drilled")
+    (table,) = (frame.value for frame in app.dataframe if "MTTR s" in frame.value.columns)
+    row = table.iloc[0]
+    assert (row["kind"], row["target"], row["step"], row["first step"]) == (
+        "kill-rank",
+        "rank 1",
+        7,
+        6,
+    )
+    assert (row["detected s"], row["first step s"], row["MTTR s"]) == pytest.approx(
+        (0.4, 12.5, 12.5)
+    )
+    assert (row["steps lost"], row["spare"], row["cost s"]) == (2, False, 12.6)
+    assert row["restored from"] == "2.10 MB from memory@node0"
+    loss = app.get("vega_lite_chart")[0].proto.spec
+    assert '"type": "rect"' in loss and '"field": "from_step"' in loss

@@ -1,5 +1,5 @@
 """The health page of one run (/run?run=RUN_ID): headline, loss and throughput, nodes and their
-ranks, checkpoints, events."""
+ranks, checkpoints, recoveries from faults, events."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from sqlalchemy import Engine, select
 
 from telemetry import views
 from telemetry.models import Run
-from ui.panels import checkpoints, events, headline, loss, nodes
+from ui.panels import checkpoints, events, headline, loss, nodes, recoveries
 from ui.routes import RUN_PARAM, runs_page
 from ui.source import NO_RUNS, REFRESH_S, explained_errors, open_database
 
@@ -50,6 +50,7 @@ def show(engine: Engine, run_id: str) -> None:
         loss.render(engine, run_id)
         nodes.render(engine, run_id)
         checkpoints.render(engine, run_id)
+        recoveries.render(engine, run_id)
         events.render(engine, run_id)
         fill_goodput()
 

@@ -1,5 +1,6 @@
-"""The loss curve with markers for checkpoints, restarts, loss spikes, SDC events and replays, and
-the throughput, both from the step rollups (one row per step, whatever the world size)."""
+"""The loss curve with markers for checkpoints, restarts, loss spikes, SDC events, replays and
+recoveries, and the throughput, both from the step rollups (one row per step, whatever the world
+size)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def render(engine: Engine, run_id: str) -> None:
         return
     markers = views.markers(engine, run_id)
     evals = views.eval_points(engine, run_id)
-    st.altair_chart(charts.loss_chart(points, markers, evals), width="stretch")
+    recoveries = views.recoveries(engine, run_id)
+    st.altair_chart(charts.loss_chart(points, markers, evals, recoveries), width="stretch")
     first, last = int(points["step"].min()), int(points["step"].max())
     sampled = len(points) < last - first + 1
     st.altair_chart(charts.throughput_chart(points), width="stretch")
@@ -43,5 +45,7 @@ def render(engine: Engine, run_id: str) -> None:
             else ""
         )
         + "Green triangles along the bottom: checkpoints; lines: grey restarts, orange loss "
-        "spikes, red silent data corruption, purple replays. Scroll to zoom, drag to pan."
+        "spikes, red silent data corruption, purple replays"
+        + ("; pink bands: recoveries from injected faults" if not recoveries.empty else "")
+        + ". Scroll to zoom, drag to pan."
     )

@@ -1,0 +1,111 @@
+"""Today's cold restart, measured from the recovery records: the baseline later recovery work is
+compared against.
+
+One short `scaletrain chaos --nodes 2` drill per fault kind that restarts the job (kill-rank,
+stop-rank, kill-node; the debug model on 4 ranks over 2 simulated nodes, one fault each), then
+the default chaos schedule (`DEFAULT_SCHEDULE`, every kind of fault over 400 steps). Each figure
+comes from the drill's recovery record of its fault (`scaletrain.app.recovery`): the time from
+the strike to the first completed step after it (MTTR), when the job saw it, the steps computed
+again, the bytes its restore read from each tier (memory, SSD, S3); and, for the default
+schedule, its goodput, its effective training time and what each kind of fault cost.
+
+The table has one column of figures: the cold restart (torchrun restarts every rank, which reads
+its state back from ckptd). A faster path (warm spares, peers' memory) adds its own drills beside
+these, in the same command, and prints its ratio against this column.
+Run: `OMP_NUM_THREADS=1 .venv/bin/python bench/recovery.py [--steps 30] [--no-default]
+[--workdir DIR]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from scaletrain.app.chaos import DEFAULT_SCHEDULE, ChaosOptions, ChaosReport, chaos, parse_schedule
+from scaletrain.app.stack import Workdir
+
+KINDS = ("kill-rank", "stop-rank", "kill-node")
+# The tiers a restore reads from, as the recovery records name them.
+TIERS = ("memory", "SSD", "S3")
+
+
+def drill(root: Path, schedule: str, args: argparse.Namespace, steps: int) -> ChaosReport:
+    """The drill of `schedule` on the debug model, which must complete."""
+    options = ChaosOptions(
+        workdir=Workdir(root),
+        schedule=parse_schedule(schedule),
+        ranks=args.ranks,
+        nodes=2,
+        steps=steps,
+        ckpt_every=args.ckpt_every,
+        trainer_args=args.trainer,
+    )
+    report = chaos(options, io.StringIO())
+    if not report.completed:
+        raise SystemExit(f"the drill {schedule!r} failed; logs in {report.workdir}")
+    return report
+
+
+def figures(report: ChaosReport) -> dict[str, Any]:
+    """The drill's one fault's recovery, as the table shows it."""
+    (record,) = report.fault_recoveries
+    tiers: dict[str, int] = record["bytes_per_tier"]
+    detected = record["detected_at"]
+    return {
+        "mttr_s": record["mttr_s"],
+        "detected_s": None if detected is None else round(detected - record["injected_at"], 2),
+        "steps_lost": record["steps_lost"],
+        "badput_s": record["badput_s"],
+        **{f"{tier}_mb": round(tiers.get(tier, 0) / 1e6, 3) for tier in TIERS},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=30, help="steps of each one-fault drill")
+    parser.add_argument("--fault-step", type=int, default=12)
+    parser.add_argument("--ckpt-every", type=int, default=5)
+    parser.add_argument("--no-default", action="store_true", help="skip the default schedule")
+    parser.add_argument(
+        "--workdir", type=Path, help="keep each drill's workdir (logs, telemetry) under this"
+    )
+    parser.add_argument(
+        "--trainer", nargs=argparse.REMAINDER, default=[], help="trainer flags (default: debug)"
+    )
+    args = parser.parse_args()
+    rows: dict[str, dict[str, Any]] = {}
+    result: dict[str, Any] = {"cold_restart": rows}
+    with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
+        root = args.workdir or Path(tmp)
+        for kind in KINDS:
+            report = drill(root / kind, f"{kind}@{args.fault_step}", args, args.steps)
+            rows[kind] = figures(report)
+        if not args.no_default:
+            report = drill(root / "default", DEFAULT_SCHEDULE, args, 400)
+            result["default_schedule"] = {
+                "goodput": report.goodput,
+                "effective_training": report.effective_training,
+                "wall_s": report.wall_s,
+                "faults": report.faults_injected,
+                "badput_by_fault_s": report.badput_by_fault_s,
+            }
+    columns = ("MTTR s", "seen s", "lost", "cost s", *(f"{tier} MB" for tier in TIERS))
+    print(f"{'cold restart (baseline)':<24}" + "".join(f"{c:>10}" for c in columns))
+    for kind, row in rows.items():
+        print(f"{kind:<24}" + "".join(f"{v!s:>10}" for v in row.values()))
+    if "default_schedule" in result:
+        default = result["default_schedule"]
+        print(
+            f"default schedule: goodput {default['goodput']:.3f}, effective training "
+            f"{default['effective_training']}, {default['faults']} faults in {default['wall_s']} s"
+        )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
