@@ -880,9 +880,13 @@ def kinds_help() -> str:
         f"fault kinds ({SCHEDULE_FORMS}: once after step STEP,",
         "or every N seconds of the job; SECONDS: how long the fault lasts):",
     ]
+    width = max(map(len, FAULTS)) + 2
     for kind, fault in FAULTS.items():
         lines += textwrap.wrap(
-            fault.describe, 79, initial_indent=f"  {kind:<16}", subsequent_indent=" " * 18
+            fault.describe,
+            79,
+            initial_indent=f"  {kind:<{width}}",
+            subsequent_indent=" " * (width + 2),
         )
     return "\n".join(lines)
 
