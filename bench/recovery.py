@@ -9,9 +9,10 @@ the strike to the first completed step after it (MTTR), when the job saw it, the
 again, the bytes its restore read from each tier (memory, SSD, S3); and, for the default
 schedule, its goodput, its effective training time and what each kind of fault cost.
 
-The table has one column of figures: the cold restart (torchrun restarts every rank, which reads
-its state back from ckptd). A faster path (warm spares, peers' memory) adds its own drills beside
-these, in the same command, and prints its ratio against this column.
+The first table is the cold restart (torchrun restarts every rank, which reads its state back
+from ckptd; a lost node waits for a new machine). The second runs kill-node and
+kill-node-mid-save with one hot spare (`--spares 1`: a warm machine takes the lost node's place),
+in the same command, with its MTTR's ratio to the cold kill-node's.
 Run: `OMP_NUM_THREADS=1 .venv/bin/python bench/recovery.py [--steps 30] [--no-default]
 [--workdir DIR]`.
 """
@@ -29,17 +30,23 @@ from scaletrain.app.chaos import DEFAULT_SCHEDULE, ChaosOptions, ChaosReport, ch
 from scaletrain.app.stack import Workdir
 
 KINDS = ("kill-rank", "stop-rank", "kill-node")
+# The node faults again, with a hot spare.
+SPARE_KINDS = ("kill-node", "kill-node-mid-save")
 # The tiers a restore reads from, as the recovery records name them.
 TIERS = ("memory", "SSD", "S3")
 
 
-def drill(root: Path, schedule: str, args: argparse.Namespace, steps: int) -> ChaosReport:
-    """The drill of `schedule` on the debug model, which must complete."""
+def drill(
+    root: Path, schedule: str, args: argparse.Namespace, steps: int, spares: int = 0
+) -> ChaosReport:
+    """The drill of `schedule` on the debug model (with `spares` hot spares), which must
+    complete."""
     options = ChaosOptions(
         workdir=Workdir(root),
         schedule=parse_schedule(schedule),
         ranks=args.ranks,
         nodes=2,
+        spares=spares,
         steps=steps,
         ckpt_every=args.ckpt_every,
         trainer_args=args.trainer,
@@ -60,6 +67,7 @@ def figures(report: ChaosReport) -> dict[str, Any]:
         "detected_s": None if detected is None else round(detected - record["injected_at"], 2),
         "steps_lost": record["steps_lost"],
         "badput_s": record["badput_s"],
+        "spare": record["spare"],
         **{f"{tier}_mb": round(tiers.get(tier, 0) / 1e6, 3) for tier in TIERS},
     }
 
@@ -79,12 +87,19 @@ def main() -> None:
     )
     args = parser.parse_args()
     rows: dict[str, dict[str, Any]] = {}
-    result: dict[str, Any] = {"cold_restart": rows}
+    spared: dict[str, dict[str, Any]] = {}
+    result: dict[str, Any] = {"cold_restart": rows, "one_spare": spared}
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
         root = args.workdir or Path(tmp)
         for kind in KINDS:
             report = drill(root / kind, f"{kind}@{args.fault_step}", args, args.steps)
             rows[kind] = figures(report)
+        for kind in SPARE_KINDS:
+            report = drill(root / f"{kind}-spare", f"{kind}@{args.fault_step}", args, args.steps, 1)
+            spared[kind] = figures(report)
+            spared[kind]["mttr_vs_cold"] = round(
+                spared[kind]["mttr_s"] / rows["kill-node"]["mttr_s"], 3
+            )
         if not args.no_default:
             report = drill(root / "default", DEFAULT_SCHEDULE, args, 400)
             result["default_schedule"] = {
@@ -94,10 +109,12 @@ def main() -> None:
                 "faults": report.faults_injected,
                 "badput_by_fault_s": report.badput_by_fault_s,
             }
-    columns = ("MTTR s", "seen s", "lost", "cost s", *(f"{tier} MB" for tier in TIERS))
-    print(f"{'cold restart (baseline)':<24}" + "".join(f"{c:>10}" for c in columns))
-    for kind, row in rows.items():
-        print(f"{kind:<24}" + "".join(f"{v!s:>10}" for v in row.values()))
+    columns = ("MTTR s", "seen s", "lost", "cost s", "spare", *(f"{tier} MB" for tier in TIERS))
+    for title, table in (("cold restart (baseline)", rows), ("one hot spare", spared)):
+        extra = ("÷ cold",) if table is spared else ()
+        print(f"{title:<24}" + "".join(f"{c:>10}" for c in (*columns, *extra)))
+        for kind, row in table.items():
+            print(f"{kind:<24}" + "".join(f"{v!s:>10}" for v in row.values()))
     if "default_schedule" in result:
         default = result["default_schedule"]
         print(
