@@ -646,6 +646,8 @@ class Drill:
         else:
             raise _JobEnded
         newest = max(steps)
+        if newest >= self.options.steps:  # the job's last save: it ends now, nothing to recover
+            raise _JobEnded
         self._struck_step = self.tap.step
         with contextlib.suppress(ScaletrainError), CkptdClient(self.stack.ckptd_address) as c:
             info = c.get(self.run_id, newest)

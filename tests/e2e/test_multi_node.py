@@ -35,15 +35,16 @@ from scaletrain.v1 import checkpoint_pb2
 
 pytestmark = pytest.mark.e2e
 
-RANKS, NODES, STEPS, EVERY = 4, 2, 40, 5
+RANKS, NODES, STEPS, EVERY = 4, 2, 60, 5
 # ckptd's default retention: memory keeps the newest 2 checkpoints, SSD the newest 5, S3 all.
 KEEP = {"memory": 2, "ssd": 5, "s3": STEPS}
 SDC_STEP = 18
 # Each fault strikes once the job completed a step after the previous one ended, and a recovery
 # takes longer than all the steps of this small model: every fault that strikes later than its
 # step must still find steps left to run. kill-node-mid-save strikes as the next save after
-# step 19 commits, so the job resumes at most from step 20, with 20 steps to go for stop-s3
-# (a ride-through fault) and the final save, made by node0 and the spare that took over.
+# step 19 commits, well before the last step (on a fast machine the job runs on meanwhile), so
+# that stop-s3 (a ride-through fault) and the final save, made by node0 and the spare that took
+# over, still have steps to run.
 SCHEDULE = ["kill-node@8", "partition-node@13:2", f"sdc@{SDC_STEP}", "kill-node-mid-save@19",
             "stop-s3@30:2"]  # fmt: skip
 # A global batch every data-parallel degree of the reshard test divides (4, 2 and 8 ranks).
