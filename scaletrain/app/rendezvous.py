@@ -25,8 +25,8 @@ def split_address(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def serve(listen: str, stop: threading.Event | None = None) -> None:
-    """Host the store at `listen` until SIGTERM or SIGINT (or `stop` is set)."""
+def serve(listen: str) -> None:
+    """Host the store at `listen` until SIGTERM or SIGINT."""
     import torch.distributed as dist
 
     host, port = split_address(listen)
@@ -34,10 +34,9 @@ def serve(listen: str, stop: threading.Event | None = None) -> None:
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
     except (RuntimeError, OSError) as exc:
         raise UserError(f"rendezvous: cannot listen on {listen}: {exc}") from None
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     print(f"[rendezvous] c10d store on {host}:{port}", flush=True)
     stop.wait()
     del store
