@@ -27,12 +27,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from trainer.train import train
 
-    try:
-        train(cfg)
-    except (UserError, ScaletrainError, ValueError) as exc:
-        print(f"trainer: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    def run() -> int:
+        try:
+            train(cfg)
+        except (UserError, ScaletrainError, ValueError) as exc:
+            print(f"trainer: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+
+    if cfg.in_job_restarts:
+        # This process keeps the rank: it forks the rank again after a failure (trainer.keeper).
+        from trainer.keeper import keep
+
+        return keep(run, cfg.in_job_restarts)
+    return run()
 
 
 if __name__ == "__main__":

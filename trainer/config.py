@@ -98,6 +98,7 @@ class TrainConfig:
     # Every collective fails after this long instead of waiting forever (set explicitly: torch's
     # default differs between backends and versions).
     collective_timeout_s: float = _default("collective_timeout_s")
+    in_job_restarts: int = _default("in_job_restarts")
     watchdog: WatchdogPolicy = field(default_factory=WatchdogPolicy)
     # Every option's resolved value (trainer.options), kept in telemetry and in every checkpoint;
     # empty when built directly rather than from options.

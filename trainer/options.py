@@ -612,6 +612,15 @@ OPTIONS: tuple[Option, ...] = (
         exclusive=True,
     ),
     Option(
+        "in_job_restarts",
+        "health",
+        int,
+        3,
+        "times a failed rank is restarted inside the job (every rank forked again by the process "
+        "that keeps it, no new interpreter) before torchrun's agent restarts the job cold (0: off)",
+        minimum=0,
+    ),
+    Option(
         "watchdog_min_s",
         "health",
         float,

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from scaletrain.errors import ScaletrainError, UserError
-from trainer import options
+from trainer import keeper, options
 from trainer.checkpoint.checkpointer import (
     Checkpointer,
     SaveDone,
@@ -90,30 +90,28 @@ def init_distributed(timeout: timedelta) -> tuple[int, int, torch.device]:
 
 
 def _attempt_store(timeout: timedelta) -> dict[str, object]:
-    """After a restart, the agent's store seen under a prefix of its own for this attempt.
+    """The job's store under a prefix of this attempt's own, when one is needed.
 
-    torchrun's agent keeps one key-value store across restarts, where the earlier attempt left
-    its ranks' addresses: read them and the new ranks try to reach dead ones ("Connection refused").
-    Without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which `scaletrain run
-    --nodes N` sets for N > 1) every attempt gets a fresh store of its own, hosted by rank 0, and
-    agents may count restarts differently (a replaced node's agent starts again at 0): no prefix.
+    Under a keeper (`--in-job-restarts`, trainer.keeper) every generation of ranks meets under the
+    prefix its keeper names. Else, after a restart: torchrun's agent keeps one key-value store
+    across restarts, where the earlier attempt left its ranks' addresses: read them and the new
+    ranks try to reach dead ones ("Connection refused"). Without the agent's store
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which `scaletrain run --nodes N` sets for N > 1) every
+    attempt gets a fresh store of its own, hosted by rank 0, and agents may count restarts
+    differently (a replaced node's agent starts again at 0): no prefix.
     """
-    restarts = restart_count()
-    if restarts == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    prefix = os.environ.get(keeper.PREFIX_ENV)
+    restarts = keeper.restart_count()
+    if prefix is None and (restarts == 0 or not keeper.agent_store()):
         return {}
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
     return {
-        "store": dist.PrefixStore(f"scaletrain/attempt-{restarts}", store),
+        "store": dist.PrefixStore(prefix or f"scaletrain/attempt-{restarts}", store),
         "rank": int(os.environ["RANK"]),
         "world_size": int(os.environ["WORLD_SIZE"]),
     }
-
-
-def restart_count() -> int:
-    """How many times torchrun's elastic agent restarted this job (0 on the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def build(
@@ -235,7 +233,7 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
         start_step = checkpointer.resume(cfg, reporter)
     elif cfg.resume:
         raise UserError("--resume needs --ckptd: there is no checkpoint store to resume from")
-    if start_step > 0 or restart_count() > 0:
+    if start_step > 0 or keeper.restart_count() > 0 or keeper.generation() > 0:
         reporter.restarted(start_step, checkpointer.restored_from if checkpointer else {})
     if cfg.init_from_hf and start_step == 0:
         # A fine-tuning run starts from published weights (a resumed one from its checkpoint).

@@ -82,7 +82,10 @@ _SPARE_RESTARTS = 2
 _REPEAT_RESTARTS = 20
 # The first signs of a fault (`FaultKind.detected_by`): a rank or its agent failing (a survivor's
 # traceback, the agent stopping the others or reporting the exit), a save failing, ...
-_RANK_FAILED = r"\]: Traceback|closing signal SIG|failed \(exitcode: |error: watchdog:"
+_RANK_FAILED = (
+    r"\]: Traceback|closing signal SIG|failed \(exitcode: |error: watchdog:"
+    r"|a collective failed: |^\[keeper\] in-job restart"
+)
 _SAVE_FAILED = r"checkpoint of step \d+ failed|^event checkpoint_failed: "
 
 
@@ -520,7 +523,8 @@ class Drill:
         fired = self.tap.wait(
             lambda: self._done.is_set() or self.tap.seen_since(mark, "error: watchdog:")
         )
-        os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # its keeper may have replaced it
+            os.kill(pid, signal.SIGCONT)
         verdict = "a watchdog fired" if fired else "no watchdog fired"
         return f"rank {rank}", f"SIGSTOP to pid {pid}: {verdict}" + self._await_restart(attempts)
 
@@ -600,7 +604,7 @@ class Drill:
         # Frozen, the node's ranks can complete no save, so no checkpoint commits with a part
         # that only this machine holds; its ckptd goes on uploading to S3, and copying its part
         # to its peers, until every committed checkpoint is on S3 or on 2 nodes.
-        frozen = [self.job.agent(node).pid, *self.job.rank_pids(node).values()]
+        frozen = self.job.machine_pids(node)
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         deadline = time.monotonic() + _WAIT_S

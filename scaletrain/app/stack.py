@@ -440,23 +440,58 @@ class Stack:
 
 
 def worker_pids(agent_pid: int) -> dict[int, int]:
-    """RANK -> pid of the workers torchrun's agent `agent_pid` started (each in a session of its
-    own, so signals to the agent's group do not reach them)."""
+    """RANK -> pid of the process that trains as that rank, under torchrun's agent `agent_pid`.
+
+    The agent's workers run each in a session of their own, so signals to the agent's group do not
+    reach them. Under `--in-job-restarts` a worker is the rank's keeper and the rank is its fork
+    (the same command line; the keeper of rank 0 also runs the job's store, another command).
+    """
+    children = _children()
     pids = {}
-    for proc in Path("/proc").iterdir():
+    for worker in children.get(agent_pid, []):
+        try:
+            env = (worker / "environ").read_bytes().split(b"\0")
+            argv = (worker / "cmdline").read_bytes()
+        except OSError:
+            continue
+        forks = [c for c in children.get(int(worker.name), []) if _cmdline(c) == argv]
+        for item in env:
+            if item.startswith(b"RANK="):
+                pids[int(item[5:])] = int(forks[-1].name) if forks else int(worker.name)
+    return pids
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (an agent's ranks, their keepers and what those started)."""
+    children, found, queue = _children(), [], [pid]
+    while queue:
+        below = [int(c.name) for c in children.get(queue.pop(), [])]
+        found += below
+        queue += below
+    return found
+
+
+def _children() -> dict[int, list[Path]]:
+    """Parent pid -> its children's /proc entries, oldest first."""
+    children: dict[int, list[Path]] = {}
+    for proc in sorted(
+        Path("/proc").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else 0
+    ):
         if not proc.name.isdigit():
             continue
         try:
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != agent_pid:
-                continue
-            env = (proc / "environ").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):
             continue
-        for item in env:
-            if item.startswith(b"RANK="):
-                pids[int(item[5:])] = int(proc.name)
-    return pids
+        children.setdefault(ppid, []).append(proc)
+    return children
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 class Job:
@@ -597,6 +632,11 @@ class Job:
             agents = [a for i, a in enumerate(self.agents) if a and node in (None, i)]
         return {rank: pid for agent in agents for rank, pid in worker_pids(agent.pid).items()}
 
+    def machine_pids(self, node: int) -> list[int]:
+        """Every process of node `node`'s job: its agent and all below it (a machine frozen)."""
+        agent = self.agent(node)
+        return [agent.pid, *descendants(agent.pid)]
+
     def agent(self, node: int) -> subprocess.Popen[str]:
         agent = self.agents[node]
         assert agent is not None
@@ -608,7 +648,7 @@ class Job:
         with self._lock:
             self._replacing.add(node)
             agent = self.agent(node)
-        ranks = list(worker_pids(agent.pid).values())
+        ranks = descendants(agent.pid)
         _kill_agent(agent)
         return [agent.pid, *ranks]
 
@@ -673,7 +713,7 @@ SPARE_START_WAIT_S = 300.0
 
 def _kill_agent(agent: subprocess.Popen[str]) -> None:
     """SIGKILL a torchrun agent's group and its ranks (which run in sessions of their own)."""
-    ranks = worker_pids(agent.pid).values()
+    ranks = descendants(agent.pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(agent.pid, signal.SIGKILL)
     for pid in ranks:
