@@ -82,7 +82,7 @@ MARKER_COLUMNS = ["step", "kind", "label"]
 # spans on the loss curve (from where the job resumed, or the fault's step, to its first step).
 RECOVERY_COLUMNS = [
     "kind", "target", "step", "injected", "detected_s", "first_step", "first_step_s", "mttr_s",
-    "steps_lost", "restored_from", "spare", "badput_s", "from_step", "to_step",
+    "steps_lost", "restored_from", "spare", "in_job", "badput_s", "from_step", "to_step",
 ]  # fmt: skip
 TIMELINE_COLUMNS = [
     "step", "started_at", "blocking_s", "background_s", "tiers", "failed_tiers", "nodes",
@@ -579,7 +579,7 @@ def _recovery_row(at: datetime, attributes: dict[str, str]) -> list[Any]:
         number("detected_at") - injected, first, number("first_step_at") - injected,
         number("mttr_s"), int(attributes.get("steps_lost") or 0),
         json.loads(attributes.get("restored_from") or "{}"), attributes.get("spare") == "true",
-        number("badput_s"), min(resumed, step), max(step, first or step),
+        attributes.get("in_job") == "true", number("badput_s"), min(resumed, step), max(step, first or step),
     ]  # fmt: skip
 
 

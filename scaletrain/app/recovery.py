@@ -17,6 +17,8 @@ What a record says, for a fault that struck at `injected_at` when the job had co
 - steps_lost: the steps computed again, `step` minus the step the job resumed from (0 without a
   restart); restored_from, the bytes of that restore per copy ("memory@node0", "SSD@node1",
   "S3"), and bytes_per_tier, the same summed per tier.
+- in_job: the restart was in-job (every rank forked again by its keeper, `trainer.keeper`), not
+  torchrun's restart of every process.
 - badput_s: what the fault cost, the window from injected_at to first_step_at less the work kept
   in it (each step completed in it and never computed again, counted at most one typical step),
   plus the lost steps' compute (their first computation's step time).
@@ -38,6 +40,8 @@ from telemetry import queries
 # The job's lines the timeline reads: a completed step, and the start of an attempt.
 STEP_LINE = re.compile(r"^\[trainer\] step (\d+) ")
 ATTEMPT_LINE = re.compile(r"^\[trainer\] run \S+: \d+ ranks, ")
+# A keeper's line when the ranks were forked again inside the job (trainer.keeper).
+IN_JOB_LINE = re.compile(r"^\[keeper\] in-job restart \d+: ")
 # Telemetry events that may be a fault's first sign.
 SIGN_EVENTS = ("sdc", "hang", "checkpoint_failed")
 
@@ -159,6 +163,8 @@ class Recovery:
     badput_s: float = 0.0
     # A spare node took the failed one's place (kill-node with --spares).
     spare: bool = False
+    # The ranks were forked again by their keepers (trainer.keeper), not restarted by torchrun.
+    in_job: bool = False
 
     def attributes(self) -> dict[str, str]:
         """The record as a telemetry `recovery` event's attributes (strings; "" for None)."""
@@ -218,6 +224,9 @@ def recovery_record(
         bytes_per_tier=bytes_per_tier(restored),
         badput_s=round(badput, 3),
         spare=spare,
+        in_job=restart is not None
+        and first is not None
+        and any(injected_at <= s.at <= first.at and IN_JOB_LINE.match(s.text) for s in signs),
     )
 
 

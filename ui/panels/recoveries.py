@@ -18,7 +18,7 @@ SHOWN = {
     "kind": "kind", "target": "target", "step": "step", "injected": "injected",
     "detected_s": "detected s", "first_step": "first step", "first_step_s": "first step s",
     "mttr_s": "MTTR s", "steps_lost": "steps lost", "restored_from": "restored from",
-    "spare": "spare", "badput_s": "cost s",
+    "spare": "spare", "in_job": "in-job", "badput_s": "cost s",
 }  # fmt: skip
 
 

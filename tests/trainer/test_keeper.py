@@ -1,0 +1,86 @@
+"""The keeper above each rank (trainer.keeper): a failed rank is forked again in a new generation
+by the same process, an error the rank reported in one line ends the job, and the in-job restarts
+are bounded. Each case runs a keeper of a one-rank job in a process of its own, with the job's
+store hosted here as torchrun's agent hosts it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from scaletrain.app.seaweed import free_ports
+from trainer.keeper import FAILED_EXIT_CODE
+
+# The rank: records its generation, store prefix and parent, then does what `action` names
+# for its generation ("die": SIGKILL itself, "error": a one-line error, "ok": train and end).
+RANK = """
+import json, os, signal, sys
+from trainer.keeper import keep
+
+def train():
+    generation = int(os.environ["SCALETRAIN_GENERATION"])
+    with open(sys.argv[1], "a") as out:
+        prefix = os.environ["SCALETRAIN_STORE_PREFIX"]
+        out.write(json.dumps({"generation": generation, "pid": os.getpid(),
+                              "keeper": os.getppid(), "prefix": prefix,
+                              "torch_loaded": "torch" in sys.modules}) + "\\n")
+    action = sys.argv[2].split(",")[generation]
+    if action == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 1 if action == "error" else 0
+
+code = keep(train, int(sys.argv[3]))
+print("keeper pid", os.getpid(), "exit", code, flush=True)
+sys.exit(code)
+"""
+
+
+def run_keeper(tmp_path: Path, actions: str, restarts: int) -> tuple[int, list[dict], str]:
+    (port,) = free_ports(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+    env = os.environ | {
+        "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+    }  # fmt: skip
+    seen = tmp_path / "ranks.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-c", RANK, str(seen), actions, str(restarts)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    del store
+    ranks = [json.loads(line) for line in seen.read_text().splitlines()] if seen.exists() else []
+    return done.returncode, ranks, done.stdout + done.stderr
+
+
+def test_a_killed_rank_is_forked_again_by_the_same_keeper_in_a_new_generation(tmp_path: Path):
+    code, ranks, out = run_keeper(tmp_path, "die,die,ok", restarts=3)
+    assert code == 0, out
+    assert [r["generation"] for r in ranks] == [0, 1, 2]
+    # One keeper forked them all, with torch already loaded: no new interpreter, no new import.
+    assert len({r["keeper"] for r in ranks}) == 1 and f"keeper pid {ranks[0]['keeper']}" in out
+    assert all(r["torch_loaded"] for r in ranks)
+    assert len({r["pid"] for r in ranks}) == 3
+    # Each generation meets under a store prefix of its own.
+    assert len({r["prefix"] for r in ranks}) == 3
+    assert "[keeper] in-job restart 1: rank 0 was killed by SIGKILL" in out
+
+
+def test_an_error_the_rank_reported_in_one_line_is_not_restarted_in_job(tmp_path: Path):
+    code, ranks, out = run_keeper(tmp_path, "error,ok", restarts=3)
+    assert code == 1, out
+    assert [r["generation"] for r in ranks] == [0]
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_after_its_in_job_restarts_a_failure_goes_to_torchruns_agent(tmp_path: Path, restarts):
+    code, ranks, out = run_keeper(tmp_path, "die,die,ok", restarts=restarts)
+    assert code == FAILED_EXIT_CODE, out
+    assert len(ranks) == restarts + 1
+    assert f"{restarts} in-job restarts used, the agent restarts the job" in out
