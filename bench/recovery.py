@@ -9,10 +9,12 @@ the strike to the first completed step after it (MTTR), when the job saw it, the
 again, the bytes its restore read from each tier (memory, SSD, S3); and, for the default
 schedule, its goodput, its effective training time and what each kind of fault cost.
 
-The first table is the cold restart (torchrun restarts every rank, which reads its state back
-from ckptd; a lost node waits for a new machine). The second runs kill-node and
-kill-node-mid-save with one hot spare (`--spares 1`: a warm machine takes the lost node's place),
-in the same command, with its MTTR's ratio to the cold kill-node's.
+The first table is the cold restart (`--in-job-restarts 0`: torchrun restarts every rank, a new
+interpreter each, which reads its state back from ckptd; a lost node waits for a new machine).
+The second runs kill-rank and stop-rank again with the in-job restart (the default: each rank's
+keeper forks it again, `trainer.keeper`), with its MTTR's ratio to the cold one's. The third runs
+kill-node and kill-node-mid-save with one hot spare (`--spares 1`: a warm machine takes the lost
+node's place), in the same command, with its MTTR's ratio to the cold kill-node's.
 Run: `OMP_NUM_THREADS=1 .venv/bin/python bench/recovery.py [--steps 30] [--no-default]
 [--workdir DIR]`.
 """
@@ -30,6 +32,10 @@ from scaletrain.app.chaos import DEFAULT_SCHEDULE, ChaosOptions, ChaosReport, ch
 from scaletrain.app.stack import Workdir
 
 KINDS = ("kill-rank", "stop-rank", "kill-node")
+# The rank faults again, restarted in-job.
+IN_JOB_KINDS = ("kill-rank", "stop-rank")
+# The trainer flag of the cold restart: torchrun restarts every rank.
+COLD = ["--in-job-restarts", "0"]
 # The node faults again, with a hot spare.
 SPARE_KINDS = ("kill-node", "kill-node-mid-save")
 # The tiers a restore reads from, as the recovery records name them.
@@ -37,10 +43,15 @@ TIERS = ("memory", "SSD", "S3")
 
 
 def drill(
-    root: Path, schedule: str, args: argparse.Namespace, steps: int, spares: int = 0
+    root: Path,
+    schedule: str,
+    args: argparse.Namespace,
+    steps: int,
+    spares: int = 0,
+    cold: bool = False,
 ) -> ChaosReport:
-    """The drill of `schedule` on the debug model (with `spares` hot spares), which must
-    complete."""
+    """The drill of `schedule` on the debug model (with `spares` hot spares; `cold`: without
+    in-job restarts), which must complete."""
     options = ChaosOptions(
         workdir=Workdir(root),
         schedule=parse_schedule(schedule),
@@ -49,7 +60,7 @@ def drill(
         spares=spares,
         steps=steps,
         ckpt_every=args.ckpt_every,
-        trainer_args=args.trainer,
+        trainer_args=args.trainer + (COLD if cold else []),
     )
     report = chaos(options, io.StringIO())
     if not report.completed:
@@ -68,6 +79,7 @@ def figures(report: ChaosReport) -> dict[str, Any]:
         "steps_lost": record["steps_lost"],
         "badput_s": record["badput_s"],
         "spare": record["spare"],
+        "in_job": record["in_job"],
         **{f"{tier}_mb": round(tiers.get(tier, 0) / 1e6, 3) for tier in TIERS},
     }
 
@@ -87,13 +99,18 @@ def main() -> None:
     )
     args = parser.parse_args()
     rows: dict[str, dict[str, Any]] = {}
+    in_job: dict[str, dict[str, Any]] = {}
     spared: dict[str, dict[str, Any]] = {}
-    result: dict[str, Any] = {"cold_restart": rows, "one_spare": spared}
+    result: dict[str, Any] = {"cold_restart": rows, "in_job_restart": in_job, "one_spare": spared}
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
         root = args.workdir or Path(tmp)
         for kind in KINDS:
-            report = drill(root / kind, f"{kind}@{args.fault_step}", args, args.steps)
+            report = drill(root / kind, f"{kind}@{args.fault_step}", args, args.steps, cold=True)
             rows[kind] = figures(report)
+        for kind in IN_JOB_KINDS:
+            report = drill(root / f"{kind}-in-job", f"{kind}@{args.fault_step}", args, args.steps)
+            in_job[kind] = figures(report)
+            in_job[kind]["mttr_vs_cold"] = round(in_job[kind]["mttr_s"] / rows[kind]["mttr_s"], 3)
         for kind in SPARE_KINDS:
             report = drill(root / f"{kind}-spare", f"{kind}@{args.fault_step}", args, args.steps, 1)
             spared[kind] = figures(report)
@@ -109,9 +126,14 @@ def main() -> None:
                 "faults": report.faults_injected,
                 "badput_by_fault_s": report.badput_by_fault_s,
             }
-    columns = ("MTTR s", "seen s", "lost", "cost s", "spare", *(f"{tier} MB" for tier in TIERS))
-    for title, table in (("cold restart (baseline)", rows), ("one hot spare", spared)):
-        extra = ("÷ cold",) if table is spared else ()
+    columns = (
+        "MTTR s", "seen s", "lost", "cost s", "spare", "in-job", *(f"{tier} MB" for tier in TIERS)
+    )  # fmt: skip
+    tables = (
+        ("cold restart (baseline)", rows), ("in-job restart", in_job), ("one hot spare", spared)
+    )  # fmt: skip
+    for title, table in tables:
+        extra = ("÷ cold",) if table is not rows else ()
         print(f"{title:<24}" + "".join(f"{c:>10}" for c in (*columns, *extra)))
         for kind, row in table.items():
             print(f"{kind:<24}" + "".join(f"{v!s:>10}" for v in row.values()))
