@@ -86,6 +86,17 @@ def test_case1_a_rank_killed_mid_step_restarts_the_job_from_its_checkpoint(drill
     restart_after(drill, fault)
 
 
+def test_a_killed_or_hung_rank_is_restarted_in_job_by_the_keepers_not_by_torchrun(drill: dict):
+    """Each rank's keeper forks every rank again (trainer.keeper): the agents never restart."""
+    records = {r["kind"]: r for r in drill["fault_recoveries"]}
+    for kind in ("kill-rank", "stop-rank"):
+        assert records[kind]["in_job"] and records[kind]["restarted"], records[kind]
+    assert "[keeper] in-job restart 1: rank " in drill["_log"]
+    # corrupt-shard's restart reads a damaged copy: in-job too, from S3.
+    assert records["corrupt-shard"]["in_job"], records["corrupt-shard"]
+    assert "closing signal SIG" not in drill["_log"], "torchrun's agent restarted the ranks"
+
+
 def test_case2_a_stopped_rank_is_turned_into_a_failure_by_the_watchdog(drill: dict):
     fault = injected(drill, "stop-rank")
     assert "a watchdog fired" in fault["detail"]
