@@ -248,9 +248,10 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     compute_dtype = torch.bfloat16 if cfg.parallel.mixed_precision else torch.float32
     fp8_paths = fp8.describe(device, compute_dtype) if fp8 is not None else None
     if rank == 0:
+        in_job = f", in-job restart {keeper.generation()}" if keeper.generation() else ""
         print(
             f"[trainer] run {cfg.run_id}: {world} ranks, {n_params:,} parameters, "
-            f"steps {start_step + 1}..{cfg.steps}",
+            f"steps {start_step + 1}..{cfg.steps}{in_job}",
             flush=True,
         )
         if fp8_paths is not None:

@@ -17,8 +17,8 @@ What a record says, for a fault that struck at `injected_at` when the job had co
 - steps_lost: the steps computed again, `step` minus the step the job resumed from (0 without a
   restart); restored_from, the bytes of that restore per copy ("memory@node0", "SSD@node1",
   "S3"), and bytes_per_tier, the same summed per tier.
-- in_job: the restart was in-job (every rank forked again by its keeper, `trainer.keeper`), not
-  torchrun's restart of every process.
+- in_job: the attempt that trained again was an in-job restart (every rank forked again by its
+  keeper, `trainer.keeper`), not torchrun's restart of every process.
 - badput_s: what the fault cost, the window from injected_at to first_step_at less the work kept
   in it (each step completed in it and never computed again, counted at most one typical step),
   plus the lost steps' compute (their first computation's step time).
@@ -40,8 +40,8 @@ from telemetry import queries
 # The job's lines the timeline reads: a completed step, and the start of an attempt.
 STEP_LINE = re.compile(r"^\[trainer\] step (\d+) ")
 ATTEMPT_LINE = re.compile(r"^\[trainer\] run \S+: \d+ ranks, ")
-# A keeper's line when the ranks were forked again inside the job (trainer.keeper).
-IN_JOB_LINE = re.compile(r"^\[keeper\] in-job restart \d+: ")
+# How ATTEMPT_LINE ends when the attempt's ranks were forked again inside the job (trainer.keeper).
+IN_JOB_ATTEMPT = re.compile(r", in-job restart \d+$")
 # Telemetry events that may be a fault's first sign.
 SIGN_EVENTS = ("sdc", "hang", "checkpoint_failed")
 
@@ -224,10 +224,14 @@ def recovery_record(
         bytes_per_tier=bytes_per_tier(restored),
         badput_s=round(badput, 3),
         spare=spare,
-        in_job=restart is not None
-        and first is not None
-        and any(injected_at <= s.at <= first.at and IN_JOB_LINE.match(s.text) for s in signs),
+        in_job=restart is not None and first is not None and _in_job(signs, first.at),
     )
+
+
+def _in_job(signs: list[Sign], first_step_at: float) -> bool:
+    """Whether the attempt that trained the first step after a fault was an in-job restart."""
+    started = [s.text for s in signs if s.at <= first_step_at and ATTEMPT_LINE.match(s.text)]
+    return bool(started) and IN_JOB_ATTEMPT.search(started[-1]) is not None
 
 
 def bytes_per_tier(restored_from: dict[str, int]) -> dict[str, int]:

@@ -82,3 +82,15 @@ def test_a_slow_step_is_what_a_fault_inside_a_step_cost_and_kept_steps_are_effec
     assert timeline.effective_training(100.0, 110.0) == pytest.approx(0.6)
     # Steps 6 and 7 were computed again after the restart: only their last computation counts.
     assert KILLED.effective_training(100.0, 120.0) == pytest.approx(8 / 20)
+
+
+def test_a_restart_is_in_job_only_when_the_attempt_that_trained_again_was_forked_by_keepers():
+    lines = [(100.0, RUN), *((100.0 + n, step(n)) for n in range(1, 8)),
+             (115.0, RUN + ", in-job restart 1"), (117.0, step(6))]  # fmt: skip
+    signs = [Sign(at, line) for at, line in lines]
+    got = record("kill-rank", Timeline(lines), signs, step=7, injected_at=107.2, ended_at=107.3)
+    assert got.in_job and got.attributes()["in_job"] == "true"
+    # An in-job restart that could not form (a node lost) and torchrun's cold one after it.
+    cold = [Sign(110.0, RUN + ", in-job restart 1"), Sign(115.0, RUN)]
+    got = record("kill-rank", KILLED, cold, step=7, injected_at=107.2, ended_at=107.3)
+    assert got.restarted and not got.in_job

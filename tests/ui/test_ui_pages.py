@@ -245,7 +245,7 @@ def test_a_run_with_a_recovery_record_shows_it_in_a_table_and_as_a_band_on_the_l
         kind="kill-rank", target="rank 1", step=7, injected_at=1000.0, detected_at=1000.4,
         detected_by="[rank0]: Traceback", first_step=6, first_step_at=1012.5, mttr_s=12.5,
         restarted=True, resumed_from=5, steps_lost=2, restored_from={"memory@node0": 2_100_000},
-        bytes_per_tier={"memory": 2_100_000}, badput_s=12.6,
+        bytes_per_tier={"memory": 2_100_000}, badput_s=12.6, in_job=True,
     )  # fmt: skip
     store.add_events(
         [event("drilled", "recovery", step=7, message="recovery", attributes=record.attributes())]
@@ -262,7 +262,7 @@ def test_a_run_with_a_recovery_record_shows_it_in_a_table_and_as_a_band_on_the_l
     assert (row["detected s"], row["first step s"], row["MTTR s"]) == pytest.approx(
         (0.4, 12.5, 12.5)
     )
-    assert (row["steps lost"], row["spare"], row["cost s"]) == (2, False, 12.6)
+    assert (row["steps lost"], row["spare"], row["in-job"], row["cost s"]) == (2, False, True, 12.6)
     assert row["restored from"] == "2.10 MB from memory@node0"
     loss = app.get("vega_lite_chart")[0].proto.spec
     assert '"type": "rect"' in loss and '"field": "from_step"' in loss
