@@ -61,14 +61,24 @@ POLL_S = 0.05
 STOP_GRACE_S = 0.5
 # How long a keeper waits for the job's store (rank 0's keeper hosts it, maybe still starting).
 STORE_TIMEOUT = timedelta(seconds=60)
+# How long the first generation waits for every keeper (each imports the trainer first).
+FIRST_JOIN_S = 300.0
+# How long a later generation waits for every keeper: they are warm, and one that does not come
+# went with its machine; torchrun's agents then re-form the job (with a spare, if any).
+JOIN_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
 class Generation:
-    """The keys of one generation in the job's store."""
+    """One generation of the job's ranks, and its keys in the job's store."""
 
+    index: int
     prefix: str
+
+    @property
+    def joined(self) -> str:
+        return f"{self.prefix}/joined"
 
     @property
     def failed(self) -> str:
@@ -105,6 +115,9 @@ def keep(train: Callable[[], int], restarts: int) -> int:
             flush=True,
         )
         return FAILED_EXIT_CODE
+    except NotFormed as exc:
+        print(f"[keeper] rank {rank}: {exc}; the agent restarts the job", flush=True)
+        return FAILED_EXIT_CODE
     finally:
         if host is not None:
             host.kill()
@@ -118,7 +131,8 @@ def _generations(
     rank = os.environ["RANK"]
     generation = 0
     while True:
-        gen = Generation(f"{attempt}/gen-{generation}")
+        gen = Generation(generation, f"{attempt}/gen-{generation}")
+        store.add(gen.joined, 1)
         pid = _fork_rank(train, gen.prefix, generation)
         code, cause = _watch(pid, store, gen, stop)
         if code == 0 or stop.is_set():
@@ -146,13 +160,28 @@ def _wait_done(store: dist.Store, key: str, world: int) -> None:
         time.sleep(POLL_S)
 
 
+class NotFormed(Exception):
+    """A generation's keepers did not all come: a machine of the job is lost."""
+
+
 def _watch(pid: int, store: dist.Store, gen: Generation, stop: _Stop) -> tuple[int, str]:
     """Wait until rank `pid` ends, or another rank of its generation failed (then stop it);
     returns the rank's exit code and what failed. The rank is stopped too when the store is lost
-    (the error is raised)."""
-    rank = os.environ["RANK"]
+    (the error is raised) or when the generation does not form in time (NotFormed)."""
+    rank, world = os.environ["RANK"], int(os.environ["WORLD_SIZE"])
+    wait_s = JOIN_S if gen.index else FIRST_JOIN_S
+    deadline, formed = time.monotonic() + wait_s, False
     try:
         while True:
+            if not formed:
+                came = int(store.add(gen.joined, 0))
+                formed = came >= world
+                if not formed and time.monotonic() > deadline:
+                    _stop_rank(pid)
+                    raise NotFormed(
+                        f"in-job restart {gen.index}: {came} of {world} ranks' keepers came "
+                        f"within {wait_s:g}s (a machine lost?)"
+                    )
             ended, status = os.waitpid(pid, os.WNOHANG)
             if ended:
                 code = os.waitstatus_to_exitcode(status)

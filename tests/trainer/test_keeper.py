@@ -16,10 +16,11 @@ import pytest
 import torch.distributed as dist
 
 from scaletrain.app.seaweed import free_ports
-from trainer.keeper import FAILED_EXIT_CODE
+from trainer.keeper import FAILED_EXIT_CODE, JOIN_S
 
 # The rank: records its generation, store prefix and parent, then does what `action` names
-# for its generation ("die": SIGKILL itself, "error": a one-line error, "ok": train and end).
+# for its generation ("die": SIGKILL itself, "error": a one-line error, "wait": wait for peers
+# that never come, "ok": train and end).
 RANK = """
 import json, os, signal, sys
 from trainer.keeper import keep
@@ -34,6 +35,8 @@ def train():
     action = sys.argv[2].split(",")[generation]
     if action == "die":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "wait":  # for peers that never come
+        signal.pause()
     return 1 if action == "error" else 0
 
 code = keep(train, int(sys.argv[3]))
@@ -42,11 +45,15 @@ sys.exit(code)
 """
 
 
-def run_keeper(tmp_path: Path, actions: str, restarts: int) -> tuple[int, list[dict], str]:
+def run_keeper(
+    tmp_path: Path, actions: str, restarts: int, world: int = 1
+) -> tuple[int, list[dict], str]:
+    """A keeper of rank 0 of `world`; the other ranks' keepers come to the first generation only."""
     (port,) = free_ports(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+    store.add("scaletrain/attempt-0/gen-0/joined", world - 1)
     env = os.environ | {
-        "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
     }  # fmt: skip
     seen = tmp_path / "ranks.jsonl"
@@ -84,3 +91,11 @@ def test_after_its_in_job_restarts_a_failure_goes_to_torchruns_agent(tmp_path: P
     assert code == FAILED_EXIT_CODE, out
     assert len(ranks) == restarts + 1
     assert f"{restarts} in-job restarts used, the agent restarts the job" in out
+
+
+def test_a_generation_whose_other_keepers_never_come_goes_to_torchruns_agent(tmp_path: Path):
+    """A machine lost with its keepers: the survivors do not wait for them forever."""
+    code, ranks, out = run_keeper(tmp_path, "die,wait", restarts=3, world=2)
+    assert code == FAILED_EXIT_CODE, out
+    assert [r["generation"] for r in ranks] == [0, 1]
+    assert f"1 of 2 ranks' keepers came within {JOIN_S:g}s (a machine lost?)" in out
