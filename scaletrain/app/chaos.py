@@ -41,6 +41,7 @@ from ckptd.client import CkptdClient
 from scaletrain.app.embedded import check_layout, flag_value, new_run_id
 from scaletrain.app.recovery import (
     ATTEMPT_LINE,
+    IN_JOB_ATTEMPT,
     STEP_LINE,
     Recovery,
     Timeline,
@@ -265,6 +266,8 @@ class _Tap:
         self.cond = threading.Condition()
         self.step = 0
         self.attempts = 0
+        # Of the attempts, those the keepers started (an in-job restart, trainer.keeper).
+        self.in_job = 0
         self.lines: list[str] = []
         # When (time.time()) each of `lines` arrived: the recovery records' clock.
         self.stamps: list[float] = []
@@ -281,6 +284,7 @@ class _Tap:
                     self.step = int(match[1])
                 elif ATTEMPT_LINE.match(line):
                     self.attempts += 1
+                    self.in_job += bool(IN_JOB_ATTEMPT.search(line))
             self.cond.notify_all()
 
     def flush(self) -> None:
@@ -451,7 +455,9 @@ class Drill:
         if not FAULTS[fault.kind].restarts:
             return True
         to_come = sum(FAULTS[f.kind].restarts for f in once)
-        left = restart_budget(self.options) - max(self.tap.attempts - 1, 0) - to_come
+        # The keepers' in-job restarts spend none of torchrun's budget.
+        cold = self.tap.attempts - self.tap.in_job
+        left = restart_budget(self.options) - max(cold - 1, 0) - to_come
         return left > _SPARE_RESTARTS
 
     def recovery_records(self, engine: Engine) -> list[Recovery]:
@@ -793,14 +799,15 @@ def _sdc_flags(fault: Fault, rank: int) -> list[str]:
 
 FAULTS: dict[str, FaultKind] = {
     "kill-rank": FaultKind(
-        "SIGKILL a random rank in the middle of the next step; torchrun restarts the job, which "
-        "resumes from the latest committed checkpoint.",
+        "SIGKILL a random rank in the middle of the next step; the keepers fork every rank "
+        "again in-job (torchrun's agent restarts the job when they cannot), which resumes from "
+        "the latest committed checkpoint.",
         Drill._kill_rank,
         restarts=True,
     ),
     "stop-rank": FaultKind(
-        "SIGSTOP a random rank (a hang) until a watchdog fires, then let it go (SIGCONT delivers "
-        "the agent's SIGTERM); the job restarts.",
+        "SIGSTOP a random rank (a hang) until a watchdog fires, then SIGCONT it (if its keeper "
+        "has not replaced it yet); the job restarts.",
         Drill._stop_rank,
         restarts=True,
         detected_by=r"error: watchdog:",
