@@ -119,9 +119,7 @@ class TrainConfig:
         if self.mem_ckpt_every < 0:
             raise ValueError(f"--mem-ckpt-every must be 0 (off) or more, got {self.mem_ckpt_every}")
         if self.mem_ckpt_every and not self.ckptd:
-            raise ValueError(
-                "--mem-ckpt-every needs --ckptd: memory checkpoints are kept by ckptd"
-            )
+            raise ValueError("--mem-ckpt-every needs --ckptd: memory checkpoints are kept by ckptd")
         if not 1 <= self.seq_len <= self.model.max_seq_len:
             raise ValueError(
                 f"--seq-len must be between 1 and {self.model.max_seq_len}, got {self.seq_len}"
