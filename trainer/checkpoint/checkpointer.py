@@ -310,10 +310,10 @@ class Checkpointer:
         self._collect(block=True)
         self._executor.shutdown(wait=True)
         dist.destroy_process_group(self._group)
-        if self.memory_skipped and self.rank == 0:
+        if self.memory_due and self.rank == 0:
             print(
-                f"[trainer] {self.memory_skipped} of {self.memory_due} memory checkpoints "
-                "skipped: the previous save was still streaming (--mem-ckpt-every)",
+                f"[trainer] memory checkpoints: {self.memory_skipped} of {self.memory_due} "
+                "skipped, the previous save still streaming (--mem-ckpt-every)",
                 flush=True,
             )
 
