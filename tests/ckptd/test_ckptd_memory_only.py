@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptd_testing import checkpoint_files, wait_for
+from ckptd_testing import checkpoint_files, ref, store_save, store_write, tier_states, wait_for
 from cluster_testing import COMMITTED, Cluster, save, steps_listed
 
 from ckptd.config import S3Config
@@ -126,3 +126,22 @@ def test_a_memory_only_step_is_latest_in_two_nodes_memory_never_on_ssd_or_s3_and
     assert [c.get("run").ref.step for c in cluster.clients] == [20, 20]
     latest = cluster.clients[0].get("run")
     assert not latest.memory_only and _tiers(latest)[SSD] == COMMITTED
+
+
+def test_a_full_memory_budget_evicts_a_memory_only_step_before_any_durable_copy(open_store):
+    mib = 1 << 20
+    store = open_store(memory_budget_bytes=5 * mib)
+    files = {step: checkpoint_files(world_size=2, shard_bytes=mib, seed=step) for step in (1, 2, 3)}
+    store_save(store, "run", 1, files[1])
+    ranks = {rank for rank, _, _ in files[2].values()}
+    save_id = store.open_save(ref("run", 2), len(ranks), memory_only=True)
+    for path, (rank, kind, data) in files[2].items():
+        store_write(store, save_id, path, rank, kind, data)
+    store.commit(save_id)
+    assert tier_states(store.get(ref("run", 2)))["memory"] == "COMMITTED"
+
+    # Step 3 needs room: the memory-only step 2 leaves memory, step 1's durable copy stays.
+    store_save(store, "run", 3, files[3])
+    assert tier_states(store.get(ref("run", 1)))["memory"] == "COMMITTED"
+    assert tier_states(store.get(ref("run", 3)))["memory"] == "COMMITTED"
+    assert {c.ref.step for c in store.list("run")} == {1, 3}  # and step 3 is newer and durable
