@@ -30,9 +30,12 @@ from scaletrain.names import TIER_LABELS
 from scaletrain.v1 import checkpoint_pb2
 
 CATALOG_FILE = "catalog.db"
-# The catalog's schema (SQLite's user_version). No released ckptd wrote another: a data dir of
-# any other version is refused, and a lost catalog is rebuilt from the markers on disk.
-SCHEMA_VERSION = 5
+# The catalog's schema (SQLite's user_version). A data dir of any other version is refused but
+# one of MIGRATED_FROM, which gains the columns added since; a lost catalog is rebuilt from the
+# markers on disk.
+SCHEMA_VERSION = 6
+# 5 -> 6: checkpoints.memory_only.
+MIGRATED_FROM = 5
 
 OPEN, COMMITTED, ABORTED = "open", "committed", "aborted"
 TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
@@ -52,6 +55,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     coordinator TEXT NOT NULL DEFAULT '',
     coordinator_address TEXT NOT NULL DEFAULT '',
     prepared INTEGER NOT NULL DEFAULT 0,
+    memory_only INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (run, step)
 );
 CREATE TABLE IF NOT EXISTS files (
@@ -135,6 +139,8 @@ class SaveRecord:
     coordination: Coordination = Coordination()
     # This node voted to commit it (its part is durable); it must wait for the outcome.
     prepared: bool = False
+    # A memory-only save (OpenSaveRequest.memory_only).
+    memory_only: bool = False
 
 
 def _timestamp(seconds: float | None) -> Timestamp | None:
@@ -176,7 +182,11 @@ class Catalog:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = FULL")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
+            if version == MIGRATED_FROM:
+                self._db.execute(
+                    "ALTER TABLE checkpoints ADD COLUMN memory_only INTEGER NOT NULL DEFAULT 0"
+                )
+            elif version not in (0, SCHEMA_VERSION):
                 raise UserError(
                     f"{path} has catalog schema {version}; this ckptd knows {SCHEMA_VERSION} "
                     "(move the file away: ckptd rebuilds the catalog from the checkpoints on disk)"
@@ -212,16 +222,18 @@ class Catalog:
         world_size: int,
         labels: dict[str, str],
         coordination: Coordination,
+        memory_only: bool = False,
     ) -> None:
         """Record a new save attempt, replacing any earlier uncommitted attempt of the same key."""
         with self._tx() as db:
             db.execute("DELETE FROM checkpoints WHERE run = ? AND step = ?", (key.run, key.step))
             db.execute(
                 "INSERT INTO checkpoints (run, step, save_id, world_size, state, labels, "
-                "created_at, epoch, coordinator, coordinator_address) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "created_at, epoch, coordinator, coordinator_address, memory_only) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (key.run, key.step, save_id, world_size, OPEN, json.dumps(labels), time.time(),
-                 coordination.epoch, coordination.coordinator, coordination.coordinator_address),
+                 coordination.epoch, coordination.coordinator, coordination.coordinator_address,
+                 int(memory_only)),
             )  # fmt: skip
 
     def epoch_of(self, key: CheckpointKey) -> int:
@@ -238,7 +250,7 @@ class Catalog:
 
     _SAVE_COLUMNS = (
         "save_id, run, step, world_size, state, created_at, labels, epoch, coordinator, "
-        "coordinator_address, prepared"
+        "coordinator_address, prepared, memory_only"
     )
 
     def save(self, save_id: str) -> SaveRecord | None:
@@ -262,7 +274,8 @@ class Catalog:
 
     @staticmethod
     def _save_record(row: tuple) -> SaveRecord:
-        save_id, run, step, world_size, state, created_at, labels, *coordination, prepared = row
+        save_id, run, step, world_size, state, created_at, labels, *rest = row
+        *coordination, prepared, memory_only = rest
         key = CheckpointKey(run, step)
         return SaveRecord(
             save_id,
@@ -273,6 +286,7 @@ class Catalog:
             json.loads(labels),
             Coordination(*coordination),
             bool(prepared),
+            bool(memory_only),
         )
 
     def add_file(self, key: CheckpointKey, record: FileRecord) -> None:
@@ -349,11 +363,11 @@ class Catalog:
                 )
                 db.execute(
                     "UPDATE checkpoints SET state = ?, committed_at = ?, world_size = ?, "
-                    "labels = ?, epoch = ?, coordinator = ?, prepared = 0 "
+                    "labels = ?, epoch = ?, coordinator = ?, prepared = 0, memory_only = ? "
                     "WHERE run = ? AND step = ?",
                     (COMMITTED, manifest.committed_at or time.time(), manifest.world_size,
                      json.dumps(manifest.labels), manifest.epoch, manifest.coordinator,
-                     key.run, key.step),
+                     int(manifest.memory_only), key.run, key.step),
                 )  # fmt: skip
             if tier is not None:
                 nbytes = sum(f.size for f in manifest.files_on(self.node))
@@ -376,7 +390,16 @@ class Catalog:
             committed_at=committed_at or 0.0,
             epoch=save.coordination.epoch,
             coordinator=save.coordination.coordinator,
+            memory_only=save.memory_only,
         )
+
+    def memory_only_steps(self, run: str) -> set[int]:
+        """The committed memory-only steps of `run` (retention keeps them apart)."""
+        rows = self._query(
+            "SELECT step FROM checkpoints WHERE run = ? AND state = ? AND memory_only = 1",
+            (run, COMMITTED),
+        )
+        return {step for (step,) in rows}
 
     def delete(self, key: CheckpointKey, s3_too: bool = False) -> None:
         """Forget a checkpoint; with `s3_too`, queue the removal of its S3 objects."""
@@ -583,13 +606,13 @@ class Catalog:
         with self._lock:
             rows = self._db.execute(
                 "SELECT c.run, c.step, c.world_size, c.state, c.labels, c.created_at, "
-                "c.committed_at, r.memory_last, r.ssd_last, r.s3_every, r.replicas "
+                "c.committed_at, c.memory_only, r.memory_last, r.ssd_last, r.s3_every, r.replicas "
                 f"FROM checkpoints c LEFT JOIN runs r ON r.run = c.run WHERE {where} "
                 "ORDER BY c.run, c.step",
                 args,
             ).fetchall()
             infos = []
-            for run, step, world_size, state, labels, created, committed, *policy in rows:
+            for run, step, world_size, state, labels, created, committed, mem, *policy in rows:
                 files = self._db.execute(
                     f"SELECT {_FILE_COLUMNS} FROM files WHERE run = ? AND step = ? ORDER BY path",
                     (run, step),
@@ -612,6 +635,7 @@ class Catalog:
                     committed_at=_timestamp(committed),
                     labels=json.loads(labels),
                     node=self.node,
+                    memory_only=bool(mem),
                 )
                 if policy[0] is not None:
                     info.retention.CopyFrom(RetentionPolicy(*policy).to_proto())

@@ -90,11 +90,13 @@ class CkptdClient:
         labels: Mapping[str, str] | None = None,
         retention: checkpoint_pb2.RetentionPolicy | None = None,
         replicas: int = 0,
+        memory_only: bool = False,
     ) -> checkpoint_pb2.OpenSaveResponse:
         """Start a save of (run, step) written by `world_size` ranks: its save id, epoch and
         coordinator, which every rank passes to `join_save` on its own node's ckptd.
 
-        `retention` and `replicas` (R), if given, become the run's from now on.
+        `retention` and `replicas` (R), if given, become the run's from now on. `memory_only`:
+        a checkpoint kept in memory only (OpenSaveRequest.memory_only).
         """
         request = checkpoint_pb2.OpenSaveRequest(
             ref=checkpoint_pb2.CheckpointRef(run=run, step=step),
@@ -102,6 +104,7 @@ class CkptdClient:
             labels=dict(labels or {}),
             retention=retention,
             replicas=replicas,
+            memory_only=memory_only,
         )
         try:
             return self._stub.OpenSave(request, timeout=DEFAULT_TIMEOUT_S)
@@ -109,10 +112,16 @@ class CkptdClient:
             raise self._error(exc, f"open save {run}/{step}") from None
 
     def join_save(
-        self, opened: checkpoint_pb2.OpenSaveResponse, run: str, step: int, world_size: int
+        self,
+        opened: checkpoint_pb2.OpenSaveResponse,
+        run: str,
+        step: int,
+        world_size: int,
+        memory_only: bool = False,
     ) -> str:
         """Make this ckptd take a rank's files of a save the coordinator opened (on this node or
-        another); returns the name of the node that holds them."""
+        another), a memory-only one with `memory_only`; returns the name of the node that holds
+        them."""
         request = checkpoint_pb2.JoinSaveRequest(
             save_id=opened.save_id,
             ref=checkpoint_pb2.CheckpointRef(run=run, step=step),
@@ -120,6 +129,7 @@ class CkptdClient:
             epoch=opened.epoch,
             coordinator=opened.coordinator,
             coordinator_address=opened.coordinator_address,
+            memory_only=memory_only,
         )
         try:
             return self._stub.JoinSave(request, timeout=DEFAULT_TIMEOUT_S).node

@@ -264,8 +264,10 @@ class CkptdStorageWriter(FileSystemWriter):
         labels: dict[str, str] | None = None,
         thread_count: int = 1,
         replicas: int = 0,
+        memory_only: bool = False,
     ) -> None:
-        """`replicas`: R for the run from now on (0: keep the run's, or ckptd's default)."""
+        """`replicas`: R for the run from now on (0: keep the run's, or ckptd's default).
+        `memory_only`: a checkpoint ckptd keeps in memory only (its node's and one peer's)."""
         # ckptd makes the files durable itself: no fsync (DCP would call os.sync()) on our side.
         super().__init__(_checkpoint_id(run, step), sync_files=False, thread_count=thread_count)
         self.client = CkptdClient(address)
@@ -273,12 +275,14 @@ class CkptdStorageWriter(FileSystemWriter):
         self.run, self.step = run, step
         self.labels = labels or {}
         self.replicas = replicas
+        self.memory_only = memory_only
         self.committed: checkpoint_pb2.CheckpointInfo | None = None
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         opened = self.client.open_save(
-            self.run, self.step, len(plans), self.labels, replicas=self.replicas
-        )
+            self.run, self.step, len(plans), self.labels, replicas=self.replicas,
+            memory_only=self.memory_only,
+        )  # fmt: skip
         self.fs.save_id = opened.save_id
         wire = opened.SerializeToString()
         return [
@@ -290,7 +294,7 @@ class CkptdStorageWriter(FileSystemWriter):
         data: _CkptdPlanData = plan.storage_data
         opened = checkpoint_pb2.OpenSaveResponse.FromString(data.opened)
         # This rank's files go to its own node's ckptd, which must know the save first.
-        self.client.join_save(opened, self.run, self.step, data.world_size)
+        self.client.join_save(opened, self.run, self.step, data.world_size, self.memory_only)
         self.fs.save_id, self.fs.rank = opened.save_id, data.rank
         return super().write_data(plan, planner)
 

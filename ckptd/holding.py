@@ -17,13 +17,21 @@ from typing import TYPE_CHECKING
 
 from ckptd.catalog import COMMITTED, Catalog
 from ckptd.cluster import Peer, Peers
-from ckptd.manifest import Manifest
+from ckptd.manifest import FileRecord, Manifest
 from ckptd.metrics import Metrics
 from ckptd.names import key_of
-from ckptd.replicas import CopyJob, ReplicaTiers, Throttle, copy_part, effective_replicas, placement
-from ckptd.retention import RetentionPolicy, droppable
+from ckptd.replicas import (
+    CopyJob,
+    ReplicaTiers,
+    Throttle,
+    copy_part,
+    copy_to_memory,
+    effective_replicas,
+    placement,
+)
+from ckptd.retention import MEMORY_ONLY_LAST, RetentionPolicy, droppable
 from ckptd.tiers import CheckpointKey
-from ckptd.tiers.memory import MemoryBudget, MemoryFile, MemoryTier
+from ckptd.tiers.memory import MemoryBudget, MemoryFile, MemoryTier, release
 from ckptd.tiers.ssd import SsdTier
 from scaletrain.errors import FailedPrecondition, InvalidArgument
 from scaletrain.v1 import checkpoint_pb2, common_pb2
@@ -88,6 +96,15 @@ class ReplicaHolding:
             else effective_replicas(0, self.peers.config.replicas, self.node_count())
         )
 
+    def copies_wanted(self, key: CheckpointKey) -> int:
+        """The nodes that should hold each part of `key`: its run's R, or for a memory-only
+        checkpoint 2 (its node's memory and one peer's, whatever R), at most the nodes there
+        are."""
+        record = self.catalog.save_of(key)
+        if record is not None and record.memory_only:
+            return min(2, self.node_count())
+        return self.replicas_of(key.run)
+
     def check_replicas(self, asked: int) -> None:
         """Refuse, at OpenSave, an R that the cluster cannot hold."""
         effective_replicas(asked, self.peers.config.replicas, self.node_count())
@@ -105,12 +122,17 @@ class ReplicaHolding:
         zones = zones if zones is not None else self.live_zones()
         queued, oldest = 0, None
         for run in self.catalog.runs():
-            r = self.replicas_of(run)
             steps = sorted(self.catalog.run_states(run), reverse=True)
             keep = self.catalog.latest_safe(run).get(run)
-            recent = steps[: self.policy(run).ssd_last] + ([keep] if keep in steps else [])
+            in_memory = self.catalog.memory_only_steps(run)
+            recent = (
+                [s for s in steps if s in in_memory][:MEMORY_ONLY_LAST]
+                + [s for s in steps if s not in in_memory][: self.policy(run).ssd_last]
+                + ([keep] if keep in steps else [])
+            )
             for step in dict.fromkeys(recent):
                 key = CheckpointKey(run, step)
+                r = self.copies_wanted(key)
                 manifest = self.catalog.manifest(key)
                 if manifest is None:
                     continue
@@ -133,7 +155,7 @@ class ReplicaHolding:
         zones = self.live_zones()
         dropped = 0
         for key, owners in self.catalog.replicas().items():
-            r = self.replicas_of(key.run)
+            r = self.copies_wanted(key)
             for owner in owners:
                 chosen = placement(owner, zones, r)
                 if (
@@ -173,7 +195,7 @@ class ReplicaHolding:
         """After a commit (on its coordinator): ask each part's holders to copy it, in the
         background; a holder that misses the offer picks the copy up at its next sync."""
         zones = self.live_zones()
-        r = self.replicas_of(manifest.key.run)
+        r = self.copies_wanted(manifest.key)
         if r <= 1:
             return
         ref = checkpoint_pb2.CheckpointRef(run=manifest.key.run, step=manifest.key.step)
@@ -257,6 +279,8 @@ class ReplicaHolding:
             )  # fmt: skip
             return True
 
+        if manifest.memory_only:
+            return self._copy_to_memory(job, manifest, files, memory, throttle)
         try:
             total = copy_part(
                 manifest, files, ssd, self.budget, self.retains(key.run),
@@ -284,6 +308,40 @@ class ReplicaHolding:
         log.info(
             "copied node %s's part of %s (%d bytes, %.2fs) from its peers", owner, key, total,
             time.monotonic() - started, extra={"run": key.run, "step": key.step, "bytes": total},
+        )  # fmt: skip
+        return True
+
+    def _copy_to_memory(
+        self,
+        job: CopyJob,
+        manifest: Manifest,
+        files: tuple[FileRecord, ...],
+        memory: MemoryTier,
+        throttle: Throttle,
+    ) -> bool:
+        """`copy_job` for a memory-only checkpoint: the part into this node's memory, nothing on
+        SSD; it counts once every byte is here and checked."""
+        key, owner = job.key, job.owner
+        started = time.monotonic()
+        kept = copy_to_memory(
+            files, self.budget,
+            lambda record, sink: self._reader.stream_from_peers(key, record, sink,
+                                                                self.budget.buffer),
+            throttle, self._closed, self.metrics,
+        )  # fmt: skip
+        total = sum(f.size for f in files)
+        with self._lock:
+            if self.catalog.manifest(key) is None:  # deleted while it was copied
+                release(kept, self.budget)
+                return True
+            memory.put(key, kept)
+            self._set_copy(key, owner, MEMORY, total)
+            self._notify(key, MEMORY, total, replica_of="" if owner == self.node else owner)
+            self._apply_retention(key.run)
+        log.info(
+            "node %s's part of memory-only %s is held in memory here (%d bytes, %.2fs)", owner,
+            key, total, time.monotonic() - started,
+            extra={"run": key.run, "step": key.step, "bytes": total},
         )  # fmt: skip
         return True
 

@@ -54,13 +54,14 @@ class FileUpload:
     """One file being received. The store creates it (`CheckpointStore.begin_file`).
 
     `on_written(upload)` runs in the writer thread once the file is complete, fsynced and closed;
-    it decides (under the store's lock) whether the file joins the save's staging dir.
+    it decides (under the store's lock) whether the file joins the save's staging dir. Without
+    `incoming` (a memory-only checkpoint's file) nothing is written: the memory copy is all.
     """
 
     def __init__(
         self,
         header: checkpoint_pb2.FileHeader,
-        incoming: IncomingFile,
+        incoming: IncomingFile | None,
         budget: MemoryBudget,
         retain: bool,
         on_written: Callable[[FileUpload], None],
@@ -200,6 +201,12 @@ class FileUpload:
         (a clean stop keeps what it accepted); whether it is."""
         return self._written.wait(timeout_s)
 
+    @property
+    def keeps_memory(self) -> bool:
+        """Whether the memory copy is still kept (not spilled nor taken)."""
+        with self._lock:
+            return self._memory is not None
+
     def take_memory(self) -> MemoryFile | None:
         """Hand the kept chunks (still reserved in the budget) to the caller."""
         with self._lock:
@@ -293,11 +300,15 @@ class FileUpload:
             self._budget.release(sum(len(data) for data in released))
             self._budget.recycle(released)
 
+    def _discard_incoming(self) -> None:
+        if self.incoming is not None:
+            self.incoming.discard()
+
     def _write_loop(self) -> None:
         started = time.perf_counter()
         while (item := self._to_disk.get()) is not None:
             offset, data, kept = item
-            if not self._cancelled and self._error is None:
+            if self.incoming is not None and not self._cancelled and self._error is None:
                 try:
                     self.incoming.write(data)
                 except OSError as exc:
@@ -309,16 +320,19 @@ class FileUpload:
         self._settle(final=True)
         try:
             if self._cancelled or self._error is not None:
-                self.incoming.discard()
+                self._discard_incoming()
                 self.spill()
             else:
-                self.incoming.sync_and_close()
-                self._metrics.bytes.labels(_SSD, "write").inc(self._size)
-                self._metrics.seconds.labels(_SSD, "write").observe(time.perf_counter() - started)
+                if self.incoming is not None:
+                    self.incoming.sync_and_close()
+                    self._metrics.bytes.labels(_SSD, "write").inc(self._size)
+                    self._metrics.seconds.labels(_SSD, "write").observe(
+                        time.perf_counter() - started
+                    )
                 self._on_written(self)
         except OSError as exc:
             self._fail(Unavailable(f"{self.path}: ckptd cannot write to its SSD: {exc}"))
-            self.incoming.discard()
+            self._discard_incoming()
             self.spill()
         except ScaletrainError as exc:
             self._fail(exc)

@@ -94,6 +94,9 @@ class Manifest:
     # The save attempt's epoch and the node that coordinated its commit (0 and "" before nodes).
     epoch: int = 0
     coordinator: str = ""
+    # Kept in memory only (OpenSaveRequest.memory_only): never written as a marker on a
+    # durable tier, so `to_json` leaves it out.
+    memory_only: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -113,6 +116,7 @@ class Manifest:
             committed_at=self.committed_at,
             epoch=self.epoch,
             coordinator=self.coordinator,
+            memory_only=self.memory_only,
         )
 
     @classmethod
@@ -126,6 +130,7 @@ class Manifest:
             committed_at=m.committed_at,
             epoch=m.epoch,
             coordinator=m.coordinator,
+            memory_only=m.memory_only,
         )
 
     def same_files(self, other: Manifest) -> bool:

@@ -64,6 +64,7 @@ class ClusterMember:
     _forgotten: set[CheckpointKey]
     _replication: S3Replication | None
     replicas_of: Callable[[str], int]
+    copies_wanted: Callable[[CheckpointKey], int]
 
     def join_save(
         self,
@@ -71,9 +72,10 @@ class ClusterMember:
         ref: checkpoint_pb2.CheckpointRef,
         world_size: int,
         coordination: Coordination,
+        memory_only: bool = False,
     ) -> None:
         """Take a rank's files of a save that `coordination`'s node opened (a no-op for a save
-        this node already has)."""
+        this node already has); in memory only with `memory_only`."""
         key = key_of(ref)
         if not 1 <= world_size <= MAX_WORLD_SIZE:
             raise InvalidArgument(f"world size must be 1..{MAX_WORLD_SIZE}, got {world_size}")
@@ -97,7 +99,7 @@ class ClusterMember:
                     f"a rank joining save {save_id}",
                 )  # fmt: skip
                 self._drop_save(existing.save_id)
-            self._open(key, save_id, world_size, {}, coordination)
+            self._open(key, save_id, world_size, {}, coordination, memory_only)
 
     def prepare(
         self, save_id: str, ref: checkpoint_pb2.CheckpointRef, epoch: int, coordinator: str
@@ -119,7 +121,8 @@ class ClusterMember:
             if record.state == COMMITTED or record.prepared:
                 return record.world_size, self.catalog.files(key)
         save, files = self._freeze(save_id)
-        self.ssd.sync_staging(save_id)
+        if not save.record.memory_only:  # a memory-only save's files are complete in memory
+            self.ssd.sync_staging(save_id)
         with self._lock:
             self.catalog.set_prepared(save_id)
             save.record = dataclasses.replace(save.record, prepared=True)
@@ -251,8 +254,13 @@ class ClusterMember:
     ) -> bool:
         """Whether every part of `key` has a committed copy on as many nodes as its run's R
         asks, and on at least 2 (`copies_for_safety`). Copies are made after the commit, so a
-        step is not safe until they land: a node lost before leaves it unsafe for good."""
-        need = copies_for_safety(self.replicas_of(key.run))
+        step is not safe until they land: a node lost before leaves it unsafe for good.
+
+        A memory-only step needs its 2 copies (`copies_wanted`), in the memory of 2 distinct
+        nodes: losing one node leaves a copy. It is safe against the loss of a node, not of
+        both holders nor of a restart of both, and is never the run's newest safe step that
+        retention keeps on SSD (`latest(durable=True)`)."""
+        need = copies_for_safety(self.copies_wanted(key))
         copies = self._copies(key, views)
         return bool(copies) and all(len(self._holders(c)) >= need for c in copies.values())
 
@@ -328,11 +336,16 @@ class ClusterMember:
         return entries
 
     def latest(
-        self, run: str, views: dict[str, checkpoint_pb2.CatalogResponse | str], safe: bool
+        self,
+        run: str,
+        views: dict[str, checkpoint_pb2.CatalogResponse | str],
+        safe: bool,
+        durable: bool = False,
     ) -> CheckpointKey | None:
         """The newest committed step of `run` that can be restored in full now (with `safe`:
-        that is node-loss safe), or None."""
-        for step in sorted(self.catalog.run_states(run), reverse=True):
+        that is node-loss safe; with `durable`: not a memory-only one), or None."""
+        skipped = self.catalog.memory_only_steps(run) if durable else set()
+        for step in sorted(set(self.catalog.run_states(run)) - skipped, reverse=True):
             key = CheckpointKey(run, step)
             if self.node_loss_safe(key, views) if safe else self._whole(key, views):
                 return key
@@ -400,7 +413,8 @@ class ClusterMember:
             view = views.get(manifest.coordinator) if manifest is not None else None
             if isinstance(view, checkpoint_pb2.CatalogResponse) and run in view.policies:
                 self._take_policy(run, view.policies[run], f"node {view.node}")
-            safe = self.latest(run, views, safe=True)
+            # Durable steps only: the newest safe step is the one SSD keeps whatever its age.
+            safe = self.latest(run, views, safe=True, durable=True)
             if safe is not None:
                 self._learn_latest_safe(run, safe.step)
         self.queue_duties()

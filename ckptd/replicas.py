@@ -33,7 +33,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -297,22 +297,7 @@ def copy_part(
             )
             upload = FileUpload(header, ssd.incoming_file(), budget, retain, _nothing, metrics)
             uploads.append(upload)
-            crcs = struct.unpack(f"<{len(record.block_crcs) // 4}I", record.block_crcs)
-
-            def sink(
-                offset: int,
-                data: memoryview | bytes,
-                upload: FileUpload = upload,
-                crcs: tuple[int, ...] = crcs,
-            ) -> None:
-                if stop.is_set():
-                    raise Unavailable("ckptd is shutting down")
-                throttle.take(len(data), stop)
-                first = offset // BLOCK_BYTES
-                blocks = crcs[first : first + -(-len(data) // BLOCK_BYTES)]
-                upload.write(BlockChunk(offset, memoryview(data), blocks))
-
-            stream(record, sink)
+            stream(record, _checked_sink(upload, record, throttle, stop))
             upload.finish(checkpoint_pb2.FileTrailer(size=record.size, crc32c=record.crc32c))
             upload.end_input()
             kept = upload.take_memory()  # complete: the verifier is done with the file
@@ -340,6 +325,64 @@ def copy_part(
         release(memory, budget)
         raise
     return total
+
+
+def copy_to_memory(
+    files: Iterable[FileRecord],
+    budget: MemoryBudget,
+    stream: Callable[[FileRecord, Callable[[int, memoryview | bytes], None]], None],
+    throttle: Throttle,
+    stop: threading.Event,
+    metrics: Metrics,
+) -> dict[str, MemoryFile]:
+    """`copy_part` for a memory-only checkpoint: `files` into memory only, each block checked
+    against the manifest's CRC-32Cs as it arrives; returns the memory copy (the caller's). A
+    file the budget cannot keep fails the copy (Unavailable): there is no SSD copy to fall
+    back to."""
+    memory: dict[str, MemoryFile] = {}
+    try:
+        for record in files:
+            header = checkpoint_pb2.FileHeader(path=record.path, rank=record.rank, kind=record.kind)
+            upload = FileUpload(header, None, budget, True, _nothing, metrics)
+            try:
+                stream(record, _checked_sink(upload, record, throttle, stop))
+                upload.finish(checkpoint_pb2.FileTrailer(size=record.size, crc32c=record.crc32c))
+            except BaseException:
+                upload.cancel()
+                raise
+            upload.end_input()
+            upload.wait_written()
+            kept = upload.take_memory()
+            if kept is None or kept.size != record.size:
+                if kept is not None:
+                    memory[record.path] = kept
+                raise Unavailable(
+                    f"{record.path}: no room in the memory budget for a copy of a memory-only "
+                    "checkpoint"
+                )
+            memory[record.path] = kept
+    except BaseException:
+        release(memory, budget)
+        raise
+    return memory
+
+
+def _checked_sink(
+    upload: FileUpload, record: FileRecord, throttle: Throttle, stop: threading.Event
+) -> Callable[[int, memoryview | bytes], None]:
+    """Where a copy's bytes of `record` go: into `upload`, throttled, each block with the
+    manifest's CRC-32C to be checked against."""
+    crcs = struct.unpack(f"<{len(record.block_crcs) // 4}I", record.block_crcs)
+
+    def sink(offset: int, data: memoryview | bytes) -> None:
+        if stop.is_set():
+            raise Unavailable("ckptd is shutting down")
+        throttle.take(len(data), stop)
+        first = offset // BLOCK_BYTES
+        blocks = crcs[first : first + -(-len(data) // BLOCK_BYTES)]
+        upload.write(BlockChunk(offset, memoryview(data), blocks))
+
+    return sink
 
 
 def _nothing(_upload: FileUpload) -> None:

@@ -8,6 +8,10 @@ rules, for a run with policy (memory_last=N, ssd_last=M, s3_every=K):
   peers' copies of it;
 - S3 wants every step that is a multiple of K, the newest committed checkpoint, and, until that
   one is on S3, the newest checkpoint S3 already holds (so S3 always has a "latest");
+- memory-only checkpoints (`OpenSaveRequest.memory_only`) stand apart: they count toward none of
+  the rules above (so none displaces a durable checkpoint), and memory wants only the newest
+  MEMORY_ONLY_LAST of them that are newer than the run's newest durable checkpoint: a newer
+  durable one makes them pointless, and they leave the catalog with their memory copies;
 - a tier's copy that its tier no longer wants is dropped only if the checkpoint is wanted nowhere,
   or another durable tier (SSD or S3) holds a committed copy. So a copy leaves a faster tier only
   once a slower one holds it, and the only durable copy of a wanted checkpoint is never deleted.
@@ -15,7 +19,7 @@ rules, for a run with policy (memory_last=N, ssd_last=M, s3_every=K):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from scaletrain.errors import InvalidArgument
@@ -23,6 +27,9 @@ from scaletrain.v1 import checkpoint_pb2, common_pb2
 
 MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S3
 DURABLE = (SSD, S3)
+# Memory-only checkpoints of a run kept at most: the newest, and the one before it while the
+# newest may still be incomplete on some node (its copy to a peer in flight).
+MEMORY_ONLY_LAST = 2
 
 
 @dataclass(frozen=True)
@@ -69,14 +76,20 @@ def wanted(
     on_s3: Sequence[int],
     has_s3: bool,
     keep: int | None = None,
+    memory_only: Collection[int] = (),
 ) -> dict[int, set[int]]:
     """step -> the tiers that want it, for a run's committed `steps` (any order).
 
     `on_s3` are the steps S3 holds committed copies of; `has_s3` whether the S3 tier exists;
-    `keep` the run's newest node-loss-safe step, which SSD keeps whatever its age.
+    `keep` the run's newest node-loss-safe step, which SSD keeps whatever its age;
+    `memory_only` the steps of `steps` that are memory-only checkpoints.
     """
-    newest_first = sorted(steps, reverse=True)
-    result: dict[int, set[int]] = {step: set() for step in newest_first}
+    result: dict[int, set[int]] = {step: set() for step in steps}
+    newest_first = sorted((s for s in steps if s not in memory_only), reverse=True)
+    newest_durable = newest_first[0] if newest_first else -1
+    fresh = sorted((s for s in steps if s in memory_only and s > newest_durable), reverse=True)
+    for step in fresh[:MEMORY_ONLY_LAST]:
+        result[step].add(MEMORY)
     for step in newest_first[: policy.memory_last]:
         result[step].add(MEMORY)
     for step in newest_first[: policy.ssd_last]:

@@ -74,7 +74,12 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
             RetentionPolicy.from_proto(request.retention) if request.HasField("retention") else None
         )
         save_id = self._store.open_save(
-            request.ref, request.world_size, dict(request.labels), retention, request.replicas
+            request.ref,
+            request.world_size,
+            dict(request.labels),
+            retention,
+            request.replicas,
+            memory_only=request.memory_only,
         )
         coordination = self._store.coordination(save_id)
         return checkpoint_pb2.OpenSaveResponse(
@@ -89,7 +94,9 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
         self, request: checkpoint_pb2.JoinSaveRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.JoinSaveResponse:
         coordination = Coordination(request.epoch, request.coordinator, request.coordinator_address)
-        self._store.join_save(request.save_id, request.ref, request.world_size, coordination)
+        self._store.join_save(
+            request.save_id, request.ref, request.world_size, coordination, request.memory_only
+        )
         return checkpoint_pb2.JoinSaveResponse(node=self._store.node)
 
     @maps_errors

@@ -9,7 +9,10 @@ rules that make a checkpoint trustworthy:
   (`ckptd.ingest`);
 - a checkpoint commits only with the metadata file and a shard file from every rank, and becomes
   visible only once durable on SSD with its marker (memory is filled at the same moment, S3 in
-  the background, marker last: `ckptd.replication`); "latest" only ever names such a checkpoint;
+  the background, marker last: `ckptd.replication`); "latest" only ever names such a checkpoint,
+  or a memory-only one (`open_save(memory_only=True)`): the same commit protocol, its files kept
+  in the memory of the node that received them and of one peer, never on SSD or S3, restorable
+  while every part is in some live node's memory;
 - every read verifies the per-block CRCs of the bytes it returns, and falls through to the next
   tier when a copy is damaged or missing (`ckptd.reads`);
 - retention (`ckptd.retention`) never drops a copy that no slower tier holds, unless no tier
@@ -49,7 +52,7 @@ from ckptd.replicas import ReplicaTiers, Replicator, copies_for_safety
 from ckptd.replication import S3Replication
 from ckptd.retention import RetentionPolicy, droppable, wanted
 from ckptd.tiers import CheckpointKey
-from ckptd.tiers.memory import MemoryBudget, MemoryTier
+from ckptd.tiers.memory import MemoryBudget, MemoryTier, release
 from ckptd.tiers.s3 import S3Tier
 from ckptd.tiers.ssd import SsdTier
 from ckptd.wire import Chunk
@@ -262,6 +265,11 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
                 log.info("recovered %s from its SSD marker", key, extra={"run": key.run})
                 self.catalog.record_commit(manifest, SSD)
         for record in self.catalog.saves_in(OPEN):
+            if record.memory_only:
+                # Its files were in memory only: nothing of it survived. If it committed anyway
+                # (this node voted), the sync records the step without this node's part.
+                self.catalog.abort_save(record.key, "ckptd restarted: a memory-only save is lost")
+                continue
             # Staged files survive a restart (the client may finish the save); the memory copies
             # of them did not. The janitor aborts the save if nobody writes to it again, unless
             # this node voted on it: then only its outcome decides (ckptd.cluster).
@@ -327,10 +335,17 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         labels: Mapping[str, str] | None = None,
         retention: RetentionPolicy | None = None,
         replicas: int = 0,
+        memory_only: bool = False,
     ) -> str:
         """Start a save attempt of (run, step); an uncommitted earlier attempt is replaced.
-        `retention` and `replicas` (R), if given, are the run's from now on."""
+        `retention` and `replicas` (R), if given, are the run's from now on. `memory_only`: a
+        checkpoint kept in memory only (see the module doc)."""
         key = key_of(ref)
+        if memory_only and self.budget.total <= 0:
+            raise FailedPrecondition(
+                f"memory-only checkpoint {key}: this ckptd has no memory tier (its memory budget "
+                "is 0)"
+            )
         if not 1 <= world_size <= MAX_WORLD_SIZE:
             raise InvalidArgument(f"world size must be 1..{MAX_WORLD_SIZE}, got {world_size}")
         if replicas < 0:
@@ -357,7 +372,9 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             coordination = Coordination(
                 new_epoch(self.catalog.epoch_of(key)), self.node, self.peers.address
             )
-            return self._open(key, save_id, world_size, dict(labels or {}), coordination).save_id
+            return self._open(
+                key, save_id, world_size, dict(labels or {}), coordination, memory_only
+            ).save_id
 
     def _open(
         self,
@@ -366,17 +383,20 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         world_size: int,
         labels: dict[str, str],
         coordination: Coordination,
+        memory_only: bool = False,
     ) -> SaveRecord:
-        """Record a save attempt and make room for its files (under the lock)."""
+        """Record a save attempt and make room for its files (under the lock): a staging dir
+        on SSD, or for a memory-only save nothing but their place in the memory budget."""
         if self.catalog.deleting(key):
             raise FailedPrecondition(
                 f"checkpoint {key} is still being removed from S3; save it again later"
             )
-        self.catalog.open_save(key, save_id, world_size, labels, coordination)
-        self.ssd.staging_dir(save_id).mkdir(parents=True)
+        self.catalog.open_save(key, save_id, world_size, labels, coordination, memory_only)
+        if not memory_only:
+            self.ssd.staging_dir(save_id).mkdir(parents=True)
         record = self.catalog.save(save_id)
         assert record is not None
-        self._saves[save_id] = _OpenSave(record, retain=self.retains(key.run))
+        self._saves[save_id] = _OpenSave(record, retain=memory_only or self.retains(key.run))
         return record
 
     def coordination(self, save_id: str) -> Coordination:
@@ -452,7 +472,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         with self._lock:
             save = self._check_header(header)
             try:
-                incoming = self.ssd.incoming_file()
+                incoming = None if save.record.memory_only else self.ssd.incoming_file()
             except OSError as exc:
                 raise Unavailable(f"{header.path}: ckptd cannot write to its SSD: {exc}") from None
             upload = FileUpload(
@@ -531,10 +551,12 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         """Writer thread: the file is on disk; stage it if it is still its save's current copy."""
         with self._lock:
             if self._current(save) and save.files.get(upload.path) is upload:
-                self.ssd.stage(upload.incoming, save.record.save_id, upload.path)
-                crash_point("file-staged")
+                if upload.incoming is not None:  # a memory-only file has nothing to stage
+                    self.ssd.stage(upload.incoming, save.record.save_id, upload.path)
+                    crash_point("file-staged")
                 return
-        upload.incoming.discard()
+        if upload.incoming is not None:
+            upload.incoming.discard()
         upload.spill()
 
     def _forget_file(self, save: _OpenSave, upload: FileUpload) -> None:
@@ -568,7 +590,10 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
                     raise type(exc)(f"cannot commit {key}: {exc}") from None
             with self._lock:
                 files = self.catalog.files(key)
-                self._check_staged(save.record, files)
+                if save.record.memory_only:
+                    self._check_in_memory(save, files)
+                else:
+                    self._check_staged(save.record, files)
         except BaseException:
             with self._lock:
                 save.committing = False
@@ -602,6 +627,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
                 committed_at=time.time(),
                 epoch=record.coordination.epoch,
                 coordinator=self.node,
+                memory_only=record.memory_only,
             )
             # This node's commit marker is the decision: from here on the step is committed.
             with phase.labels("decide").time():
@@ -626,9 +652,11 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
 
     def _commit_part(self, save: _OpenSave, manifest: Manifest) -> checkpoint_pb2.CheckpointInfo:
         """This node's part of a committed checkpoint: onto SSD with the checkpoint's marker,
-        into memory, and queued for S3."""
+        into memory, and queued for S3; a memory-only one's into memory alone."""
         key = manifest.key
         mine = manifest.files_on(self.node)
+        if manifest.memory_only:
+            return self._commit_to_memory(save, manifest, mine)
         try:
             with self.metrics.timed(SSD, "commit"):
                 self.ssd.put(manifest, save.record.save_id)
@@ -659,6 +687,44 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             info = self.catalog.info(key)
         assert info is not None
         return info
+
+    def _commit_to_memory(
+        self, save: _OpenSave, manifest: Manifest, mine: tuple[FileRecord, ...]
+    ) -> checkpoint_pb2.CheckpointInfo:
+        """This node's part of a memory-only checkpoint, into its memory tier (no SSD, no S3):
+        the part's one copy here, and its copy to a peer comes from `offer_replicas`."""
+        key = manifest.key
+        total = sum(f.size for f in mine)
+        with self._lock:
+            self._saves.pop(save.record.save_id, None)
+            memory = {path: upload.take_memory() for path, upload in save.files.items()}
+            whole = all(m is not None for m in memory.values()) and set(memory) == {
+                f.path for f in mine
+            }
+            self.catalog.record_commit(manifest, MEMORY if whole else None)
+            if whole:
+                self.memory.put(key, memory)  # type: ignore[arg-type]
+                self.metrics.commits.labels(TIER_LABELS[MEMORY]).inc()
+                self.metrics.bytes.labels(TIER_LABELS[MEMORY], "write").inc(total)
+                self._notify(key, MEMORY, total)
+            else:
+                # Spilled under memory pressure since the vote: the step is committed, but this
+                # node's part only lives on where a peer holds it (latest then passes it by).
+                release({p: m for p, m in memory.items() if m is not None}, self.budget)
+                log.warning("memory-only %s lost this node's part to memory pressure", key)
+            self._apply_retention(key.run)
+            info = self.catalog.info(key)
+        assert info is not None
+        return info
+
+    def _check_in_memory(self, save: _OpenSave, files: list[FileRecord]) -> None:
+        """Refuse to commit a memory-only save whose files here were spilled from memory."""
+        spilled = [f.path for f in files if not save.files[f.path].keeps_memory]
+        if spilled:
+            raise ResourceExhausted(
+                f"cannot commit memory-only {save.record.key}: ckptd's memory budget is full "
+                f"and {len(spilled)} of its files here left memory ({', '.join(spilled[:3])})"
+            )
 
     def _check_staged(self, save: SaveRecord, files: list[FileRecord]) -> None:
         staging = self.ssd.staging_dir(save.save_id)
@@ -693,13 +759,16 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
     # -- memory pressure and garbage -------------------------------------------------------------
 
     def _relieve_memory(self) -> None:
-        """The budget is full: evict the oldest memory copy a durable tier holds, else spill.
+        """The budget is full: evict the oldest memory-only copy (own or a replica), else the
+        oldest memory copy a durable tier holds, else spill.
 
-        Called by writers waiting for memory; what can never be freed here is data not yet on
-        disk, and the writer threads free that as they write.
+        A memory-only copy goes first and is never refused: it only spares the steps since the
+        last durable checkpoint, and its run falls back to that one without it. Called by
+        writers waiting for memory; what can never be freed here is data not yet on disk, and
+        the writer threads free that as they write.
         """
         with self._lock:
-            if self.relieve_replicas():
+            if self._evict_memory_only() or self.relieve_replicas():
                 return
             for key in self.memory.list():
                 if any(self.catalog.tier_state(key, t) == TIER_COMMITTED for t in (SSD, S3)):
@@ -714,6 +783,29 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
             ]
         for upload in uploads:
             upload.spill()
+
+    def _evict_memory_only(self) -> bool:
+        """Evict the oldest memory-only copy this node holds, its own part's or a replica;
+        whether one was."""
+        held = [(key, "") for key in self.memory.list()] + [
+            (key, owner)
+            for owner, tier in self.replicas.memory_tiers().items()
+            for key in tier.list()
+        ]
+        for key, owner in sorted(held, key=lambda item: item[0].step):
+            record = self.catalog.save_of(key)
+            if record is None or not record.memory_only:
+                continue
+            if owner:
+                self.replicas.memory(owner).delete(key)
+                self.catalog.set_replica(key, owner, MEMORY, ABSENT)
+            else:
+                self.memory.delete(key)
+                self.catalog.set_tier(key, MEMORY, ABSENT)
+            log.info("evicted memory-only %s (%s) from memory: the budget is full", key,
+                     f"node {owner}'s part" if owner else "own part")  # fmt: skip
+            return True
+        return False
 
     def _janitor_loop(self) -> None:
         """Abort saves whose writers went away; forget aborted saves after the same timeout."""
@@ -749,6 +841,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         wants = wanted(
             self.policy(run), list(states), on_s3, has_s3=self.s3 is not None,
             keep=self.catalog.latest_safe(run).get(run),
+            memory_only=self.catalog.memory_only_steps(run),
         )  # fmt: skip
         if self.s3 is None:
             for step in on_s3:  # a store without S3 (offline) cannot manage S3's copies
@@ -961,7 +1054,7 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         """What keeps `key` from being restorable (or node-loss safe) now, naming each part
         short of copies and the nodes that did not answer."""
         copies = self._copies(key, views)
-        need = copies_for_safety(self.replicas_of(key.run)) if node_loss_safe else 1
+        need = copies_for_safety(self.copies_wanted(key)) if node_loss_safe else 1
         short = [
             f"{owner}'s part ({len(self._holders(held))} of {need} copies on a live node)"
             for owner, held in sorted(copies.items())

@@ -52,6 +52,8 @@ class TrainConfig:
     telemetry: str | None = None
     steps: int = _default("steps")
     ckpt_every: int = _default("ckpt_every")
+    # Memory-only checkpoints every K steps (trainer.checkpoint.checkpointer); 0: none.
+    mem_ckpt_every: int = _default("mem_ckpt_every")
     ckpt_policy: str = _default("ckpt_policy")
     replicas: int = _default("replicas")
     resume: bool = False
@@ -115,6 +117,10 @@ class TrainConfig:
             raise ValueError(f"--ckpt-policy must be wait or skip, got {self.ckpt_policy!r}")
         if self.ckpt_every < 0:
             raise ValueError(f"--ckpt-every must be 0 (never) or more, got {self.ckpt_every}")
+        if self.mem_ckpt_every < 0:
+            raise ValueError(f"--mem-ckpt-every must be 0 (off) or more, got {self.mem_ckpt_every}")
+        if self.mem_ckpt_every and not self.ckptd:
+            raise ValueError("--mem-ckpt-every needs --ckptd: memory checkpoints are kept by ckptd")
         if not 1 <= self.seq_len <= self.model.max_seq_len:
             raise ValueError(
                 f"--seq-len must be between 1 and {self.model.max_seq_len}, got {self.seq_len}"

@@ -550,6 +550,16 @@ OPTIONS: tuple[Option, ...] = (
         launcher=True,
     ),
     Option(
+        "mem_ckpt_every",
+        "checkpoint",
+        int,
+        0,
+        "keep every K-th step in this node's and one peer's memory only, between the durable "
+        "checkpoints of --ckpt-every; a lost node or rank then costs at most K steps (0: off; "
+        "needs --ckptd)",
+        minimum=0,
+    ),
+    Option(
         "ckpt_policy",
         "checkpoint",
         str,

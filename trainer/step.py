@@ -92,13 +92,16 @@ def train_step(
     guard: StepGuard | None = None,
     step: int = 0,
     progress: Callable[[str], None] = _nothing,
+    before_update: Callable[[], None] = _nothing,
 ) -> StepResult:
     """Train one step on `batch` (this data-parallel rank's slice of the global batch).
 
     Under `guard`, the body runs as the guard decides (once, twice when replayed) for step `step`.
-    `progress(phase)` is called as each phase begins, for the watchdog. Expert balancing runs once,
-    after the guard: it changes buffers the guard's copy of the state does not hold, so a replay
-    must not run it again.
+    `progress(phase)` is called as each phase begins, for the watchdog. `before_update()` is
+    called before the first change to the parameters and optimizer state (the optimizer step, or
+    the guard restoring them before the body): a lazy checkpoint copy of the previous step's
+    state waits there. Expert balancing runs once, after the guard: it changes buffers the
+    guard's copy of the state does not hold, so a replay must not run it again.
     """
     inputs, targets = batch
 
@@ -121,6 +124,7 @@ def train_step(
         gradients_ready()
         progress("optimizer")
         grad_norm = model.clip_grad_norm_(max_grad_norm)
+        before_update()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         optimizer_s, t = _lap(t)
@@ -136,7 +140,7 @@ def train_step(
         first = kept = body(_nothing)
         health = None
     else:
-        guarded = guard.run(step, lambda attempt: body(attempt.gradients_ready))
+        guarded = guard.run(step, lambda attempt: body(attempt.gradients_ready), before_update)
         first, kept, health = guarded.first, guarded.kept, guarded.health
     expert_load = model.after_optimizer_step()
     return StepResult(kept.loss, kept.global_loss, kept.grad_norm, first.times, expert_load, health)

@@ -220,7 +220,7 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
             cfg.ckptd, cfg.run_id, model, optimizer, scheduler, loader,
             SavePolicy(cfg.ckpt_policy), fp8=fp8, replicas=cfg.replicas, timeout=timeout,
             config=options.to_toml(cfg.job) if cfg.job else "",
-            every=cfg.ckpt_every, last_step=cfg.steps,
+            every=cfg.ckpt_every, last_step=cfg.steps, mem_every=cfg.mem_ckpt_every,
         )
         if cfg.ckptd
         else None
@@ -284,6 +284,7 @@ def run_loop(run: Run) -> None:
         result = train_step(
             run.parallel, run.optimizer, batch, max_grad_norm=cfg.max_grad_norm,
             grad_accum_steps=cfg.grad_accum_steps, guard=run.guard, step=step, progress=progress,
+            before_update=run.checkpointer.wait_staged if run.checkpointer else lambda: None,
         )  # fmt: skip
         run.global_loss = result.global_loss
         lr = run.scheduler.get_last_lr()[0]

@@ -138,8 +138,10 @@ def check_layout(trainer_args: list[str], ranks: int) -> None:
     from trainer.config import from_args, parser
     from trainer.parallel.dims import validate_layout
 
+    # The launcher hands the trainer its ckptd: checked as if given (--mem-ckpt-every needs one).
+    given = ["--run-id", "check", "--ckptd", "launcher:0", *trainer_args]
     try:
-        validate_layout(from_args(parser().parse_args(["--run-id", "check", *trainer_args])), ranks)
+        validate_layout(from_args(parser().parse_args(given)), ranks)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
 

@@ -55,7 +55,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class OpenSaveRequest(_message.Message):
-    __slots__ = ("ref", "world_size", "labels", "retention", "replicas")
+    __slots__ = ("ref", "world_size", "labels", "retention", "replicas", "memory_only")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,12 +68,14 @@ class OpenSaveRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
     world_size: int
     labels: _containers.ScalarMap[str, str]
     retention: RetentionPolicy
     replicas: int
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ..., replicas: _Optional[int] = ...) -> None: ...
+    memory_only: bool
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ..., replicas: _Optional[int] = ..., memory_only: _Optional[bool] = ...) -> None: ...
 
 class RetentionPolicy(_message.Message):
     __slots__ = ("memory_last", "ssd_last", "s3_every", "replicas")
@@ -100,20 +102,22 @@ class OpenSaveResponse(_message.Message):
     def __init__(self, save_id: _Optional[str] = ..., epoch: _Optional[int] = ..., coordinator: _Optional[str] = ..., coordinator_address: _Optional[str] = ...) -> None: ...
 
 class JoinSaveRequest(_message.Message):
-    __slots__ = ("save_id", "ref", "world_size", "epoch", "coordinator", "coordinator_address")
+    __slots__ = ("save_id", "ref", "world_size", "epoch", "coordinator", "coordinator_address", "memory_only")
     SAVE_ID_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     save_id: str
     ref: CheckpointRef
     world_size: int
     epoch: int
     coordinator: str
     coordinator_address: str
-    def __init__(self, save_id: _Optional[str] = ..., ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., coordinator: _Optional[str] = ..., coordinator_address: _Optional[str] = ...) -> None: ...
+    memory_only: bool
+    def __init__(self, save_id: _Optional[str] = ..., ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., coordinator: _Optional[str] = ..., coordinator_address: _Optional[str] = ..., memory_only: _Optional[bool] = ...) -> None: ...
 
 class JoinSaveResponse(_message.Message):
     __slots__ = ("node",)
@@ -248,7 +252,7 @@ class FileInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FileKind, str]] = ..., size: _Optional[int] = ..., crc32c: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("ref", "world_size", "committed", "tiers", "files", "total_bytes", "created_at", "committed_at", "labels", "retention", "node", "parts", "node_loss_safe")
+    __slots__ = ("ref", "world_size", "committed", "tiers", "files", "total_bytes", "created_at", "committed_at", "labels", "retention", "node", "parts", "node_loss_safe", "memory_only")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +273,7 @@ class CheckpointInfo(_message.Message):
     NODE_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     NODE_LOSS_SAFE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
     world_size: int
     committed: bool
@@ -282,7 +287,8 @@ class CheckpointInfo(_message.Message):
     node: str
     parts: _containers.RepeatedCompositeFieldContainer[NodePart]
     node_loss_safe: bool
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., committed: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ..., node: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[NodePart, _Mapping]]] = ..., node_loss_safe: _Optional[bool] = ...) -> None: ...
+    memory_only: bool
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., committed: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[TierStatus, _Mapping]]] = ..., files: _Optional[_Iterable[_Union[FileInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ..., node: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[NodePart, _Mapping]]] = ..., node_loss_safe: _Optional[bool] = ..., memory_only: _Optional[bool] = ...) -> None: ...
 
 class NodePart(_message.Message):
     __slots__ = ("node", "address", "files", "bytes", "tiers", "reachable", "error", "replicas", "copies", "latest_safe_step")
@@ -465,7 +471,7 @@ class PartFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FileKind, str]] = ..., size: _Optional[int] = ..., block_crcs: _Optional[bytes] = ..., node: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("ref", "world_size", "files", "labels", "created_at", "committed_at", "epoch", "coordinator")
+    __slots__ = ("ref", "world_size", "files", "labels", "created_at", "committed_at", "epoch", "coordinator", "memory_only")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -481,6 +487,7 @@ class Manifest(_message.Message):
     COMMITTED_AT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_FIELD_NUMBER: _ClassVar[int]
     ref: CheckpointRef
     world_size: int
     files: _containers.RepeatedCompositeFieldContainer[PartFile]
@@ -489,7 +496,8 @@ class Manifest(_message.Message):
     committed_at: float
     epoch: int
     coordinator: str
-    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., files: _Optional[_Iterable[_Union[PartFile, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., epoch: _Optional[int] = ..., coordinator: _Optional[str] = ...) -> None: ...
+    memory_only: bool
+    def __init__(self, ref: _Optional[_Union[CheckpointRef, _Mapping]] = ..., world_size: _Optional[int] = ..., files: _Optional[_Iterable[_Union[PartFile, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[float] = ..., committed_at: _Optional[float] = ..., epoch: _Optional[int] = ..., coordinator: _Optional[str] = ..., memory_only: _Optional[bool] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
     __slots__ = ("save_id", "ref", "epoch", "coordinator")

@@ -88,17 +88,20 @@ def save(
     world_size: int,
     commit: bool = True,
     retention: checkpoint_pb2.RetentionPolicy | None = None,
+    memory_only: bool = False,
 ) -> str:
     """A save as DCP makes it: the coordinator (rank 0, node 0) opens it, every rank joins it on
     its own node's ckptd and writes its shard there; the metadata goes to node 0, which commits.
-    `retention`, if given, becomes the run's."""
+    `retention`, if given, becomes the run's; `memory_only`: a memory-only checkpoint."""
     nodes = len(cluster.clients)
-    opened = cluster.clients[0].open_save("run", step, world_size, retention=retention)
+    opened = cluster.clients[0].open_save(
+        "run", step, world_size, retention=retention, memory_only=memory_only
+    )
     joined = set()
     for path, (rank, kind, data) in files.items():
         client = cluster.clients[node_of_rank(rank, world_size, nodes)]
         if rank not in joined:
-            client.join_save(opened, "run", step, world_size)
+            client.join_save(opened, "run", step, world_size, memory_only)
             joined.add(rank)
         client.write_file(opened.save_id, path, rank, kind, data)
     if commit:

@@ -92,6 +92,23 @@ def test_uploads_complete_after_s3_is_stopped_for_a_while_and_started_again(
             assert store.read_range(ref("run", 20), path) == data
 
 
+def test_a_catalog_of_schema_5_gains_the_memory_only_column_and_keeps_its_checkpoints(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    store = open_store()
+    store_save(store, "run", 4, checkpoint_files(2, 300_000, seed=4))
+    store.close()
+    db = sqlite3.connect(tmp_path / "ckptd" / CATALOG_FILE, isolation_level=None)
+    try:  # the catalog as ckptd wrote it before memory-only checkpoints
+        db.execute("ALTER TABLE checkpoints DROP COLUMN memory_only")
+        db.execute("PRAGMA user_version = 5")
+    finally:
+        db.close()
+    (info,) = open_store().list("run")
+    assert info.ref.step == 4 and not info.memory_only
+    assert tier_states(info)["ssd"] == "COMMITTED"
+
+
 def test_a_catalog_of_another_schema_is_refused_in_one_line_and_rebuilt_once_moved_away(
     open_store: OpenStore, tmp_path: Path
 ) -> None:
@@ -105,7 +122,7 @@ def test_a_catalog_of_another_schema_is_refused_in_one_line_and_rebuilt_once_mov
         db.execute("PRAGMA user_version = 4")
     finally:
         db.close()
-    with pytest.raises(UserError, match=r"has catalog schema 4; this ckptd knows 5 \(move"):
+    with pytest.raises(UserError, match=r"has catalog schema 4; this ckptd knows 6 \(move"):
         open_store()
 
     for name in (CATALOG_FILE, f"{CATALOG_FILE}-wal", f"{CATALOG_FILE}-shm"):

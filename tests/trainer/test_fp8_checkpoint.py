@@ -3,35 +3,12 @@ gloo rank), so a resumed FP8 run continues bit for bit."""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 import torch
-import torch.distributed as dist
 from fp8_testing import TinyTrainer, tiny_model
 
-from ckptd.config import CkptdConfig
-from ckptd.server import RunningCkptd, start
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.digest import state_sha256
 from trainer.fp8 import Fp8Training
-
-
-@pytest.fixture
-def ckptd(tmp_path: Path) -> Iterator[RunningCkptd]:
-    """A ckptd on loopback and a one-rank process group, as the trainer runs with one rank."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    server = start(CkptdConfig(data_dir=tmp_path / "ckptd", listen="127.0.0.1:0"))
-    try:
-        yield server
-    finally:
-        server.stop(grace=1)
-        dist.destroy_process_group()
 
 
 def _run(address: str, recipe: str | None) -> tuple[TinyTrainer, Fp8Training | None, Checkpointer]:

@@ -38,7 +38,7 @@ SAMPLES: dict[str, options.Value] = {
 
 
 # Options that act only beside another (that one's sample joins the base job).
-NEEDS = {"document_masking": "data", "eval_every": "eval_data"}
+NEEDS = {"document_masking": "data", "eval_every": "eval_data", "mem_ckpt_every": "ckptd"}
 
 
 def base_of(o: Option) -> dict[str, options.Value]:
@@ -120,7 +120,9 @@ def test_scaletrain_run_and_chaos_pass_every_option_on_or_take_it_from_the_confi
             reached = "by the config file"
         job = cli._job(args, defaults)
         assert job[o.dest] == value, f"scaletrain {command} misses {o.flag} ({reached})"
-        passed = from_args(parser().parse_args(["--run-id", "r", *_handed_on(job)]))
+        # The launcher adds its run id and its stack's ckptd.
+        launched = ["--run-id", "r", "--ckptd", "127.0.0.1:1", *_handed_on(job)]
+        passed = from_args(parser().parse_args(launched))
         if not o.launcher:
             assert passed.job[o.dest] == value, f"scaletrain {command} drops {o.flag}"
 

@@ -1,11 +1,22 @@
 """Asynchronous checkpoints of the whole training state, saved to and restored from ckptd, and
 the policy of when to save and where to resume.
 
-A save blocks training only while the state is copied into reused host buffers (`HostStager`);
-a background thread then runs DCP with scaletrain's storage writer, on a process group of its own
-so its collectives never interleave with the training loop's. At most one save is in flight: a new
-request waits for it (policy "wait") or is skipped on every rank alike (policy "skip"). A
-background failure is never swallowed: `poll` hands it to the loop at the next step.
+A save copies the state into reused host buffers (`HostStager`) and a background thread runs DCP
+with scaletrain's storage writer, on a process group of its own so its collectives never
+interleave with the training loop's. The copy is lazy, as DataStates-LLM's: the model and
+optimizer state change only in the next optimizer step, so the background thread copies them
+while the next step's forward and backward run, and the loop waits for that copy only before the
+optimizer step (`wait_staged`, which `train_step` calls); the small parts that change before it
+(step, data loader, LR schedule, RNGs, FP8 histories) are copied at once. At most one save is in
+flight: a new durable request waits for it (policy "wait") or is skipped on every rank alike
+(policy "skip"). A background failure is never swallowed: `poll` hands it to the loop at the
+next step.
+
+Two kinds of save: durable every `every` steps and at the last (ckptd's memory, SSD and S3
+tiers), and with `mem_every` K a memory-only one every K-th step in between (ckptd keeps it in
+its node's memory and one peer's, and drops it once a newer durable step exists), so that a lost
+rank or node costs at most K steps. A memory save never stalls the loop: one due while the
+previous save still streams is skipped on every rank alike, whatever the policy.
 
 DCP serializes each tensor with `torch.save`, which by default computes a CRC-32 of every record
 of its zip format: a pass over every byte, under the GIL of the training process. ckptd already
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -43,7 +55,7 @@ from scaletrain.errors import ScaletrainError
 from scaletrain.v1 import checkpoint_pb2
 from trainer.checkpoint import rng
 from trainer.checkpoint.resume import ResumeRecords, check_config, check_offsets, latest_step
-from trainer.checkpoint.stager import HostStager
+from trainer.checkpoint.stager import HostStager, tensor_bytes
 from trainer.config import TrainConfig
 from trainer.data.loader import DeterministicLoader
 from trainer.fp8 import Fp8Training
@@ -67,11 +79,24 @@ class SavePolicy(enum.StrEnum):
     SKIP = "skip"
 
 
+class SaveKind(enum.StrEnum):
+    """Where a save goes: every tier of ckptd, or its memory only (see the module doc)."""
+
+    DURABLE = "durable"
+    MEMORY = "memory"
+
+
+# The parts of the state that change only in the optimizer step: staged in the background.
+_LAZY_PARTS = ("model", "optim")
+
+
 @dataclass(frozen=True)
 class SaveStarted:
     step: int
+    # The synchronous part: the small parts of the state, copied at once (module doc).
     blocking_s: float
     staged_bytes: int
+    kind: SaveKind = SaveKind.DURABLE
 
 
 @dataclass(frozen=True)
@@ -88,7 +113,8 @@ class SaveDone:
 
 class Checkpointer:
     """Saves this rank's part of the training state every `every` steps and at `last_step` (never
-    when `every` is 0), and restores it."""
+    when `every` is 0), memory-only every `mem_every` steps in between (never when 0), and
+    restores it."""
 
     def __init__(
         self,
@@ -105,9 +131,12 @@ class Checkpointer:
         config: str = "",
         every: int = 0,
         last_step: int = 0,
+        mem_every: int = 0,
     ) -> None:
         self.address, self.run_id = address, run_id
-        self.every, self.last_step = every, last_step
+        self.every, self.last_step, self.mem_every = every, last_step, mem_every
+        # Memory saves due and skipped because the previous save still streamed.
+        self.memory_due = self.memory_skipped = 0
         # The run's resolved job config (TOML), saved in every checkpoint for resume to compare.
         self.config = config
         self.model, self.optimizer = model, optimizer
@@ -123,6 +152,11 @@ class Checkpointer:
         self._stager = HostStager()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._inflight: Future[SaveDone] | None = None
+        # Set once the save in flight has copied the model and optimizer (`wait_staged`).
+        self._staged = threading.Event()
+        self._staged.set()
+        # The device copies of the lazy staging run on a stream of their own.
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._done: list[SaveDone] = []
 
     def _state(self, step: int) -> dict[str, Any]:
@@ -143,21 +177,80 @@ class Checkpointer:
             state["fp8"] = fp8_state
         return state
 
+    def kind(self, step: int) -> SaveKind | None:
+        """The save due after `step`: durable every `every` steps and at the last step,
+        memory-only every `mem_every` steps in between; None when none is."""
+        if self.every and (step % self.every == 0 or step == self.last_step):
+            return SaveKind.DURABLE
+        if self.mem_every and step % self.mem_every == 0:
+            return SaveKind.MEMORY
+        return None
+
     def should_save(self, step: int) -> bool:
-        """Whether the loop saves after `step`: every `every` steps, and the last step."""
-        return bool(self.every) and (step % self.every == 0 or step == self.last_step)
+        """Whether the loop saves after `step` (`kind`). A memory save due while the previous
+        save still streams on some rank is not: every rank decides it together (a collective,
+        at every step a memory save is due), so the loop never waits for one."""
+        kind = self.kind(step)
+        if kind is SaveKind.MEMORY:
+            self.memory_due += 1
+            if self._any_rank_busy():
+                self.memory_skipped += 1
+                return False
+        return kind is not None
 
     def save(self, step: int, labels: dict[str, str]) -> SaveStarted | None:
-        """Stage the state and start streaming it; None when skipped by policy (on every rank)."""
-        if self.policy is SavePolicy.SKIP and self._any_rank_busy():
+        """Copy the small parts of the state, start the background copy of the model and
+        optimizer and the streaming; None when skipped by policy (on every rank)."""
+        kind = self.kind(step) or SaveKind.DURABLE
+        if kind is SaveKind.DURABLE and self.policy is SavePolicy.SKIP and self._any_rank_busy():
             return None
         self._collect(block=True)
         start = time.perf_counter()
-        staged = self._stager.stage(self._state(step))
+        state = self._state(step)
+        lazy = {part: state.pop(part) for part in _LAZY_PARTS}
+        staged = self._stager.stage(state)
+        nbytes = self._stager.staged_bytes + tensor_bytes(lazy)
+        ready = None
+        if self._stream is not None:  # the copies wait for the optimizer step's kernels
+            ready = torch.cuda.Event()
+            ready.record()
+        self._staged.clear()
         blocking = time.perf_counter() - start
-        nbytes = self._stager.staged_bytes
-        self._inflight = self._executor.submit(self._write, staged, step, labels, blocking, nbytes)
-        return SaveStarted(step, blocking, nbytes)
+        self._inflight = self._executor.submit(
+            self._stage_and_write, staged, lazy, ready, step, labels, blocking, nbytes, kind
+        )
+        return SaveStarted(step, blocking, nbytes, kind)
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight has copied the model and optimizer state: the loop
+        calls it before anything changes that state (the next optimizer step, a restore)."""
+        self._staged.wait()
+
+    def _stage_and_write(
+        self,
+        staged: dict[str, Any],
+        lazy: dict[str, Any],
+        ready: torch.cuda.Event | None,
+        step: int,
+        labels: dict[str, str],
+        blocking: float,
+        nbytes: int,
+        kind: SaveKind,
+    ) -> SaveDone:
+        """The background half of a save: copy `lazy` (the model and optimizer) beside the
+        `staged` small parts, let the loop go on to its optimizer step, then stream it all."""
+        try:
+            if self._stream is not None and ready is not None:
+                self._stream.wait_event(ready)
+                with torch.cuda.stream(self._stream):
+                    staged |= self._stager.stage(lazy, self._stream)
+            else:
+                staged |= self._stager.stage(lazy)
+        except Exception as exc:  # the loop hears of it at the next poll, as of a failed write
+            return SaveDone(step, blocking, 0.0, nbytes, None, exc)
+        finally:
+            self._staged.set()  # the loop may change the live state from now on
+        return self._write(staged, step, labels, blocking, nbytes, kind)
 
     def _any_rank_busy(self) -> bool:
         busy = torch.tensor([int(self._inflight is not None and not self._inflight.done())])
@@ -175,11 +268,14 @@ class Checkpointer:
         labels: dict[str, str],
         blocking: float,
         nbytes: int,
+        kind: SaveKind,
     ) -> SaveDone:
         start = time.perf_counter()
+        memory_only = kind is SaveKind.MEMORY
         writer = CkptdStorageWriter(
-            self.address, self.run_id, step, labels=labels, replicas=self.replicas
-        )
+            self.address, self.run_id, step, labels=labels,
+            replicas=0 if memory_only else self.replicas, memory_only=memory_only,
+        )  # fmt: skip
         error: BaseException | None = None
         try:
             with _without_zip_crc32():
@@ -214,6 +310,12 @@ class Checkpointer:
         self._collect(block=True)
         self._executor.shutdown(wait=True)
         dist.destroy_process_group(self._group)
+        if self.memory_due and self.rank == 0:
+            print(
+                f"[trainer] memory checkpoints: {self.memory_skipped} of {self.memory_due} "
+                "skipped, the previous save still streaming (--mem-ckpt-every)",
+                flush=True,
+            )
 
     def load(self, step: int) -> dict[str, Any]:
         """Restore every part of the state saved at `step`; returns the `train` entry."""

@@ -13,6 +13,10 @@ device, so on a GPU mesh every staged buffer would be copied back into GPU memor
 The wrappers are kept with their buffers too: building a DTensor costs more than copying a small
 shard into it (a third of the staging time of a 600 MB state in 300 tensors), and the one built
 at the first save stays valid as long as its buffer and the live DTensor's spec do.
+
+Parts of a state may be staged by separate calls (the checkpointer stages the small parts at
+once and the model and optimizer from a background thread): buffers are kept by path, and the
+calls must not overlap.
 """
 
 from __future__ import annotations
@@ -24,6 +28,19 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
+def tensor_bytes(value: Any) -> int:
+    """The bytes `HostStager.stage` copies of `value` (a DTensor's local shard)."""
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(tensor_bytes(v) for v in value)
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return 0
+
+
 class HostStager:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -31,17 +48,22 @@ class HostStager:
         self._wrapped: dict[str, DTensor] = {}
         self.staged_bytes = 0
 
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+    def stage(
+        self, state: dict[str, Any], stream: torch.cuda.Stream | None = None
+    ) -> dict[str, Any]:
         """A copy of `state` whose tensors live in this stager's host buffers.
 
-        The copy is complete when this returns (device copies are synchronised), so the caller may
-        mutate `state` at once. The returned tensors are overwritten by the next `stage` call: the
-        caller must be done with them by then.
+        The copy is complete when this returns (device copies are synchronised: those on
+        `stream` if given, which the caller made current, else the whole device), so the caller
+        may mutate `state` at once. The returned tensors are overwritten by the next `stage` call
+        of the same paths: the caller must be done with them by then.
         """
         self.staged_bytes = 0
         with torch.no_grad():  # DTensor.to_local is then the local tensor itself, not a view
             staged = self._copy(state, "")
-        if torch.cuda.is_available():
+        if stream is not None:
+            stream.synchronize()
+        elif torch.cuda.is_available():
             torch.cuda.synchronize()
         return staged
 

@@ -127,9 +127,16 @@ class StepGuard:
     def enabled(self) -> bool:
         return self.policy != "off"
 
-    def run(self, step: int, body: Callable[[Attempt], Numbers]) -> Guarded[Numbers]:
-        """Run the step body for `step` (twice when it must be replayed) and apply the policy."""
-        at_rest_ok = self._verify_at_rest() if self.enabled else True
+    def run(
+        self,
+        step: int,
+        body: Callable[[Attempt], Numbers],
+        before_restore: Callable[[], None] = lambda: None,
+    ) -> Guarded[Numbers]:
+        """Run the step body for `step` (twice when it must be replayed) and apply the policy.
+        `before_restore()` is called before the state is restored ahead of the body (a change
+        at rest found): a lazy checkpoint copy of the state waits there."""
+        at_rest_ok = self._verify_at_rest(before_restore) if self.enabled else True
         first = Attempt(self, step, replay=False, at_rest_ok=at_rest_ok)
         first_numbers = body(first)
         first.finished(first_numbers)
@@ -185,7 +192,7 @@ class StepGuard:
             return "replayed", second.state
         return "kept", second.state
 
-    def _verify_at_rest(self) -> bool:
+    def _verify_at_rest(self, before_restore: Callable[[], None]) -> bool:
         """Whether the live state still is what the previous step left; a state changed in memory
         is restored from the copy (except under the alert policy)."""
         if not self._snapshot.captured:
@@ -194,6 +201,7 @@ class StepGuard:
         if self._snapshot.unchanged():
             return True
         if self.policy != "alert":
+            before_restore()
             self._snapshot.restore()
         return False
 

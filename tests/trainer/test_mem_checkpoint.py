@@ -1,0 +1,58 @@
+"""Memory checkpoints (--mem-ckpt-every) in the trainer's Checkpointer: when each kind of save
+is due, and the lazy copy of the state, which must be the state of its step bit for bit though
+the loop changes the live state as soon as `wait_staged` returns (a real ckptd, DCP, one gloo
+rank)."""
+
+from __future__ import annotations
+
+import torch
+from fp8_testing import TinyTrainer, tiny_model
+
+from ckptd.client import CkptdClient
+from trainer.checkpoint.checkpointer import Checkpointer, SaveKind
+from trainer.checkpoint.digest import state_sha256
+
+
+def _optimizer_digest(optimizer: torch.optim.Optimizer) -> str:
+    states = enumerate(optimizer.state.values())
+    return state_sha256({f"{i}.{k}": v.reshape(-1) for i, s in states for k, v in s.items()})
+
+
+def test_memory_saves_fill_the_steps_between_durable_ones_and_the_last_step_is_durable(ckptd):
+    model, _ = tiny_model(None)
+    trainer = TinyTrainer(model, steps=12)
+    saver = Checkpointer(ckptd.address, "kinds", model, trainer.optimizer, trainer.scheduler,
+                         trainer.loader, every=5, last_step=12, mem_every=2)  # fmt: skip
+    try:
+        kinds = {step: saver.kind(step) for step in range(1, 13)}
+        assert [s for s, k in kinds.items() if k is SaveKind.DURABLE] == [5, 10, 12]
+        assert [s for s, k in kinds.items() if k is SaveKind.MEMORY] == [2, 4, 6, 8]
+        assert [s for s in range(1, 13) if saver.should_save(s)] == [2, 4, 5, 6, 8, 10, 12]
+    finally:
+        saver.close()
+
+
+def test_a_lazy_memory_save_holds_its_steps_state_bitwise_though_training_goes_on_at_once(ckptd):
+    model, _ = tiny_model(None)
+    trainer = TinyTrainer(model, steps=8)
+    saver = Checkpointer(ckptd.address, "lazy", model, trainer.optimizer, trainer.scheduler,
+                         trainer.loader, every=0, last_step=8, mem_every=1)  # fmt: skip
+    trainer.step(), trainer.step()
+    expected = state_sha256(model.state_dict()), _optimizer_digest(trainer.optimizer)
+    sample = trainer.loader.offset()
+    started = saver.save(2, labels={})
+    assert started is not None and started.kind is SaveKind.MEMORY
+    saver.wait_staged()  # what train_step waits for before its optimizer step
+    straight = [trainer.step() for _ in range(2)]
+    done = saver.finish()
+    assert [d.error for d in done] == [None] and done[0].info is not None
+    assert done[0].info.memory_only
+    with CkptdClient(ckptd.address) as client:
+        latest = client.get("lazy")
+    assert (latest.ref.step, latest.memory_only) == (2, True)
+
+    saver.load(2)
+    assert (state_sha256(model.state_dict()), _optimizer_digest(trainer.optimizer)) == expected
+    assert trainer.loader.offset() == sample
+    assert [trainer.step() for _ in range(2)] == straight
+    saver.close()
