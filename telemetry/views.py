@@ -579,7 +579,8 @@ def _recovery_row(at: datetime, attributes: dict[str, str]) -> list[Any]:
         number("detected_at") - injected, first, number("first_step_at") - injected,
         number("mttr_s"), int(attributes.get("steps_lost") or 0),
         json.loads(attributes.get("restored_from") or "{}"), attributes.get("spare") == "true",
-        attributes.get("in_job") == "true", number("badput_s"), min(resumed, step), max(step, first or step),
+        attributes.get("in_job") == "true", number("badput_s"), min(resumed, step),
+        max(step, first or step),
     ]  # fmt: skip
 
 
