@@ -769,14 +769,18 @@ class Drill:
     # -- what is committed -----------------------------------------------------------------------
 
     def _watch_checkpoints(self) -> None:
-        """Remember every checkpoint seen committed (whole, on some tier) while the job runs."""
+        """Remember every durable checkpoint seen committed (whole, on some tier) while the job
+        runs. A memory-only one (--mem-ckpt-every) is meant to go: ckptd drops it once a newer
+        durable step commits, and it never survives its holders."""
         while not self._done.wait(0.5):
             with (
                 contextlib.suppress(ScaletrainError),
                 CkptdClient(self.stack.ckptd_address) as client,
             ):
                 self.committed |= {
-                    c.ref.step for c in _intact(client.list(self.run_id, nodes=True))
+                    c.ref.step
+                    for c in _intact(client.list(self.run_id, nodes=True))
+                    if not c.memory_only
                 }
 
 
