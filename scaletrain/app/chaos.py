@@ -571,20 +571,39 @@ class Drill:
     def _corrupt_shard(self, fault: Fault) -> tuple[str, str]:
         attempts = self.tap.attempts
         rank, pid = self._victim(fault)
-        os.kill(pid, signal.SIGKILL)
-        # The checkpoint the job will resume from, once S3 holds the good copy to fall back on.
-        latest = _committed(wait_on_s3(self.stack.ckptd_address, self.run_id))
-        step = max(c.ref.step for c in latest)
-        # node0's first shard: rank 0's, which node0's ranks wrote.
-        shard = min((ssd_dir(self.stack.workdir) / self.run_id / str(step)).glob("__*.distcp"))
-        with shard.open("r+b") as f:
-            f.seek(shard.stat().st_size // 2)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0xFF]))
-        self.stack.service("ckptd").kill()
-        self.stack.restart_service("ckptd")
-        detail = f"damaged {shard.name} of step {step} on SSD, ckptd restarted, rank {rank} killed"
+        # Frozen, the job saves nothing newer and restarts nothing before the damage is done
+        # (an in-job restart would resume within a second).
+        frozen = list(self.job.rank_pids().values()) if self.job is not None else [pid]
+        for other in frozen:
+            os.kill(other, signal.SIGSTOP)
+        try:
+            # The checkpoint the job will resume from, once S3 holds the good copy to fall
+            # back on.
+            latest = _committed(wait_on_s3(self.stack.ckptd_address, self.run_id))
+            step = max(c.ref.step for c in latest)
+            # node0's first shard: rank 0's, which node0's ranks wrote.
+            shard = min((ssd_dir(self.stack.workdir) / self.run_id / str(step)).glob("__*.distcp"))
+            with shard.open("r+b") as f:
+                f.seek(shard.stat().st_size // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            self.stack.service("ckptd").kill()
+            self.stack.restart_service("ckptd")
+            # The ranks' own copies of their last step would spare the restore any read of
+            # ckptd.
+            from trainer.checkpoint.own_copy import remove_copies  # it loads torch; chaos not
+
+            remove_copies(self.run_id)
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            for other in frozen:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(other, signal.SIGCONT)
+        detail = (
+            f"damaged {shard.name} of step {step} on SSD, ckptd restarted, the ranks' own "
+            f"copies dropped, rank {rank} killed"
+        )
         return "ssd", detail + self._await_restart(attempts)
 
     def _kill_telemetry(self, fault: Fault) -> tuple[str, str]:
@@ -838,8 +857,9 @@ FAULTS: dict[str, FaultKind] = {
         detected_by=_SAVE_FAILED,
     ),
     "corrupt-shard": FaultKind(
-        "SIGKILL a rank, damage one shard of the latest checkpoint on SSD and restart ckptd (its "
-        "memory tier gone), so that the resume must find the damage and read the S3 copy.",
+        "Freeze the ranks, damage one shard of the latest checkpoint on SSD, restart ckptd (its "
+        "memory tier gone), drop the ranks' own copies, then SIGKILL a rank, so that the resume "
+        "must find the damage and read the S3 copy.",
         Drill._corrupt_shard,
         restarts=True,
     ),

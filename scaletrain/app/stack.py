@@ -650,6 +650,11 @@ class Job:
             agent = self.agent(node)
         ranks = descendants(agent.pid)
         _kill_agent(agent)
+        # The machine's memory goes with it: its ranks' own copies too (they load torch, which
+        # the stack does not).
+        from trainer.checkpoint.own_copy import remove_copies
+
+        remove_copies(self.run_id, node_name(node))
         return [agent.pid, *ranks]
 
     def wait(self) -> int:

@@ -54,11 +54,13 @@ from ckptd.readpath import describe_sources
 from scaletrain.errors import ScaletrainError
 from scaletrain.v1 import checkpoint_pb2
 from trainer.checkpoint import rng
+from trainer.checkpoint.own_copy import OWN_MEMORY, OwnCopy, Unusable, copy_dir
 from trainer.checkpoint.resume import ResumeRecords, check_config, check_offsets, latest_step
 from trainer.checkpoint.stager import HostStager, tensor_bytes
 from trainer.config import TrainConfig
 from trainer.data.loader import DeterministicLoader
 from trainer.fp8 import Fp8Training
+from trainer.reporting import rank_host
 
 
 @contextlib.contextmanager
@@ -149,7 +151,10 @@ class Checkpointer:
         self.rank = dist.get_rank()
         # Background saves run their collectives here, never on the training loop's group.
         self._group = dist.new_group(backend="gloo", timeout=timeout)
-        self._stager = HostStager()
+        # The rank's own copy of its last staged step, which outlives this process (own_copy).
+        own_dir = copy_dir(run_id, rank_host(), self.rank)
+        self._own = OwnCopy(own_dir) if own_dir is not None else None
+        self._stager = HostStager(self._own.allocate if self._own is not None else None)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._inflight: Future[SaveDone] | None = None
         # Set once the save in flight has copied the model and optimizer (`wait_staged`).
@@ -206,6 +211,8 @@ class Checkpointer:
             return None
         self._collect(block=True)
         start = time.perf_counter()
+        if self._own is not None:
+            self._own.invalidate()  # the buffers are about to hold another step
         state = self._state(step)
         lazy = {part: state.pop(part) for part in _LAZY_PARTS}
         staged = self._stager.stage(state)
@@ -246,6 +253,8 @@ class Checkpointer:
                     staged |= self._stager.stage(lazy, self._stream)
             else:
                 staged |= self._stager.stage(lazy)
+            if self._own is not None:
+                self._own.seal(step, staged, self._stager.buffers)
         except Exception as exc:  # the loop hears of it at the next poll, as of a failed write
             return SaveDone(step, blocking, 0.0, nbytes, None, exc)
         finally:
@@ -310,6 +319,8 @@ class Checkpointer:
         self._collect(block=True)
         self._executor.shutdown(wait=True)
         dist.destroy_process_group(self._group)
+        if self._own is not None:
+            self._own.remove()  # the run's last step is committed: nothing to restart from
         if self.memory_due and self.rank == 0:
             print(
                 f"[trainer] memory checkpoints: {self.memory_skipped} of {self.memory_due} "
@@ -318,8 +329,54 @@ class Checkpointer:
             )
 
     def load(self, step: int) -> dict[str, Any]:
-        """Restore every part of the state saved at `step`; returns the `train` entry."""
+        """Restore every part of the state saved at `step`; returns the `train` entry. From every
+        rank's own copy when all of them hold `step` intact, else from ckptd."""
         state = self._state(step)
+        own = self._restore_own(step, state)
+        if own is not None:
+            state = own
+        else:
+            self._read(step, state)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        train = state["train"]
+        self.scheduler.load_state_dict(train["scheduler"])
+        self.loader.load_state_dict(train["loader"])
+        if "rng" in state:
+            rng.restore(state["rng"][rng.key(self.rank)])
+        if "fp8" in state:
+            self.fp8.load_state_dict(state["fp8"])
+        return train
+
+    def _restore_own(self, step: int, state: dict[str, Any]) -> dict[str, Any] | None:
+        """`state` filled from this rank's own copy of `step`, if every rank's is intact (a
+        collective: DCP's load from ckptd is one too, so all ranks take the same path); None
+        otherwise. A copy that fails a check is never loaded, and its rank says why."""
+        filled, copied, why = None, 0, "no shared memory here"
+        if self._own is not None:
+            try:
+                filled, copied = self._own.restore_into(step, state)
+            except Unusable as exc:
+                why = str(exc)
+                if "CRC" in why or "layout" in why:
+                    print(
+                        f"[trainer] rank {self.rank}: its own copy of step {step} is not used: "
+                        f"{why}; every rank reads ckptd",
+                        flush=True,
+                    )
+        intact = torch.tensor([int(filled is not None)])
+        dist.all_reduce(intact, op=dist.ReduceOp.MIN, group=self._group)
+        if not intact.item():
+            return None
+        self.restored_from = _summed({f"{OWN_MEMORY}@{rank_host()}": copied}, self._group)
+        return filled
+
+    def _read(self, step: int, state: dict[str, Any]) -> None:
+        """Fill `state` in place with checkpoint `step` from ckptd (DCP, resharding)."""
         reader = CkptdStorageReader(self.address, self.run_id, step)
         try:
             saved_keys = reader.read_metadata().state_dict_metadata
@@ -338,20 +395,6 @@ class Checkpointer:
         finally:
             reader.close()
         self.restored_from = _summed(reader.client.served, self._group)
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
-        train = state["train"]
-        self.scheduler.load_state_dict(train["scheduler"])
-        self.loader.load_state_dict(train["loader"])
-        if "rng" in state:
-            rng.restore(state["rng"][rng.key(self.rank)])
-        if "fp8" in state:
-            self.fp8.load_state_dict(state["fp8"])
-        return train
 
     def resume(self, cfg: TrainConfig, records: ResumeRecords) -> int:
         """Restore the run's latest committed checkpoint and return its step (0: the run has

@@ -22,6 +22,7 @@ calls must not overlap.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,12 +42,24 @@ def tensor_bytes(value: Any) -> int:
     return 0
 
 
+# Allocates the buffer of a stager path (shape, dtype), or declines with None.
+Allocate = Callable[[str, torch.Size, torch.dtype], torch.Tensor | None]
+
+
 class HostStager:
-    def __init__(self) -> None:
+    def __init__(self, allocate: Allocate | None = None) -> None:
+        """`allocate`: where CPU buffers come from (the rank's own copy, in shared memory), when
+        it gives one; else, and for device tensors (pinned), ordinary host memory."""
+        self._allocate = allocate
         self._buffers: dict[str, torch.Tensor] = {}
         # path -> the DTensor over that path's buffer, with the spec it was built from.
         self._wrapped: dict[str, DTensor] = {}
         self.staged_bytes = 0
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer, by path (a path is a state's keys joined with dots, led by one)."""
+        return self._buffers
 
     def stage(
         self, state: dict[str, Any], stream: torch.cuda.Stream | None = None
@@ -87,12 +100,13 @@ class HostStager:
         tensor = tensor.detach()
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(
-                tensor.shape,
-                dtype=tensor.dtype,
-                device="cpu",
-                pin_memory=tensor.is_cuda,
-            )
+            buffer = None
+            if self._allocate is not None and not tensor.is_cuda:
+                buffer = self._allocate(path, tensor.shape, tensor.dtype)
+            if buffer is None:
+                buffer = torch.empty(
+                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda
+                )
             self._buffers[path] = buffer
         buffer.copy_(tensor, non_blocking=tensor.is_cuda)
         self.staged_bytes += buffer.numel() * buffer.element_size()

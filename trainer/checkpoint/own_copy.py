@@ -1,0 +1,179 @@
+"""The rank's own copy of its last staged step, in shared memory that outlives the rank's process.
+
+Every save stages the rank's state into host buffers before streaming it to ckptd
+(`HostStager`). Here those buffers are files in /dev/shm: when the rank's process dies, a killed
+rank or one its keeper stopped (`trainer.keeper`), or every rank of a node restarted cold by
+torchrun, the buffers stay in the node's memory, and the rank that takes its place on the same
+node restores from them without reading ckptd at all. A lost node takes its copies with it; its
+ranks read from ckptd and its peers.
+
+A copy is trusted only when sealed: after a staging completes, a manifest records its step, the
+non-tensor parts, and a CRC-32 of every buffer; it is removed before the next staging starts
+overwriting them. A restore checks the step, that the layout is the live state's, and every CRC.
+A copy that fails any of them is never loaded: the restore reads ckptd instead, and says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import shutil
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+# Where the copies live: memory that outlives processes (a tmpfs).
+SHM_ROOT = Path("/dev/shm")
+_MANIFEST = "manifest.pkl"
+# What a restore from it read, in `Checkpointer.restored_from` ("own memory@node0").
+OWN_MEMORY = "own memory"
+
+
+class Unusable(Exception):
+    """The copy cannot be restored (missing, another step, another layout, a failed CRC)."""
+
+
+@dataclass(frozen=True)
+class _Buffer:
+    """A tensor of the sealed state: the file of its buffer and that buffer's CRC-32."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    crc: int
+
+
+def copy_dir(run_id: str, host: str, rank: int) -> Path | None:
+    """The directory of rank `rank`'s copy on `host` (None where no /dev/shm exists)."""
+    if not SHM_ROOT.is_dir():
+        return None
+    return SHM_ROOT / "scaletrain" / run_id / host / f"rank{rank}"
+
+
+def host_dir(run_id: str, host: str) -> Path:
+    """Every rank's copy on `host`: what a lost machine takes with it."""
+    return SHM_ROOT / "scaletrain" / run_id / host
+
+
+class OwnCopy:
+    """Allocates the stager's buffers as shared-memory files, seals and restores them."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._names: dict[str, str] = {}  # stager path -> file name
+        self.enabled = True
+
+    def allocate(self, path: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+        """A buffer for stager path `path` backed by a file here; None when the tmpfs has no
+        room for it (twice its size left), and from then on for every buffer: the copy is off."""
+        nbytes = shape.numel() * dtype.itemsize
+        if not self.enabled or nbytes == 0:
+            return None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(self.directory).free < 2 * nbytes:
+            self.enabled = False
+            return None
+        name = self._names.setdefault(path, f"{len(self._names)}.bin")
+        (self.directory / name).unlink(missing_ok=True)
+        flat = torch.from_file(
+            str(self.directory / name), shared=True, size=shape.numel(), dtype=dtype
+        )
+        return flat.view(shape)
+
+    def invalidate(self) -> None:
+        """The buffers are about to be overwritten: the copy is no longer any step's."""
+        (self.directory / _MANIFEST).unlink(missing_ok=True)
+
+    def seal(self, step: int, staged: dict[str, Any], buffers: dict[str, torch.Tensor]) -> None:
+        """Record that `staged` (whose tensors are `buffers`, by stager path) holds `step`."""
+        if not self.enabled or any(
+            path not in self._names and buffer.numel() for path, buffer in buffers.items()
+        ):
+            return  # some buffer is not in shared memory
+        skeleton = _skeleton(staged, "", buffers, self._names)
+        temp = self.directory / f"{_MANIFEST}.tmp"
+        temp.write_bytes(pickle.dumps((step, skeleton)))
+        temp.rename(self.directory / _MANIFEST)
+
+    def restore_into(self, step: int, state: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """`state` (the live state's tree, `Checkpointer._state`) filled from the copy of `step`:
+        tensors copied in place, the other parts the copy's; and the bytes copied. Raises
+        Unusable, naming why, when the copy is not `step`'s or fails a check."""
+        try:
+            sealed, skeleton = pickle.loads((self.directory / _MANIFEST).read_bytes())
+        except (OSError, pickle.UnpicklingError, ValueError) as exc:
+            raise Unusable(f"no sealed copy ({type(exc).__name__})") from None
+        if sealed != step:
+            raise Unusable(f"it holds step {sealed}")
+        copied = [0]
+        filled = _fill(state, skeleton, "", self.directory, copied)
+        return filled, copied[0]
+
+    def remove(self) -> None:
+        """Free the copy (the run ended)."""
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.directory)
+
+
+def _skeleton(
+    value: Any, path: str, buffers: dict[str, torch.Tensor], names: dict[str, str]
+) -> Any:
+    """`value` with each tensor replaced by its `_Buffer` (stager paths, as HostStager walks)."""
+    if isinstance(value, dict):
+        return {k: _skeleton(v, f"{path}.{k}", buffers, names) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_skeleton(v, f"{path}.{i}", buffers, names) for i, v in enumerate(value)]
+    if isinstance(value, DTensor | torch.Tensor):
+        buffer = buffers[path]
+        return _Buffer(names.get(path, ""), buffer.dtype, tuple(buffer.shape), _crc(buffer))
+    return value
+
+
+def _fill(live: Any, saved: Any, path: str, directory: Path, copied: list[int]) -> Any:
+    if isinstance(live, dict):
+        if not isinstance(saved, dict) or set(saved) != set(live):
+            raise Unusable(f"its layout differs at {path or 'the top'}")
+        return {k: _fill(live[k], saved[k], f"{path}.{k}", directory, copied) for k in live}
+    if isinstance(live, list):
+        if not isinstance(saved, list) or len(saved) != len(live):
+            raise Unusable(f"its layout differs at {path}")
+        pairs = enumerate(zip(live, saved, strict=True))
+        return [_fill(v, s, f"{path}.{i}", directory, copied) for i, (v, s) in pairs]
+    if isinstance(live, DTensor | torch.Tensor):
+        target = live.to_local() if isinstance(live, DTensor) else live
+        if not isinstance(saved, _Buffer) or (saved.dtype, saved.shape) != (
+            target.dtype,
+            tuple(target.shape),
+        ):
+            raise Unusable(f"its layout differs at {path}")
+        numel = target.numel()
+        if not numel:
+            return live
+        buffer = torch.from_file(
+            str(directory / saved.name), shared=False, size=numel, dtype=saved.dtype
+        ).view(saved.shape)
+        if _crc(buffer) != saved.crc:
+            raise Unusable(f"{path} fails its CRC-32")
+        with torch.no_grad():
+            target.copy_(buffer)
+        copied[0] += numel * saved.dtype.itemsize
+        return live
+    return saved
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    """CRC-32 of a contiguous CPU tensor's bytes (zlib releases the GIL over big buffers)."""
+    if not tensor.numel():
+        return 0
+    return zlib.crc32(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+
+
+def remove_copies(run_id: str, host: str = "") -> None:
+    """Drop every copy of `run_id` that `host` holds (a simulated machine lost: its memory goes
+    with it), or with no host, every copy of the run on this machine."""
+    with contextlib.suppress(OSError):
+        shutil.rmtree(host_dir(run_id, host) if host else host_dir(run_id, "").parent)
