@@ -114,9 +114,12 @@ class OwnCopy:
         return filled, copied[0]
 
     def remove(self) -> None:
-        """Free the copy (the run ended)."""
+        """Free the copy (the run ended), and the run's directories once the last one is gone."""
         with contextlib.suppress(OSError):
             shutil.rmtree(self.directory)
+        with contextlib.suppress(OSError):  # not empty yet: another rank's copy is still there
+            self.directory.parent.rmdir()
+            self.directory.parent.parent.rmdir()
 
 
 def _skeleton(
