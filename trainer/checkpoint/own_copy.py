@@ -82,6 +82,9 @@ class OwnCopy:
         flat = torch.from_file(
             str(self.directory / name), shared=True, size=shape.numel(), dtype=dtype
         )
+        # Touched now, so that the tmpfs counts its pages before the next buffer asks for room
+        # (an untouched page it cannot back later would be a SIGBUS, not an error).
+        flat.zero_()
         return flat.view(shape)
 
     def invalidate(self) -> None:
