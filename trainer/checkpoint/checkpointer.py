@@ -222,11 +222,11 @@ class Checkpointer:
             ready = torch.cuda.Event()
             ready.record()
         self._staged.clear()
-        blocking = time.perf_counter() - start
+        started = SaveStarted(step, time.perf_counter() - start, nbytes, kind)
         self._inflight = self._executor.submit(
-            self._stage_and_write, staged, lazy, ready, step, labels, blocking, nbytes, kind
+            self._stage_and_write, staged, lazy, ready, started, labels
         )
-        return SaveStarted(step, blocking, nbytes, kind)
+        return started
 
     def wait_staged(self) -> None:
         """Block until the save in flight has copied the model and optimizer state: the loop
@@ -238,11 +238,8 @@ class Checkpointer:
         staged: dict[str, Any],
         lazy: dict[str, Any],
         ready: torch.cuda.Event | None,
-        step: int,
+        started: SaveStarted,
         labels: dict[str, str],
-        blocking: float,
-        nbytes: int,
-        kind: SaveKind,
     ) -> SaveDone:
         """The background half of a save: copy `lazy` (the model and optimizer) beside the
         `staged` small parts, let the loop go on to its optimizer step, then stream it all."""
@@ -254,12 +251,12 @@ class Checkpointer:
             else:
                 staged |= self._stager.stage(lazy)
             if self._own is not None:
-                self._own.seal(step, staged, self._stager.buffers)
+                self._own.seal(started.step, staged, self._stager.buffers)
         except Exception as exc:  # the loop hears of it at the next poll, as of a failed write
-            return SaveDone(step, blocking, 0.0, nbytes, None, exc)
+            return SaveDone(started.step, started.blocking_s, 0.0, started.staged_bytes, None, exc)
         finally:
             self._staged.set()  # the loop may change the live state from now on
-        return self._write(staged, step, labels, blocking, nbytes, kind)
+        return self._write(staged, started, labels)
 
     def _any_rank_busy(self) -> bool:
         busy = torch.tensor([int(self._inflight is not None and not self._inflight.done())])
@@ -273,14 +270,11 @@ class Checkpointer:
     def _write(
         self,
         staged: dict[str, Any],
-        step: int,
+        started: SaveStarted,
         labels: dict[str, str],
-        blocking: float,
-        nbytes: int,
-        kind: SaveKind,
     ) -> SaveDone:
-        start = time.perf_counter()
-        memory_only = kind is SaveKind.MEMORY
+        start, step = time.perf_counter(), started.step
+        memory_only = started.kind is SaveKind.MEMORY
         writer = CkptdStorageWriter(
             self.address, self.run_id, step, labels=labels,
             replicas=0 if memory_only else self.replicas, memory_only=memory_only,
@@ -297,7 +291,8 @@ class Checkpointer:
         finally:
             writer.close()
         info = writer.committed if error is None else None
-        return SaveDone(step, blocking, time.perf_counter() - start, nbytes, info, error)
+        background = time.perf_counter() - start
+        return SaveDone(step, started.blocking_s, background, started.staged_bytes, info, error)
 
     def _collect(self, block: bool) -> None:
         if self._inflight is not None and (block or self._inflight.done()):
