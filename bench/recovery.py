@@ -38,8 +38,9 @@ IN_JOB_KINDS = ("kill-rank", "stop-rank")
 COLD = ["--in-job-restarts", "0"]
 # The node faults again, with a hot spare.
 SPARE_KINDS = ("kill-node", "kill-node-mid-save")
-# The tiers a restore reads from, as the recovery records name them.
-TIERS = ("memory", "SSD", "S3")
+# What a restore reads from, as the recovery records name it: the ranks' own copies, then
+# ckptd's tiers.
+TIERS = ("own memory", "memory", "SSD", "S3")
 
 
 def drill(
