@@ -110,6 +110,8 @@ def keep(train: Callable[[], int], restarts: int) -> int:
                 _wait_done(store, f"{attempt}/done", world)
         return code
     except dist.DistError as exc:
+        if stop.is_set():  # the agent is stopping the attempt: its store may go first
+            return FAILED_EXIT_CODE
         print(
             f"[keeper] rank {rank}: the job's store is lost ({exc}); the agent restarts the job",
             flush=True,

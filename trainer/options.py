@@ -625,7 +625,7 @@ OPTIONS: tuple[Option, ...] = (
         "in_job_restarts",
         "health",
         int,
-        3,
+        10,
         "times a failed rank is restarted inside the job (every rank forked again by the process "
         "that keeps it, no new interpreter) before torchrun's agent restarts the job cold (0: off)",
         minimum=0,
