@@ -94,7 +94,10 @@ def keep(train: Callable[[], int], restarts: int) -> int:
     the job, at most `restarts` times; returns what the keeper exits with (the rank's code)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _die_with_parent()  # a lost agent (a lost machine) takes its keepers with it
-    attempt = f"scaletrain/attempt-{restart_count()}"
+    # torchrun's agent keeps its store across its restarts: each attempt meets under a prefix
+    # of its own. Else every attempt has a store of its own, and the agents may count their
+    # restarts differently (a replaced node's starts again at 0): no attempt in the prefix.
+    attempt = f"scaletrain/attempt-{restart_count()}" if agent_store() else "scaletrain"
     host = _host_store() if rank == 0 and not agent_store() else None
     stop = _stop_on_termination()
     try:

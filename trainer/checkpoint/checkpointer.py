@@ -113,6 +113,14 @@ class SaveDone:
     error: BaseException | None = None
 
 
+class _Slot:
+    """A set of staging buffers and the own copy they make (None: no shared memory here)."""
+
+    def __init__(self, own: OwnCopy | None) -> None:
+        self.own = own
+        self.stager = HostStager(own.allocate if own is not None else None)
+
+
 class Checkpointer:
     """Saves this rank's part of the training state every `every` steps and at `last_step` (never
     when `every` is 0), memory-only every `mem_every` steps in between (never when 0), and
@@ -151,10 +159,17 @@ class Checkpointer:
         self.rank = dist.get_rank()
         # Background saves run their collectives here, never on the training loop's group.
         self._group = dist.new_group(backend="gloo", timeout=timeout)
-        # The rank's own copy of its last staged step, which outlives this process (own_copy).
+        # Staging buffers, each set also the rank's own copy of the step it holds, which
+        # outlives this process (own_copy). On CPU two sets take turns, so that while a save
+        # streams the copy of the step before it, likely the latest committed, stays whole; on
+        # a GPU the buffers are pinned host memory, no copy: one set.
         own_dir = copy_dir(run_id, rank_host(), self.rank)
-        self._own = OwnCopy(own_dir) if own_dir is not None else None
-        self._stager = HostStager(self._own.allocate if self._own is not None else None)
+        sets = 1 if own_dir is None or torch.cuda.is_available() else 2
+        self._slots = [
+            _Slot(OwnCopy(own_dir / f"slot{i}") if own_dir is not None else None)
+            for i in range(sets)
+        ]
+        self._saves = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._inflight: Future[SaveDone] | None = None
         # Set once the save in flight has copied the model and optimizer (`wait_staged`).
@@ -211,12 +226,14 @@ class Checkpointer:
             return None
         self._collect(block=True)
         start = time.perf_counter()
-        if self._own is not None:
-            self._own.invalidate()  # the buffers are about to hold another step
+        slot = self._slots[self._saves % len(self._slots)]
+        self._saves += 1
+        if slot.own is not None:
+            slot.own.invalidate()  # its buffers are about to hold another step
         state = self._state(step)
         lazy = {part: state.pop(part) for part in _LAZY_PARTS}
-        staged = self._stager.stage(state)
-        nbytes = self._stager.staged_bytes + tensor_bytes(lazy)
+        staged = slot.stager.stage(state)
+        nbytes = slot.stager.staged_bytes + tensor_bytes(lazy)
         ready = None
         if self._stream is not None:  # the copies wait for the optimizer step's kernels
             ready = torch.cuda.Event()
@@ -224,7 +241,7 @@ class Checkpointer:
         self._staged.clear()
         started = SaveStarted(step, time.perf_counter() - start, nbytes, kind)
         self._inflight = self._executor.submit(
-            self._stage_and_write, staged, lazy, ready, started, labels
+            self._stage_and_write, slot, staged, lazy, ready, started, labels
         )
         return started
 
@@ -235,6 +252,7 @@ class Checkpointer:
 
     def _stage_and_write(
         self,
+        slot: _Slot,
         staged: dict[str, Any],
         lazy: dict[str, Any],
         ready: torch.cuda.Event | None,
@@ -247,11 +265,11 @@ class Checkpointer:
             if self._stream is not None and ready is not None:
                 self._stream.wait_event(ready)
                 with torch.cuda.stream(self._stream):
-                    staged |= self._stager.stage(lazy, self._stream)
+                    staged |= slot.stager.stage(lazy, self._stream)
             else:
-                staged |= self._stager.stage(lazy)
-            if self._own is not None:
-                self._own.seal(started.step, staged, self._stager.buffers)
+                staged |= slot.stager.stage(lazy)
+            if slot.own is not None:
+                slot.own.seal(started.step, staged, slot.stager.buffers)
         except Exception as exc:  # the loop hears of it at the next poll, as of a failed write
             return SaveDone(started.step, started.blocking_s, 0.0, started.staged_bytes, None, exc)
         finally:
@@ -314,8 +332,9 @@ class Checkpointer:
         self._collect(block=True)
         self._executor.shutdown(wait=True)
         dist.destroy_process_group(self._group)
-        if self._own is not None:
-            self._own.remove()  # the run's last step is committed: nothing to restart from
+        for slot in self._slots:
+            if slot.own is not None:
+                slot.own.remove()  # the run's last step is committed: nothing to restart from
         if self.memory_due and self.rank == 0:
             print(
                 f"[trainer] memory checkpoints: {self.memory_skipped} of {self.memory_due} "
@@ -351,16 +370,16 @@ class Checkpointer:
         """`state` filled from this rank's own copy of `step`, if every rank's is intact (a
         collective: DCP's load from ckptd is one too, so all ranks take the same path); None
         otherwise. A copy that fails a check is never loaded, and its rank says why."""
-        filled, copied, why = None, 0, "no shared memory here"
-        if self._own is not None:
+        filled, copied = None, 0
+        for own in (slot.own for slot in self._slots if slot.own is not None):
             try:
-                filled, copied = self._own.restore_into(step, state)
+                filled, copied = own.restore_into(step, state)
+                break
             except Unusable as exc:
-                why = str(exc)
-                if "CRC" in why or "layout" in why:
+                if "CRC" in str(exc) or "layout" in str(exc):
                     print(
                         f"[trainer] rank {self.rank}: its own copy of step {step} is not used: "
-                        f"{why}; every rank reads ckptd",
+                        f"{exc}; restoring from another copy",
                         flush=True,
                     )
         intact = torch.tensor([int(filled is not None)])

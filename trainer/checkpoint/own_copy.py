@@ -48,7 +48,7 @@ class _Buffer:
 
 
 def copy_dir(run_id: str, host: str, rank: int) -> Path | None:
-    """The directory of rank `rank`'s copy on `host` (None where no /dev/shm exists)."""
+    """The directory of rank `rank`'s copies on `host` (None where no /dev/shm exists)."""
     if not SHM_ROOT.is_dir():
         return None
     return SHM_ROOT / "scaletrain" / run_id / host / f"rank{rank}"
@@ -120,9 +120,11 @@ class OwnCopy:
         """Free the copy (the run ended), and the run's directories once the last one is gone."""
         with contextlib.suppress(OSError):
             shutil.rmtree(self.directory)
-        with contextlib.suppress(OSError):  # not empty yet: another rank's copy is still there
-            self.directory.parent.rmdir()
-            self.directory.parent.parent.rmdir()
+        with contextlib.suppress(OSError):  # not empty yet: another copy is still there
+            for parent in self.directory.parents:
+                if parent == SHM_ROOT / "scaletrain":
+                    break
+                parent.rmdir()
 
 
 def _skeleton(
