@@ -25,8 +25,10 @@ def processes_mentioning(text: str) -> list[str]:
 
 
 def trainer_pids(run_id: str) -> dict[int, int]:
-    """RANK -> pid of the trainer processes of `run_id` (torchrun's workers, not its agent)."""
-    pids = {}
+    """RANK -> pid of the process that trains as that rank in `run_id`: torchrun's worker, or
+    under a keeper (`--in-job-restarts`, trainer.keeper) the worker's fork."""
+    pids: dict[int, int] = {}
+    parents: dict[int, int] = {}
     for proc in Path("/proc").iterdir():
         try:
             argv = _argv(proc)
@@ -39,8 +41,12 @@ def trainer_pids(run_id: str) -> dict[int, int]:
                 for item in (proc / "environ").read_bytes().split(b"\0")
                 if b"=" in item
             )
-        except OSError:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
         if b"RANK" in env:
-            pids[int(env[b"RANK"])] = int(proc.name)
+            rank, pid = int(env[b"RANK"]), int(proc.name)
+            # The keeper and its fork share a command line: the fork is the keeper's child.
+            if rank not in pids or parents[rank] != pid:
+                pids[rank], parents[rank] = pid, parent
     return pids

@@ -116,10 +116,11 @@ def _wait_committed(address: str, run_id: str, step: int) -> None:
 
 def run_and_kill(workdir: Path, kill_after: int, victim: int, *args: str) -> str:
     """Start a run; once step `kill_after` is done and the checkpoint of step EVERY committed,
-    SIGKILL rank `victim` in the middle of the next step. Returns the run's log."""
+    SIGKILL rank `victim` in the middle of the next step. Returns the run's log. Without in-job
+    restarts the run fails then (--max-restarts 0), to be started again."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--json",
-         "--log-every", "1", *args],
+         "--log-every", "1", "--in-job-restarts", "0", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
