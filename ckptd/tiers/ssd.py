@@ -16,6 +16,7 @@ from the disk. Crash safety comes from the layout, not from bookkeeping:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -151,7 +152,11 @@ class IncomingFile:
             os.close(self._fd)
             self._fd = -1
         if self._bounce is not None:
-            self._bounce.close()
+            # A failed write's traceback may still hold a view of it (a full disk at the last
+            # flush): then it is freed with that traceback, and the OSError is what the caller
+            # hears, not a BufferError.
+            with contextlib.suppress(BufferError):
+                self._bounce.close()
             self._bounce = None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from pathlib import Path
@@ -19,6 +20,7 @@ from ckptd.tiers import (
     block_crcs_of,
     block_span,
     first_bad_block,
+    page_aligned_buffer,
 )
 from ckptd.tiers.memory import MemoryBudget, MemoryFile, MemoryTier
 from ckptd.tiers.ssd import IncomingFile
@@ -205,6 +207,26 @@ def test_an_incoming_file_holds_exactly_its_bytes_whatever_their_alignment(
         assert path.read_bytes() == b"".join(bytes(piece) for piece in pieces)
     finally:
         path.unlink()
+
+
+def test_a_full_disk_at_the_last_flush_is_an_oserror_for_the_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC while the bounce buffer is flushed must reach the writer as the OSError it is (its
+    traceback holding a view of the buffer once made closing it raise BufferError, which killed
+    ckptd's writer thread)."""
+    incoming = IncomingFile(tmp_path / "full")
+    incoming.write(os.urandom(5000))  # waits in the bounce buffer (or is written at once)
+
+    def full(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    incoming._fill = incoming._fill or 5000  # something left to flush, whatever the filesystem
+    if incoming._bounce is None:
+        incoming._bounce = page_aligned_buffer(1 << 20)
+    with pytest.raises(OSError, match="No space left"):
+        incoming.sync_and_close()
 
 
 def test_a_discarded_incoming_file_leaves_nothing(tmp_path: Path) -> None:
