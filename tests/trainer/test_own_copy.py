@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainer.checkpoint import own_copy
 from trainer.checkpoint.own_copy import OwnCopy, Unusable
 from trainer.checkpoint.stager import HostStager
 
@@ -62,3 +63,18 @@ def test_a_copy_of_another_layout_or_one_being_overwritten_is_not_restored(tmp_p
     own.invalidate()
     with pytest.raises(Unusable, match="no sealed copy"):
         own.restore_into(3, state(0.0))
+
+
+def test_dropping_a_runs_copies_leaves_other_runs_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(own_copy, "SHM_ROOT", tmp_path)
+    for run in ("r1", "r2"):
+        for host in ("node0", "node1"):
+            (own_copy.host_dir(run, host) / "rank0").mkdir(parents=True)
+    own_copy.remove_copies("r1", "node1")
+    assert (own_copy.host_dir("r1", "node0")).exists()
+    assert not (own_copy.host_dir("r1", "node1")).exists()
+    own_copy.remove_copies("r1")
+    assert not (tmp_path / "scaletrain" / "r1").exists()
+    assert (own_copy.host_dir("r2", "node0")).exists() and own_copy.host_dir("r2", "node1").exists()

@@ -184,4 +184,4 @@ def remove_copies(run_id: str, host: str = "") -> None:
     """Drop every copy of `run_id` that `host` holds (a simulated machine lost: its memory goes
     with it), or with no host, every copy of the run on this machine."""
     with contextlib.suppress(OSError):
-        shutil.rmtree(host_dir(run_id, host) if host else host_dir(run_id, "").parent)
+        shutil.rmtree(host_dir(run_id, host) if host else SHM_ROOT / "scaletrain" / run_id)
