@@ -54,7 +54,7 @@ from ckptd.readpath import describe_sources
 from scaletrain.errors import ScaletrainError
 from scaletrain.v1 import checkpoint_pb2
 from trainer.checkpoint import rng
-from trainer.checkpoint.own_copy import OWN_MEMORY, OwnCopy, Unusable, copy_dir
+from trainer.checkpoint.own_copy import OWN_MEMORY, Damaged, OwnCopy, Unusable, copy_dir
 from trainer.checkpoint.resume import ResumeRecords, check_config, check_offsets, latest_step
 from trainer.checkpoint.stager import HostStager, tensor_bytes
 from trainer.config import TrainConfig
@@ -375,13 +375,14 @@ class Checkpointer:
             try:
                 filled, copied = own.restore_into(step, state)
                 break
-            except Unusable as exc:
-                if "CRC" in str(exc) or "layout" in str(exc):
-                    print(
-                        f"[trainer] rank {self.rank}: its own copy of step {step} is not used: "
-                        f"{exc}; restoring from another copy",
-                        flush=True,
-                    )
+            except Damaged as exc:
+                print(
+                    f"[trainer] rank {self.rank}: its own copy of step {step} is not used: "
+                    f"{exc}; restoring from another copy",
+                    flush=True,
+                )
+            except Unusable:
+                continue  # none sealed, or another step's: the other copy may hold it
         intact = torch.tensor([int(filled is not None)])
         dist.all_reduce(intact, op=dist.ReduceOp.MIN, group=self._group)
         if not intact.item():

@@ -37,6 +37,10 @@ class Unusable(Exception):
     """The copy cannot be restored (missing, another step, another layout, a failed CRC)."""
 
 
+class Damaged(Unusable):
+    """The copy holds the step but not the live layout, or fails a CRC: worth saying so."""
+
+
 @dataclass(frozen=True)
 class _Buffer:
     """A tensor of the sealed state: the file of its buffer and that buffer's CRC-32."""
@@ -144,11 +148,11 @@ def _skeleton(
 def _fill(live: Any, saved: Any, path: str, directory: Path, copied: list[int]) -> Any:
     if isinstance(live, dict):
         if not isinstance(saved, dict) or set(saved) != set(live):
-            raise Unusable(f"its layout differs at {path or 'the top'}")
+            raise Damaged(f"its layout differs at {path or 'the top'}")
         return {k: _fill(live[k], saved[k], f"{path}.{k}", directory, copied) for k in live}
     if isinstance(live, list):
         if not isinstance(saved, list) or len(saved) != len(live):
-            raise Unusable(f"its layout differs at {path}")
+            raise Damaged(f"its layout differs at {path}")
         pairs = enumerate(zip(live, saved, strict=True))
         return [_fill(v, s, f"{path}.{i}", directory, copied) for i, (v, s) in pairs]
     if isinstance(live, DTensor | torch.Tensor):
@@ -157,7 +161,7 @@ def _fill(live: Any, saved: Any, path: str, directory: Path, copied: list[int]) 
             target.dtype,
             tuple(target.shape),
         ):
-            raise Unusable(f"its layout differs at {path}")
+            raise Damaged(f"its layout differs at {path}")
         numel = target.numel()
         if not numel:
             return live
@@ -165,7 +169,7 @@ def _fill(live: Any, saved: Any, path: str, directory: Path, copied: list[int]) 
             str(directory / saved.name), shared=False, size=numel, dtype=saved.dtype
         ).view(saved.shape)
         if _crc(buffer) != saved.crc:
-            raise Unusable(f"{path} fails its CRC-32")
+            raise Damaged(f"{path} fails its CRC-32")
         with torch.no_grad():
             target.copy_(buffer)
         copied[0] += numel * saved.dtype.itemsize
