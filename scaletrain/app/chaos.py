@@ -678,13 +678,16 @@ class Drill:
         if newest >= self.options.steps:  # the job's last save: it ends now, nothing to recover
             raise _JobEnded
         self._struck_step = self.tap.step
+        state = "already node-loss safe"
         with contextlib.suppress(ScaletrainError), CkptdClient(self.stack.ckptd_address) as c:
             info = c.get(self.run_id, newest)
-            if not info.node_loss_safe and common_pb2.TIER_S3 not in {
-                t.tier for t in info.tiers if t.state == _COMMITTED
-            }:
+            on_s3 = common_pb2.TIER_S3 in {t.tier for t in info.tiers if t.state == _COMMITTED}
+            if not info.node_loss_safe and on_s3:
+                # Its upload outran its copy: the lost part's only other home is S3.
+                state = "not yet node-loss safe but already on S3"
+            elif not info.node_loss_safe:
                 self.lost_with_node.add(newest)
-        state = "not yet node-loss safe" if newest in self.lost_with_node else "already safe"
+                state = "not yet node-loss safe"
         return self._lose_node(node, f"step {newest} committed, {state}", attempts, serving)
 
     def _node_to_kill(self, fault: Fault, serving: set[int]) -> int:
