@@ -486,10 +486,16 @@ def outcome(peers: Peers, save: SaveRecord) -> tuple[int, Manifest | None]:
 
 
 def catalogs(peers: Peers, run: str = "") -> dict[str, checkpoint_pb2.CatalogResponse | str]:
-    """Every peer's catalog (of `run`): node (or address) -> its answer, or why it has none."""
+    """Every peer's catalog (of `run`): node (or address) -> its answer, or why it has none. A
+    peer already known down gets one try, no wait for a connection: a lost node must not cost
+    every restore's `latest` the connect timeout (a peer back up is reached within gRPC's
+    reconnect backoff, a second)."""
     request = checkpoint_pb2.CatalogRequest(run=run)
     peers_now = peers.all()
-    answers = peers.call(peers_now, lambda p: p.cluster().Catalog(request, timeout=_PEER_TIMEOUT_S))
+    down = {p.address for p in peers_now if not p.reachable}
+    answers = peers.call(
+        peers_now, lambda p: p.cluster().Catalog(request, timeout=_PEER_TIMEOUT_S), brief=down
+    )
     found: dict[str, checkpoint_pb2.CatalogResponse | str] = {}
     for peer in peers_now:
         answer = answers[peer.address]

@@ -1,4 +1,4 @@
-"""How our command-line processes end: at once, once their work is done."""
+"""How our command-line processes end (at once, once their work is done) and are named."""
 
 from __future__ import annotations
 
@@ -24,3 +24,20 @@ def exit_now(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# The name a process that trains as rank R carries (/proc/PID/comm): how the launchers and the
+# drills find it, whether torchrun exec'd it or forked it from a warm process (a fork keeps its
+# parent's command line and environment, so neither can say which rank it is).
+RANK_PROCESS = "st-rank-{rank}"
+KEEPER_PROCESS = "st-keeper-{rank}"
+
+
+def name_process(name: str) -> None:
+    """Set this process's name (/proc/PID/comm, 15 bytes at most; Linux, else nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_name = 15
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)

@@ -6,7 +6,7 @@ import os
 import sys
 
 from scaletrain.errors import ScaletrainError, UserError
-from scaletrain.process import exit_now
+from scaletrain.process import KEEPER_PROCESS, RANK_PROCESS, exit_now, name_process
 from trainer.config import from_args, parser
 
 
@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     from trainer.train import train
+
+    name_process((KEEPER_PROCESS if cfg.in_job_restarts else RANK_PROCESS).format(rank=rank))
 
     def run() -> int:
         try:

@@ -1,27 +1,85 @@
-"""torchrun for the embedded stack's machines: `torch.distributed.run`, less one torch 2.13 crash.
+"""torchrun for the embedded stack's machines and the Helm chart's pods: `torch.distributed.run`
+with warm ranks, less one torch 2.13 crash.
 
-When a job ends while an agent waits in the rendezvous' redundancy list (a hot spare that was
-never needed), the rendezvous closes, torch's agent returns no result, and torchrun then fails on
-it (`AttributeError: 'NoneType' object has no attribute 'is_failed'` in `launch_agent`) and exits
-1 with a traceback. That is the normal end of an unused spare: it says so in one line and exits
-0. Anything else torchrun raises is left as it is.
+Warm ranks. torchrun starts a rank named by a module (`-m trainer`) as a new interpreter, which
+imports the trainer again at every start and every restart (5.4 s of wall time per rank here).
+For `-m trainer` this agent hands torchrun the rank as a function instead (`trainer.warm.worker`)
+with the `forkserver` start method, torchrun's own way to start function workers: one process per
+agent imports the trainer once, from the moment the agent starts (so a spare waiting in the
+rendezvous is warm before it is needed), and every rank of every attempt is forked from it.
+`--start-method spawn` given explicitly (or `PET_START_METHOD=spawn`) keeps the new interpreter
+per rank, as torchrun does; so does any other entry point.
+
+The crash. When a job ends while an agent waits in the rendezvous' redundancy list (a hot spare
+that was never needed), the rendezvous closes, torch's agent returns no result, and torchrun then
+fails on it (`AttributeError: 'NoneType' object has no attribute 'is_failed'` in `launch_agent`)
+and exits 1 with a traceback. That is the normal end of an unused spare: it says so in one line
+and exits 0. Anything else torchrun raises is left as it is.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
+# The module whose ranks are forked warm.
+WARM_MODULE = "trainer"
+WARM_START = "forkserver"
 
-def main() -> int:
+
+def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run
 
+    argv = sys.argv[1:] if argv is None else argv
+    args = run.parse_args(argv)
     try:
-        run.main()
+        if warm(args, argv):
+            _launch_warm(args)
+        else:
+            run.run(args)
     except AttributeError as exc:
         if "is_failed" not in str(exc):
             raise
         print("[agent] the job ended while this machine waited as a spare", flush=True)
     return 0
+
+
+def warm(args: argparse.Namespace, argv: list[str]) -> bool:
+    """Whether the ranks are forked warm: the trainer's module, and no start method asked for
+    other than the forkserver."""
+    asked = any(a.split("=")[0] in ("--start-method", "--start_method") for a in argv)
+    asked = asked or "PET_START_METHOD" in os.environ
+    return bool(
+        args.module
+        and args.training_script == WARM_MODULE
+        and not args.no_python
+        and not args.standalone
+        and args.rdzv_backend == "c10d"
+        and (not asked or args.start_method == WARM_START)
+    )
+
+
+def _launch_warm(args: argparse.Namespace) -> None:
+    """torchrun's launch, each rank `trainer.warm.worker(*script args)` forked from a forkserver
+    that imports the trainer from now on."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    from trainer.warm import PRELOAD, worker
+
+    if args.master_port is None:  # as torchrun's run() sets it (only the static backend reads it)
+        args.master_port = 29500
+    config, _cmd, _cmd_args = config_from_args(args)
+    config.start_method = WARM_START
+    # The ranks print as `python -u` would have them: unbuffered.
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    multiprocessing.get_context(WARM_START).set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()  # starts importing now, while the agent meets its peers
+    elastic_launch(config=config, entrypoint=worker)(*args.training_script_args)
 
 
 if __name__ == "__main__":

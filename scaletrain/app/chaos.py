@@ -82,9 +82,11 @@ MID_SAVE_REPLICA_MB_S = 2
 _SPARE_RESTARTS = 2
 _REPEAT_RESTARTS = 20
 # The first signs of a fault (`FaultKind.detected_by`): a rank or its agent failing (a survivor's
-# traceback, the agent stopping the others or reporting the exit), a save failing, ...
+# traceback, the agent stopping the others, exec'd or forked warm, or reporting the exit), a save
+# failing, ...
 _RANK_FAILED = (
-    r"\]: Traceback|closing signal SIG|failed \(exitcode: |error: watchdog:"
+    r"\]: Traceback|closing signal SIG|Closing process \d+ via signal|failed \(exitcode: "
+    r"|error: watchdog:"
     r"|a collective failed: |^\[keeper\] in-job restart"
 )
 _SAVE_FAILED = r"checkpoint of step \d+ failed|^event checkpoint_failed: "

@@ -34,6 +34,7 @@ from typing import IO
 from scaletrain.app.rendezvous import wait_listening
 from scaletrain.app.seaweed import SeaweedS3, free_ports
 from scaletrain.errors import UserError
+from scaletrain.process import RANK_PROCESS
 from scaletrain.security import ClientSecurity, EmbeddedCredentials, Role
 from scaletrain.transport import wait_until_healthy
 from telemetry.client import HOST_ENV
@@ -442,22 +443,19 @@ class Stack:
 def worker_pids(agent_pid: int) -> dict[int, int]:
     """RANK -> pid of the process that trains as that rank, under torchrun's agent `agent_pid`.
 
-    The agent's workers run each in a session of their own, so signals to the agent's group do not
-    reach them. Under `--in-job-restarts` a worker is the rank's keeper and the rank is its fork
-    (the same command line; the keeper of rank 0 also runs the job's store, another command).
+    Found by its name (`RANK_PROCESS`), which it sets itself: torchrun forks the trainer's ranks
+    from a warm process (`scaletrain.app.agent`), whose command line and environment they keep,
+    and under `--in-job-restarts` the rank is a fork of its keeper (named `KEEPER_PROCESS`).
     """
-    children = _children()
-    pids = {}
-    for worker in children.get(agent_pid, []):
-        try:
-            env = (worker / "environ").read_bytes().split(b"\0")
-            argv = (worker / "cmdline").read_bytes()
-        except OSError:
-            continue
-        forks = [c for c in children.get(int(worker.name), []) if _cmdline(c) == argv]
-        for item in env:
-            if item.startswith(b"RANK="):
-                pids[int(item[5:])] = int(forks[-1].name) if forks else int(worker.name)
+    children, pids, queue = _children(), {}, [agent_pid]
+    prefix = RANK_PROCESS.format(rank="")
+    while queue:
+        for child in children.get(queue.pop(), []):
+            name = _comm(child)
+            if name.startswith(prefix) and name[len(prefix) :].isdigit():
+                pids[int(name[len(prefix) :])] = int(child.name)  # what it forks is not a rank
+            else:
+                queue.append(int(child.name))
     return pids
 
 
@@ -487,11 +485,11 @@ def _children() -> dict[int, list[Path]]:
     return children
 
 
-def _cmdline(proc: Path) -> bytes:
+def _comm(proc: Path) -> str:
     try:
-        return (proc / "cmdline").read_bytes()
+        return (proc / "comm").read_text().strip()
     except OSError:
-        return b""
+        return ""
 
 
 class Job:
@@ -544,7 +542,10 @@ class Job:
         # No --node-rank: c10d assigns node ranks itself (by process id) and torchrun warns
         # that it ignores one given.
         hosts = not self.stack.rendezvous_address and node == 0
-        conf = f"is_host={str(hosts).lower()},keep_alive_interval=2,keep_alive_max_attempt=3"
+        conf = (
+            f"is_host={str(hosts).lower()},keep_alive_interval={KEEP_ALIVE_S},"
+            f"keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS}"
+        )
         return [
             sys.executable, "-m", "scaletrain.app.agent",
             "--nnodes", str(self.stack.nodes), "--nproc-per-node", str(self.per_node),
@@ -712,6 +713,11 @@ class Job:
         self._logs = []
 
 
+# An agent's heartbeat in the rendezvous, and how many it may miss before the others take it for
+# lost (its machine gone): then a spare takes its place. The lost machine costs this much before
+# anything is restarted; a live agent's heartbeat thread has nothing else to do.
+KEEP_ALIVE_S = 1
+KEEP_ALIVE_ATTEMPTS = 3
 # How long the spares wait for the job to form before they start anyway.
 SPARE_START_WAIT_S = 300.0
 

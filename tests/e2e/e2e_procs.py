@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+
+from scaletrain.app.stack import worker_pids
 
 
 def _argv(proc: Path) -> list[bytes]:
@@ -24,29 +27,44 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
+def rank_processes() -> list[str]:
+    """The live processes of any run's ranks that name no run in their command line: the ranks
+    and keepers (by their names) and the forkservers torchrun forks them from."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            name = (proc / "comm").read_text().strip()
+            argv = b" ".join(_argv(proc)).decode(errors="replace")
+        except OSError:
+            continue
+        if name.startswith(("st-rank-", "st-keeper-")) or "multiprocessing.forkserver" in argv:
+            found.append(f"{proc.name} ({name}): {argv}")
+    return found
+
+
+def left_behind(mentioning: list[str], others: set[str], within_s: float = 5.0) -> list[str]:
+    """What still runs of a run that ended, after up to `within_s` seconds for processes still
+    exiting: processes whose command line mentions one of `mentioning` (its work dir, its run id)
+    and rank processes not among `others` (what `rank_processes` listed before it started)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = [found for text in mentioning for found in processes_mentioning(text)]
+        left += sorted(set(rank_processes()) - others)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
 def trainer_pids(run_id: str) -> dict[int, int]:
-    """RANK -> pid of the process that trains as that rank in `run_id`: torchrun's worker, or
-    under a keeper (`--in-job-restarts`, trainer.keeper) the worker's fork."""
+    """RANK -> pid of the process that trains as that rank in `run_id`, under any of the run's
+    torchrun agents (forked warm or exec'd; under a keeper, the keeper's fork)."""
     pids: dict[int, int] = {}
-    parents: dict[int, int] = {}
     for proc in Path("/proc").iterdir():
         try:
             argv = _argv(proc)
-            if b"trainer" not in argv or run_id.encode() not in argv:
-                continue
-            if any(b"torch.distributed.run" in a or b"scaletrain.app.agent" in a for a in argv):
-                continue
-            env = dict(
-                item.split(b"=", 1)
-                for item in (proc / "environ").read_bytes().split(b"\0")
-                if b"=" in item
-            )
-            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+        except OSError:
             continue
-        if b"RANK" in env:
-            rank, pid = int(env[b"RANK"]), int(proc.name)
-            # The keeper and its fork share a command line: the fork is the keeper's child.
-            if rank not in pids or parents[rank] != pid:
-                pids[rank], parents[rank] = pid, parent
+        agent = any(b"torch.distributed.run" in a or b"scaletrain.app.agent" in a for a in argv)
+        if agent and run_id.encode() in argv:
+            pids |= worker_pids(int(proc.name))
     return pids

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from e2e_procs import processes_mentioning, trainer_pids
+from e2e_procs import left_behind, rank_processes, trainer_pids
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -118,6 +118,7 @@ def run_and_kill(workdir: Path, kill_after: int, victim: int, *args: str) -> str
     """Start a run; once step `kill_after` is done and the checkpoint of step EVERY committed,
     SIGKILL rank `victim` in the middle of the next step. Returns the run's log. Without in-job
     restarts the run fails then (--max-restarts 0), to be started again."""
+    others = set(rank_processes())  # not this run's
     proc = subprocess.Popen(
         [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--json",
          "--log-every", "1", "--in-job-restarts", "0", *args],
@@ -140,7 +141,7 @@ def run_and_kill(workdir: Path, kill_after: int, victim: int, *args: str) -> str
     assert proc.returncode != 0, f"the run survived the kill of rank {victim}:\n{text[-2000:]}"
     assert "training failed" in text
     # A failed run leaves no child process behind: services and ranks are all gone.
-    assert not processes_mentioning(str(workdir)) + processes_mentioning(run_id)
+    assert not left_behind([str(workdir), run_id], others)
     return text
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from e2e_procs import processes_mentioning
+from e2e_procs import left_behind, processes_mentioning, rank_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -31,6 +30,7 @@ def _as_foreground_process(argv: list[str]) -> subprocess.Popen[str]:
 
 def test_ctrl_c_stops_the_services_and_the_training_job(tmp_path: Path):
     workdir = tmp_path / "interrupted"
+    others = set(rank_processes())  # not this run's
     run = _as_foreground_process(
         [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--ranks", "2",
          "--steps", "1000", "--log-every", "1"]
@@ -46,16 +46,12 @@ def test_ctrl_c_stops_the_services_and_the_training_job(tmp_path: Path):
         pytest.fail(f"training never reached step 2: {run.stderr.read() if run.stderr else ''}")
     assert processes_mentioning(str(workdir)), "the services should be running now"
     assert processes_mentioning(run_id), "the training job should be running now"
+    assert set(rank_processes()) - others, "its ranks, forked warm, should be running now"
     run.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends to the foreground process
     _, stderr = run.communicate(timeout=60)
     assert run.returncode == 130
     assert stderr.strip().splitlines()[-1] == (
         "scaletrain: interrupted; every child process was stopped"
     )
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        left = processes_mentioning(str(workdir)) + processes_mentioning(run_id)
-        if not left:
-            break
-        time.sleep(0.2)
+    left = left_behind([str(workdir), run_id], others)
     assert not left, left

@@ -190,6 +190,10 @@ def test_a_killed_node_is_replaced_by_the_warm_spare_and_comes_back_as_the_next_
     assert recovery["step"] <= fault["step"], drill["recoveries"]
     sources = recovery["restored_from"]
     assert sum(sources.values()) > 0 and "S3" not in sources, sources
+    # The survivors, node0's ranks, restored from their own copies; only the spare's ranks read
+    # ckptd, the lost node's part from the copies in the live nodes' memory.
+    assert sources.get("own memory@node0", 0) > 0, sources
+    assert any(where.startswith("memory@") for where in sources), sources
     workdir = Workdir(drill["workdir"])
     ckptd_log = (workdir.logs / "ckptd-node1.log").read_text()
     assert ckptd_log.count('"message": "ckptd started on') == 2

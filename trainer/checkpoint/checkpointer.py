@@ -159,6 +159,7 @@ class Checkpointer:
         self.rank = dist.get_rank()
         # Background saves run their collectives here, never on the training loop's group.
         self._group = dist.new_group(backend="gloo", timeout=timeout)
+        self._timeout = timeout
         # Staging buffers, each set also the rank's own copy of the step it holds, which
         # outlives this process (own_copy). On CPU two sets take turns, so that while a save
         # streams the copy of the step before it, likely the latest committed, stays whole; on
@@ -343,14 +344,26 @@ class Checkpointer:
             )
 
     def load(self, step: int) -> dict[str, Any]:
-        """Restore every part of the state saved at `step`; returns the `train` entry. From every
-        rank's own copy when all of them hold `step` intact, else from ckptd."""
+        """Restore every part of the state saved at `step`; returns the `train` entry. Each rank
+        whose own copy holds `step` intact restores from it; the others (a replaced node's, a
+        damaged copy's) read ckptd together, resharding, and only they."""
         state = self._state(step)
-        own = self._restore_own(step, state)
+        own, copied = self._restore_own(step, state)
+        intact: list[bool | None] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(intact, own is not None, group=self._group)
+        readers = [rank for rank, ok in enumerate(intact) if not ok]
+        # Only they read, in a group of their own (DCP's load is a collective of its readers;
+        # made by every rank, as any group is). Each rank's own copy holds exactly its shards.
+        group = self._group
+        if readers and len(readers) < len(intact):
+            group = dist.new_group(ranks=readers, backend="gloo", timeout=self._timeout)
         if own is not None:
-            state = own
+            state, served = own, {f"{OWN_MEMORY}@{rank_host()}": copied}
         else:
-            self._read(step, state)
+            served = self._read(step, state, group)
+            if group is not self._group:
+                dist.destroy_process_group(group)
+        self.restored_from = _summed(served, self._group)
         set_state_dict(
             self.model,
             self.optimizer,
@@ -366,15 +379,13 @@ class Checkpointer:
             self.fp8.load_state_dict(state["fp8"])
         return train
 
-    def _restore_own(self, step: int, state: dict[str, Any]) -> dict[str, Any] | None:
-        """`state` filled from this rank's own copy of `step`, if every rank's is intact (a
-        collective: DCP's load from ckptd is one too, so all ranks take the same path); None
-        otherwise. A copy that fails a check is never loaded, and its rank says why."""
-        filled, copied = None, 0
+    def _restore_own(self, step: int, state: dict[str, Any]) -> tuple[dict[str, Any] | None, int]:
+        """`state` filled from this rank's own copy of `step` and the bytes it copied, or None
+        when no copy holds `step` intact. A copy that fails a check is never loaded, and its
+        rank says why."""
         for own in (slot.own for slot in self._slots if slot.own is not None):
             try:
-                filled, copied = own.restore_into(step, state)
-                break
+                return own.restore_into(step, state)
             except Damaged as exc:
                 print(
                     f"[trainer] rank {self.rank}: its own copy of step {step} is not used: "
@@ -383,15 +394,13 @@ class Checkpointer:
                 )
             except Unusable:
                 continue  # none sealed, or another step's: the other copy may hold it
-        intact = torch.tensor([int(filled is not None)])
-        dist.all_reduce(intact, op=dist.ReduceOp.MIN, group=self._group)
-        if not intact.item():
-            return None
-        self.restored_from = _summed({f"{OWN_MEMORY}@{rank_host()}": copied}, self._group)
-        return filled
+        return None, 0
 
-    def _read(self, step: int, state: dict[str, Any]) -> None:
-        """Fill `state` in place with checkpoint `step` from ckptd (DCP, resharding)."""
+    def _read(
+        self, step: int, state: dict[str, Any], group: dist.ProcessGroup | None
+    ) -> dict[str, int]:
+        """Fill `state` in place with checkpoint `step` from ckptd (DCP, resharding), a collective
+        of `group`; returns the bytes read per copy."""
         reader = CkptdStorageReader(self.address, self.run_id, step)
         try:
             saved_keys = reader.read_metadata().state_dict_metadata
@@ -403,13 +412,13 @@ class Checkpointer:
             if "fp8" in state and not any(key.startswith("fp8.") for key in saved_keys):
                 # Saved without delayed scaling: the histories start empty, as in a new run.
                 del state["fp8"]
-            dcp.load(state, storage_reader=reader)
+            dcp.load(state, storage_reader=reader, process_group=group)
         except CheckpointException as exc:
             cause = first_cause(exc)
             raise ScaletrainError(f"restoring step {step} failed: {cause}") from cause
         finally:
             reader.close()
-        self.restored_from = _summed(reader.client.served, self._group)
+        return dict(reader.client.served)
 
     def resume(self, cfg: TrainConfig, records: ResumeRecords) -> int:
         """Restore the run's latest committed checkpoint and return its step (0: the run has

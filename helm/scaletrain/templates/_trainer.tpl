@@ -58,6 +58,7 @@ spec:
       imagePullPolicy: {{ $root.Values.image.pullPolicy }}
       # torchrun, less torch 2.13's crash when the job ends while an agent still waits as a
       # spare: an unused spare exits 0, so an Indexed Job whose spares were never needed completes.
+      # It forks the ranks from a process that imported the trainer as the pod started (warm).
       command:
         - python
         - -m

@@ -1,0 +1,77 @@
+"""A restore where some ranks' own copies are gone (a replaced machine's) or damaged: the ranks
+whose copy holds the step intact restore from it, only the others read ckptd, and every rank
+ends with the saved state bit for bit (two gloo ranks, a real ckptd, DCP)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from fp8_testing import TinyTrainer, tiny_model
+
+from ckptd.config import CkptdConfig
+from ckptd.server import start
+from telemetry.client import HOST_ENV
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.digest import state_sha256
+from trainer.checkpoint.own_copy import copy_dir, remove_copies
+
+RUN = "partial-restore"
+WORLD = 2
+
+
+def _rank(rank: int, port: int, address: str, out: str) -> None:
+    # Each rank is a machine of its own: rank 1's is replaced before the restore.
+    os.environ[HOST_ENV] = f"machine{rank}"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)  # fmt: skip
+    model, _ = tiny_model(None)
+    # Every rank trains the same batches: the state is the same on both, as DCP assumes of
+    # parameters that are not sharded.
+    trainer = TinyTrainer(model, steps=6)
+    saver = Checkpointer(address, RUN, model, trainer.optimizer, trainer.scheduler,
+                         trainer.loader, every=2, last_step=6)  # fmt: skip
+    trainer.step(), trainer.step()
+    saved = state_sha256(model.state_dict()), trainer.loader.offset().global_sample
+    assert saver.save(2, labels={}) is not None
+    assert [done.error for done in saver.finish()] == [None]
+    trainer.step(), trainer.step()  # the live state moves on
+    dist.barrier()
+    if rank == 1:
+        remove_copies(RUN, "machine1")  # its machine was lost: a spare restores in its place
+    dist.barrier()
+    assert saver.load(2)["step"] == 2
+    restored = state_sha256(model.state_dict()), trainer.loader.offset().global_sample
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"equal": restored == saved, "restored_from": saver.restored_from})
+    )
+    saver.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(copy_dir(RUN, "machine0", 0) is None, reason="no /dev/shm for own copies")
+def test_only_the_ranks_without_an_intact_own_copy_read_ckptd(tmp_path: Path):
+    server = start(CkptdConfig(data_dir=tmp_path / "ckptd", listen="127.0.0.1:0"))
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(_rank, args=(port, server.address, str(tmp_path)), nprocs=WORLD)
+    finally:
+        server.stop(grace=1)
+        remove_copies(RUN)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert [r["equal"] for r in ranks] == [True, True]
+    # Every rank reports the restore of the whole job: rank 0's part from its own memory, rank
+    # 1's (its copy gone with its machine) from ckptd's memory tier.
+    (sources,) = {json.dumps(r["restored_from"], sort_keys=True) for r in ranks}
+    restored_from = json.loads(sources)
+    assert set(restored_from) == {"own memory@machine0", f"memory@{server.store.node}"}, (
+        restored_from
+    )
+    assert all(size > 0 for size in restored_from.values()), restored_from
