@@ -31,6 +31,8 @@ def exit_now(code: int) -> NoReturn:
 # parent's command line and environment, so neither can say which rank it is).
 RANK_PROCESS = "st-rank-{rank}"
 KEEPER_PROCESS = "st-keeper-{rank}"
+# Rank 0's keeper's fork that hosts the job's store (trainer.keeper).
+STORE_PROCESS = "st-job-store"
 
 
 def name_process(name: str) -> None:

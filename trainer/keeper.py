@@ -43,7 +43,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from scaletrain.process import RANK_PROCESS, exit_now, name_process
+from scaletrain.process import RANK_PROCESS, STORE_PROCESS, exit_now, name_process
 
 # The store prefix of the rank's process group, set by its keeper (absent: no keeper).
 PREFIX_ENV = "SCALETRAIN_STORE_PREFIX"
@@ -66,8 +66,6 @@ FIRST_JOIN_S = 300.0
 # went with its machine; torchrun's agents then re-form the job (with a spare, if any).
 JOIN_S = 10.0
 _PR_SET_PDEATHSIG = 1
-# The name of the process that hosts the job's store (rank 0's keeper's fork).
-STORE_PROCESS = "st-job-store"
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ _Copies = TypeVar("_Copies", checkpoint_pb2.CheckpointInfo, checkpoint_pb2.NodeP
 # the job trains on through them, so they move later faults on.
 DEFAULT_SCHEDULE = (
     "sdc@5,kill-rank@10,kill-telemetry@20,stop-rank@30,kill-ckptd@40,corrupt-shard@50,sdc@60,"
-    "kill-rank@70,stop-s3@80,partition-node@90,disk-full@100,kill-telemetry@110,kill-ckptd@120,"
+    "kill-rank-twice@70,stop-s3@80,partition-node@90,disk-full@100,kill-telemetry@110,kill-ckptd@120,"
     "kill-node@130,kill-node-mid-save@140"
 )
 # A drill's phase without progress this long fails a rank (the trainer's default is for real
@@ -81,12 +81,13 @@ MID_SAVE_REPLICA_MB_S = 2
 # (after the once-only faults' own), and the budget without --max-restarts has this many for it.
 _SPARE_RESTARTS = 2
 _REPEAT_RESTARTS = 20
+# torchrun's agent stopping its ranks (to restart them, or at the end), as it logs it for ranks
+# it exec'd and for ranks it forked warm.
+AGENT_STOPPED_RANKS = r"closing signal SIG|Closing process \d+ via signal"
 # The first signs of a fault (`FaultKind.detected_by`): a rank or its agent failing (a survivor's
-# traceback, the agent stopping the others, exec'd or forked warm, or reporting the exit), a save
-# failing, ...
+# traceback, the agent stopping the others or reporting the exit), a save failing, ...
 _RANK_FAILED = (
-    r"\]: Traceback|closing signal SIG|Closing process \d+ via signal|failed \(exitcode: "
-    r"|error: watchdog:"
+    rf"\]: Traceback|{AGENT_STOPPED_RANKS}|failed \(exitcode: |error: watchdog:"
     r"|a collective failed: |^\[keeper\] in-job restart"
 )
 _SAVE_FAILED = r"checkpoint of step \d+ failed|^event checkpoint_failed: "
@@ -524,6 +525,36 @@ class Drill:
             self._await_restart(attempts)
         )
 
+    def _kill_rank_twice(self, fault: Fault) -> tuple[str, str]:
+        """Kill a rank, then another rank of the job started again, before it trained a step:
+        two failures inside one recovery."""
+        assert self.job is not None
+        attempts, mark = self.tap.attempts, self.tap.mark()
+        rank, pid = self._victim(fault)
+        before = set(self.job.rank_pids().values())
+        os.kill(pid, signal.SIGKILL)
+        ranks, pick = self.options.ranks, self._random(fault)
+        again = rank if ranks == 1 else (rank + 1 + pick.randrange(ranks - 1)) % ranks
+        deadline = time.monotonic() + _WAIT_S
+        while not self._done.is_set() and time.monotonic() < deadline:
+            started = self.job.rank_pids().get(again)
+            if started is not None and started not in before:
+                break
+            time.sleep(0.05)  # a scan of /proc each time; the restart takes a second
+        else:
+            raise _JobEnded
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(started, signal.SIGKILL)
+        when = (
+            "after it trained again"
+            if self.tap.seen_since(mark, "[trainer] step ")
+            else "before it trained a step"
+        )
+        return f"rank {rank}", (
+            f"SIGKILL to pid {pid} during step {self.tap.step + 1}, then to rank {again}'s new "
+            f"pid {started} {when}" + self._await_restart(attempts)
+        )
+
     def _stop_rank(self, fault: Fault) -> tuple[str, str]:
         attempts, mark = self.tap.attempts, self.tap.mark()
         rank, pid = self._victim(fault)
@@ -831,6 +862,13 @@ FAULTS: dict[str, FaultKind] = {
         "again in-job (torchrun's agent restarts the job when they cannot), which resumes from "
         "the latest committed checkpoint.",
         Drill._kill_rank,
+        restarts=True,
+    ),
+    "kill-rank-twice": FaultKind(
+        "SIGKILL a random rank, then another as soon as the job's ranks were started again, "
+        "before the job trained a step: two failures inside one recovery, which the keepers "
+        "(or torchrun's agent) mend again; it resumes from the same checkpoint.",
+        Drill._kill_rank_twice,
         restarts=True,
     ),
     "stop-rank": FaultKind(

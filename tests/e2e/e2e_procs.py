@@ -6,6 +6,10 @@ import time
 from pathlib import Path
 
 from scaletrain.app.stack import worker_pids
+from scaletrain.process import KEEPER_PROCESS, RANK_PROCESS, STORE_PROCESS
+
+# What a rank's processes name themselves: the rank, its keeper, rank 0's keeper's job store.
+_NAMES = (RANK_PROCESS.format(rank=""), KEEPER_PROCESS.format(rank=""), STORE_PROCESS)
 
 
 def _argv(proc: Path) -> list[bytes]:
@@ -28,8 +32,8 @@ def processes_mentioning(text: str) -> list[str]:
 
 
 def rank_processes() -> list[str]:
-    """The live processes of any run's ranks that name no run in their command line: the ranks
-    and keepers (by their names) and the forkservers torchrun forks them from."""
+    """The live processes of any run's ranks that name no run in their command line: the ranks,
+    keepers and job stores (by their names) and the forkservers torchrun forks them from."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
@@ -37,7 +41,7 @@ def rank_processes() -> list[str]:
             argv = b" ".join(_argv(proc)).decode(errors="replace")
         except OSError:
             continue
-        if name.startswith(("st-rank-", "st-keeper-")) or "multiprocessing.forkserver" in argv:
+        if name.startswith(_NAMES) or "multiprocessing.forkserver" in argv:
             found.append(f"{proc.name} ({name}): {argv}")
     return found
 

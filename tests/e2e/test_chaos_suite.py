@@ -1,6 +1,6 @@
-"""The chaos suite: one run on the embedded stack (CPU, 4 ranks) under eight kinds of faults.
+"""The chaos suite: one run on the embedded stack (CPU, 4 ranks) under nine kinds of faults.
 
-To stay inside the CI budget the eight cases share two jobs: a fault-free reference run, and one
+To stay inside the CI budget the nine cases share two jobs: a fault-free reference run, and one
 `scaletrain chaos` run whose schedule strikes each fault in turn (the drill never lets two faults
 overlap). Each case checks what the issue asks of it: the run completed, its final loss equals the
 reference's bit for bit, no committed checkpoint was lost, and telemetry recorded the fault. The
@@ -11,6 +11,8 @@ without it that case skips.
 
 from __future__ import annotations
 
+import itertools
+import re
 import sqlite3
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from datetime import UTC, datetime
 import pytest
 from e2e_runs import TINY, events, injected, restart_after, scaletrain_json
 
-from scaletrain.app.chaos import can_mount_tmpfs
+from scaletrain.app.chaos import AGENT_STOPPED_RANKS, can_mount_tmpfs
 
 pytestmark = pytest.mark.e2e
 
@@ -30,6 +32,7 @@ CAN_MOUNT = can_mount_tmpfs()
 SDC_STEP = 30
 SCHEDULE = [
     "kill-rank@6",
+    "kill-rank-twice@9",
     "stop-rank@11",
     "corrupt-shard@17",
     "kill-telemetry@22:1",
@@ -94,7 +97,26 @@ def test_a_killed_or_hung_rank_is_restarted_in_job_by_the_keepers_not_by_torchru
     assert "[keeper] in-job restart 1: rank " in drill["_log"]
     # corrupt-shard's restart reads a damaged copy: in-job too, from S3.
     assert records["corrupt-shard"]["in_job"], records["corrupt-shard"]
-    assert "closing signal SIG" not in drill["_log"], "torchrun's agent restarted the ranks"
+    assert not re.search(AGENT_STOPPED_RANKS, drill["_log"]), "torchrun's agent restarted them"
+
+
+def test_two_failures_inside_one_recovery_are_mended_in_job_from_the_same_checkpoint(
+    drill: dict,
+):
+    fault = injected(drill, "kill-rank-twice")
+    assert "new pid" in fault["detail"] and "before it trained a step" in fault["detail"], fault
+    restart_after(drill, fault)
+    (record,) = [r for r in drill["fault_recoveries"] if r["kind"] == "kill-rank-twice"]
+    assert record["in_job"] and record["restarted"], record
+    assert record["resumed_from"] <= record["step"], record
+    # Two in-job restarts with no step trained between them: the second failure struck the
+    # generation the first one started.
+    lines = drill["_log"].splitlines()
+    restarts = [i for i, line in enumerate(lines) if line.startswith("[keeper] in-job restart ")]
+    assert any(
+        not any(line.startswith("[trainer] step ") for line in lines[first:second])
+        for first, second in itertools.pairwise(restarts)
+    ), restarts
 
 
 def test_case2_a_stopped_rank_is_turned_into_a_failure_by_the_watchdog(drill: dict):
@@ -184,7 +206,7 @@ def test_each_fault_has_a_recovery_record_in_the_report_and_in_telemetry(drill: 
         assert (
             record["mttr_s"] > 0 and record["steps_lost"] >= 0 and record["spare"] is False
         )  # no spares on one node
-        if record["kind"] in ("kill-rank", "stop-rank", "corrupt-shard"):
+        if record["kind"] in ("kill-rank", "kill-rank-twice", "stop-rank", "corrupt-shard"):
             assert record["restarted"] and record["resumed_from"] <= record["step"], record
             # Read from the tiers, unless nothing was committed yet (a start from step 0).
             restored = sum(record["bytes_per_tier"].values())

@@ -1,6 +1,7 @@
-"""A restore where some ranks' own copies are gone (a replaced machine's) or damaged: the ranks
-whose copy holds the step intact restore from it, only the others read ckptd, and every rank
-ends with the saved state bit for bit (two gloo ranks, a real ckptd, DCP)."""
+"""A restore where a rank's own copy is gone (a replaced machine's) or fails its checksum: the
+ranks whose copy holds the step intact restore from it, only the others read ckptd, a damaged
+copy is never loaded, and every rank ends with the saved state bit for bit (two gloo ranks, a
+real ckptd, DCP)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,19 @@ RUN = "partial-restore"
 WORLD = 2
 
 
-def _rank(rank: int, port: int, address: str, out: str) -> None:
+def _damage(run_id: str, host: str, rank: int) -> None:
+    """Flip a byte of every buffer of the rank's copies (the manifest and its CRCs stay)."""
+    directory = copy_dir(run_id, host, rank)
+    assert directory is not None
+    for buffer in directory.rglob("*"):
+        if buffer.is_file() and buffer.suffix != ".pkl" and buffer.stat().st_size:
+            with buffer.open("r+b") as f:
+                first = f.read(1)
+                f.seek(0)
+                f.write(bytes([first[0] ^ 0xFF]))
+
+
+def _rank(rank: int, port: int, address: str, out: str, loss: str) -> None:
     # Each rank is a machine of its own: rank 1's is replaced before the restore.
     os.environ[HOST_ENV] = f"machine{rank}"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -42,8 +55,10 @@ def _rank(rank: int, port: int, address: str, out: str) -> None:
     assert [done.error for done in saver.finish()] == [None]
     trainer.step(), trainer.step()  # the live state moves on
     dist.barrier()
-    if rank == 1:
+    if rank == 1 and loss == "lost":
         remove_copies(RUN, "machine1")  # its machine was lost: a spare restores in its place
+    if rank == 1 and loss == "damaged":
+        _damage(RUN, "machine1", rank)
     dist.barrier()
     assert saver.load(2)["step"] == 2
     restored = state_sha256(model.state_dict()), trainer.loader.offset().global_sample
@@ -55,23 +70,28 @@ def _rank(rank: int, port: int, address: str, out: str) -> None:
 
 
 @pytest.mark.skipif(copy_dir(RUN, "machine0", 0) is None, reason="no /dev/shm for own copies")
-def test_only_the_ranks_without_an_intact_own_copy_read_ckptd(tmp_path: Path):
+@pytest.mark.parametrize("loss", ["lost", "damaged"])
+def test_only_the_ranks_without_an_intact_own_copy_read_ckptd(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], loss: str
+):
     server = start(CkptdConfig(data_dir=tmp_path / "ckptd", listen="127.0.0.1:0"))
     try:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        mp.spawn(_rank, args=(port, server.address, str(tmp_path)), nprocs=WORLD)
+        mp.spawn(_rank, args=(port, server.address, str(tmp_path), loss), nprocs=WORLD)
     finally:
         server.stop(grace=1)
         remove_copies(RUN)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert [r["equal"] for r in ranks] == [True, True]
     # Every rank reports the restore of the whole job: rank 0's part from its own memory, rank
-    # 1's (its copy gone with its machine) from ckptd's memory tier.
+    # 1's (its copy gone with its machine, or damaged) from ckptd's memory tier.
     (sources,) = {json.dumps(r["restored_from"], sort_keys=True) for r in ranks}
     restored_from = json.loads(sources)
     assert set(restored_from) == {"own memory@machine0", f"memory@{server.store.node}"}, (
         restored_from
     )
     assert all(size > 0 for size in restored_from.values()), restored_from
+    said = "rank 1: its own copy of step 2 is not used: "
+    assert (said in capfd.readouterr().out) is (loss == "damaged")
