@@ -655,16 +655,21 @@ class Drill:
         node = self._node_to_kill(fault, serving)
         ckptd = self.stack.service(ckptd_service(node))
         # The job must have a checkpoint to resume from before its ranks are frozen; with
-        # replicas, its newest one on 2 nodes (copied in the background after its commit).
+        # replicas, one on 2 nodes (copied in the background after its commit). Not the newest:
+        # on a loaded machine a copy can take longer than the steps between two saves, and the
+        # newest is then never safe while the job trains; frozen, it catches up (below).
         self._wait_committed(bool, time.monotonic() + _WAIT_S)
         if flag_value(self.options.trainer_args, "--replicas") != "1":
-            self._wait_committed(_newest_node_loss_safe, time.monotonic() + _WAIT_S)
+            self._wait_committed(_some_node_loss_safe, time.monotonic() + _WAIT_S)
+        if self._done.is_set():
+            raise _JobEnded
         # Frozen, the node's ranks can complete no save, so no checkpoint commits with a part
         # that only this machine holds; its ckptd goes on uploading to S3, and copying its part
         # to its peers, until every committed checkpoint is on S3 or on 2 nodes.
         frozen = self.job.machine_pids(node)
         for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
+            with contextlib.suppress(ProcessLookupError):  # it ended: nothing to freeze
+                os.kill(pid, signal.SIGSTOP)
         deadline = time.monotonic() + _WAIT_S
         while True:
             # Checked while the node's ckptd answers: node0 asks it for its part's copies.
@@ -989,11 +994,9 @@ def _committed(checkpoints: list[_Copies], tier: int | None = None) -> list[_Cop
     ]
 
 
-def _newest_node_loss_safe(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
-    """Whether the newest of the `committed` checkpoints (there is one) has every part on 2
-    nodes."""
-    newest = max(committed, key=lambda c: c.ref.step, default=None)
-    return newest is not None and newest.node_loss_safe
+def _some_node_loss_safe(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
+    """Whether one of the `committed` checkpoints has every part on 2 nodes."""
+    return any(c.node_loss_safe for c in committed)
 
 
 def _all_safe(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
