@@ -380,7 +380,10 @@ def test_the_rendezvous_is_a_service_of_its_own_off_the_training_nodes(case: str
     torchrun, _ = torchrun_and_trainer_args(c)
     assert flag(torchrun, "--rdzv-backend") == "c10d"
     # Every agent is a client of the store: none hosts it, so no training pod is indispensable.
-    assert flag(torchrun, "--rdzv-conf") == "is_host=false"
+    # A lost pod is seen after 3 missed heartbeats, 2 s apart (torch's default takes 15 s).
+    assert flag(torchrun, "--rdzv-conf") == (
+        "is_host=false,keep_alive_interval=2,keep_alive_max_attempt=3"
+    )
     rendezvous = workload(docs, "rendezvous")
     assert rendezvous["kind"] == "Deployment"
     assert rendezvous["spec"]["replicas"] == 1
@@ -549,7 +552,8 @@ def test_every_command_line_is_one_its_program_accepts(case: str) -> None:
     c = container(trainer(docs))
     torchrun = get_args_parser().parse_args(c["args"])
     assert (torchrun.module, torchrun.training_script) == (True, "trainer")
-    assert (torchrun.nnodes, torchrun.rdzv_conf) == ("16", "is_host=false")
+    assert torchrun.nnodes == "16"
+    assert torchrun.rdzv_conf == "is_host=false,keep_alive_interval=2,keep_alive_max_attempt=3"
     config = from_args(parser().parse_args(torchrun.training_script_args))
     assert (config.parallel.dp_replicate, config.parallel.tp) == (2, 4)
     for component in ("ckptd", "telemetry", "ui", "rendezvous"):

@@ -74,7 +74,7 @@ spec:
         - --rdzv-endpoint
         - {{ include "scaletrain.rendezvousEndpoint" $root | quote }}
         - --rdzv-conf
-        - is_host=false
+        - {{ printf "is_host=false,keep_alive_interval=%d,keep_alive_max_attempt=3" ($t.keepAliveS | int) | quote }}
         - --rdzv-id
         {{- if .job }}
         # One rendezvous per Job: the store outlives the Job, and torch closes a rendezvous for good
