@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -33,13 +34,31 @@ RANK_PROCESS = "st-rank-{rank}"
 KEEPER_PROCESS = "st-keeper-{rank}"
 # Rank 0's keeper's fork that hosts the job's store (trainer.keeper).
 STORE_PROCESS = "st-job-store"
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+
+
+def rank_named(name: str) -> int | None:
+    """The rank a process named `name` (`RANK_PROCESS`) trains as; None for any other name."""
+    prefix = RANK_PROCESS.format(rank="")
+    rank = name.removeprefix(prefix)
+    return int(rank) if name.startswith(prefix) and rank.isdigit() else None
 
 
 def name_process(name: str) -> None:
-    """Set this process's name (/proc/PID/comm, 15 bytes at most; Linux, else nothing)."""
+    """Set this process's name (/proc/PID/comm, 15 bytes at most)."""
+    _prctl(_PR_SET_NAME, name.encode()[:15])
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies, so nothing outlives a lost keeper or agent."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _prctl(option: int, value: object) -> None:
+    """Linux's prctl(2); elsewhere nothing."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
 
-    pr_set_name = 15
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)

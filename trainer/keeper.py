@@ -31,7 +31,6 @@ restarts every rank cold (and a lost node is replaced there, by a spare when the
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import sys
@@ -43,7 +42,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from scaletrain.process import RANK_PROCESS, STORE_PROCESS, exit_now, name_process
+from scaletrain.process import (
+    RANK_PROCESS,
+    STORE_PROCESS,
+    die_with_parent,
+    exit_now,
+    name_process,
+)
 
 # The store prefix of the rank's process group, set by its keeper (absent: no keeper).
 PREFIX_ENV = "SCALETRAIN_STORE_PREFIX"
@@ -65,7 +70,6 @@ FIRST_JOIN_S = 300.0
 # How long a later generation waits for every keeper: they are warm, and one that does not come
 # went with its machine; torchrun's agents then re-form the job (with a spare, if any).
 JOIN_S = 10.0
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ def keep(train: Callable[[], int], restarts: int) -> int:
     """Run `train` in a forked rank, again in a new generation after each failure of any rank of
     the job, at most `restarts` times; returns what the keeper exits with (the rank's code)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _die_with_parent()  # a lost agent (a lost machine) takes its keepers with it
+    die_with_parent()  # a lost agent (a lost machine) takes its keepers with it
     # torchrun's agent keeps its store across its restarts: each attempt meets under a prefix
     # of its own. Else every attempt has a store of its own, and the agents may count their
     # restarts differently (a replaced node's starts again at 0): no attempt in the prefix.
@@ -214,7 +218,7 @@ def _fork_rank(train: Callable[[], int], prefix: str, generation: int) -> int:
         return pid
     code = FAILED_EXIT_CODE
     try:
-        _die_with_parent()
+        die_with_parent()
         name_process(RANK_PROCESS.format(rank=os.environ["RANK"]))
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the keeper's handler is not the rank's
         os.environ[PREFIX_ENV], os.environ[GENERATION_ENV] = prefix, str(generation)
@@ -308,7 +312,7 @@ def _host_store() -> int:
     if pid:
         return pid
     try:
-        _die_with_parent()
+        die_with_parent()
         name_process(STORE_PROCESS)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _store = dist.TCPStore(
@@ -319,9 +323,3 @@ def _host_store() -> int:
             signal.pause()
     finally:
         os._exit(FAILED_EXIT_CODE)
-
-
-def _die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux), so nothing outlives a lost keeper."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -65,8 +65,8 @@ _Copies = TypeVar("_Copies", checkpoint_pb2.CheckpointInfo, checkpoint_pb2.NodeP
 # the job trains on through them, so they move later faults on.
 DEFAULT_SCHEDULE = (
     "sdc@5,kill-rank@10,kill-telemetry@20,stop-rank@30,kill-ckptd@40,corrupt-shard@50,sdc@60,"
-    "kill-rank-twice@70,stop-s3@80,partition-node@90,disk-full@100,kill-telemetry@110,kill-ckptd@120,"
-    "kill-node@130,kill-node-mid-save@140"
+    "kill-rank-twice@70,stop-s3@80,partition-node@90,disk-full@100,kill-telemetry@110,"
+    "kill-ckptd@120,kill-node@130,kill-node-mid-save@140"
 )
 # A drill's phase without progress this long fails a rank (the trainer's default is for real
 # runs; options given to the drill come later and win).

@@ -34,7 +34,7 @@ from typing import IO
 from scaletrain.app.rendezvous import wait_listening
 from scaletrain.app.seaweed import SeaweedS3, free_ports
 from scaletrain.errors import UserError
-from scaletrain.process import RANK_PROCESS
+from scaletrain.process import rank_named
 from scaletrain.security import ClientSecurity, EmbeddedCredentials, Role
 from scaletrain.transport import wait_until_healthy
 from telemetry.client import HOST_ENV
@@ -448,12 +448,11 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
     and under `--in-job-restarts` the rank is a fork of its keeper (named `KEEPER_PROCESS`).
     """
     children, pids, queue = _children(), {}, [agent_pid]
-    prefix = RANK_PROCESS.format(rank="")
     while queue:
         for child in children.get(queue.pop(), []):
-            name = _comm(child)
-            if name.startswith(prefix) and name[len(prefix) :].isdigit():
-                pids[int(name[len(prefix) :])] = int(child.name)  # what it forks is not a rank
+            rank = rank_named(_comm(child))
+            if rank is not None:
+                pids[rank] = int(child.name)  # what it forks is not a rank
             else:
                 queue.append(int(child.name))
     return pids
