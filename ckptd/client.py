@@ -388,6 +388,16 @@ class CkptdClient:
         except grpc.RpcError as exc:
             raise self._error(exc, f"delete {run}/{step}") from None
 
+    def set_replica_rate(self, bytes_s: float) -> float:
+        """Have this node copy parts to its peers at `bytes_s` (0: no limit); returns the rate
+        it had."""
+        request = checkpoint_pb2.SetReplicaRateRequest(bytes_per_s=bytes_s)
+        try:
+            reply = self._stub.SetReplicaRate(request, timeout=DEFAULT_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise self._error(exc, "set the replica rate") from None
+        return reply.previous_bytes_per_s
+
     def list(
         self, run: str = "", include_uncommitted: bool = False, nodes: bool = False
     ) -> list[checkpoint_pb2.CheckpointInfo]:

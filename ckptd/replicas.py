@@ -168,6 +168,14 @@ class Throttle:
         if self._allowance < 0:
             stop.wait(-self._allowance / self.rate)
 
+    def set_rate(self, rate: float) -> float:
+        """Take `rate` from the next piece on (a piece already waiting finishes its wait);
+        returns the rate before."""
+        before, self.rate = self.rate, rate
+        self._allowance = min(self._allowance, rate) if rate > 0 else 0.0
+        self._at = time.monotonic()
+        return before
+
 
 class Replicator:
     """A background thread that copies the parts this node should hold (`CopyJob`s), one at a
@@ -203,6 +211,11 @@ class Replicator:
             self._queued.add(job)
             self._cond.notify()
             return True
+
+    def set_rate(self, rate_bytes_s: float) -> float:
+        """Copy at `rate_bytes_s` from now on (0: no limit); returns the rate before."""
+        with self._cond:
+            return self._throttle.set_rate(rate_bytes_s)
 
     @property
     def pending(self) -> int:

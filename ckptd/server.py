@@ -235,6 +235,13 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
         removed, pending = self._store.delete(request.ref, request.local_only)
         return checkpoint_pb2.DeleteCheckpointResponse(tiers=removed, pending=pending)
 
+    @maps_errors
+    def SetReplicaRate(
+        self, request: checkpoint_pb2.SetReplicaRateRequest, context: grpc.ServicerContext
+    ) -> checkpoint_pb2.SetReplicaRateResponse:
+        before = self._store.set_replica_rate(request.bytes_per_s)
+        return checkpoint_pb2.SetReplicaRateResponse(previous_bytes_per_s=before)
+
 
 class ClusterServicer(checkpoint_pb2_grpc.ClusterServiceServicer):
     """ClusterService (ckptd to ckptd) over the store: the participant's half of the commit."""
@@ -352,6 +359,7 @@ def access_rules(store: CheckpointStore, data: DataPlane | None = None) -> dict[
         "OpenRead": Rule(Role.READER, lambda m: [m.ref.run]),
         "DeleteCheckpoint": Rule(Role.ADMIN, lambda m: [m.ref.run]),
         "JoinSave": Rule(Role.TRAINER, lambda m: [m.ref.run]),
+        "SetReplicaRate": Rule(Role.ADMIN, lambda m: [ALL_RUNS]),
     }
     # Peers: a ckptd's own service token (a trainer's grant on every run) may vote and decide.
     cluster = {

@@ -913,6 +913,17 @@ class CheckpointStore(ClusterMember, ReplicaHolding):
         """Write a committed checkpoint as a plain DCP directory (`Reader.export`)."""
         return self._reader.export(self.get(ref), dest_dir, progress)
 
+    # -- replica rate ----------------------------------------------------------------------------
+
+    def set_replica_rate(self, bytes_s: float) -> float:
+        """Copy parts to peers at `bytes_s` from now on (0: no limit); returns the rate before.
+        A node that keeps no replicas (no maintenance thread) has nothing to throttle."""
+        if bytes_s < 0 or bytes_s != bytes_s:
+            raise InvalidArgument(f"replica rate must be >= 0 bytes/s (0: no limit), got {bytes_s}")
+        if self._replicator is None:
+            raise FailedPrecondition(f"node {self.node} copies no replicas (it runs no upkeep)")
+        return self._replicator.set_rate(bytes_s)
+
     # -- delete ----------------------------------------------------------------------------------
 
     def delete(

@@ -29,7 +29,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -75,7 +75,8 @@ DRILL_WATCHDOG_MIN_S = 10.0
 _WAIT_S = 180.0
 # How long a node's ckptd, frozen, leaves a commit that its vote already reached to land.
 _COMMIT_SETTLE_S = 1.0
-# How fast ckptd copies parts to peers in a drill with kill-node-mid-save (MB/s).
+# How fast every ckptd copies parts to peers while kill-node-mid-save waits for its strike (MB/s);
+# the rate they had comes back once the node is lost.
 MID_SAVE_REPLICA_MB_S = 2
 # A repeating fault that restarts the job strikes while this many restarts of the budget are left
 # (after the once-only faults' own), and the budget without --max-restarts has this many for it.
@@ -694,6 +695,7 @@ class Drill:
             if on_s3
             else "a committed checkpoint was NEITHER on S3 NOR on 2 nodes"
         )
+        self._kill_machine(node)
         return self._lose_node(node, held, attempts, serving)
 
     def _kill_node_mid_save(self, fault: Fault) -> tuple[str, str]:
@@ -703,30 +705,49 @@ class Drill:
         assert self.job is not None
         attempts, serving = self.tap.attempts, self.job.serving()
         node = self._node_to_kill(fault, serving)
-        before = max(self._committed_steps() or {0})
-        deadline = time.monotonic() + _WAIT_S
-        while not self._done.is_set() and time.monotonic() < deadline:
-            steps = self._committed_steps() or set()
-            if steps and max(steps) > before:
-                break
-            time.sleep(0.02)
-        else:
-            raise _JobEnded
-        newest = max(steps)
-        if newest >= self.options.steps:  # the job's last save: it ends now, nothing to recover
-            raise _JobEnded
-        self._struck_step = self.tap.step
-        state = "already node-loss safe"
-        with contextlib.suppress(ScaletrainError), CkptdClient(self.stack.ckptd_address) as c:
-            info = c.get(self.run_id, newest)
-            on_s3 = common_pb2.TIER_S3 in {t.tier for t in info.tiers if t.state == _COMMITTED}
-            if not info.node_loss_safe and on_s3:
-                # Its upload outran its copy: the lost part's only other home is S3.
-                state = "not yet node-loss safe but already on S3"
-            elif not info.node_loss_safe:
-                self.lost_with_node.add(newest)
-                state = "not yet node-loss safe"
+        # Copies slow enough that "committed, its part not yet on a peer" lasts seconds, until
+        # the strike: the recovery and the rest of the drill copy at the usual rate.
+        with self._replica_rate(MID_SAVE_REPLICA_MB_S * (1 << 20)):
+            before = max(self._committed_steps() or {0})
+            deadline = time.monotonic() + _WAIT_S
+            while not self._done.is_set() and time.monotonic() < deadline:
+                steps = self._committed_steps() or set()
+                if steps and max(steps) > before:
+                    break
+                time.sleep(0.02)
+            else:
+                raise _JobEnded
+            newest = max(steps)
+            if newest >= self.options.steps:  # the job's last save: it ends, nothing to recover
+                raise _JobEnded
+            self._struck_step = self.tap.step
+            state = "already node-loss safe"
+            with contextlib.suppress(ScaletrainError), CkptdClient(self.stack.ckptd_address) as c:
+                info = c.get(self.run_id, newest)
+                on_s3 = common_pb2.TIER_S3 in {t.tier for t in info.tiers if t.state == _COMMITTED}
+                if not info.node_loss_safe and on_s3:
+                    # Its upload outran its copy: the lost part's only other home is S3.
+                    state = "not yet node-loss safe but already on S3"
+                elif not info.node_loss_safe:
+                    self.lost_with_node.add(newest)
+                    state = "not yet node-loss safe"
+            self._kill_machine(node)
         return self._lose_node(node, f"step {newest} committed, {state}", attempts, serving)
+
+    @contextlib.contextmanager
+    def _replica_rate(self, bytes_s: float) -> Iterator[None]:
+        """Every ckptd copies parts to its peers at `bytes_s` for the span (ckptd's
+        SetReplicaRate); each that still answers gets its own rate back after it."""
+        before: dict[str, float] = {}
+        for address in self.stack.ckptd_addresses:
+            with contextlib.suppress(ScaletrainError), CkptdClient(address) as client:
+                before[address] = client.set_replica_rate(bytes_s)
+        try:
+            yield
+        finally:
+            for address, rate in before.items():
+                with contextlib.suppress(ScaletrainError), CkptdClient(address) as client:
+                    client.set_replica_rate(rate)
 
     def _node_to_kill(self, fault: Fault, serving: set[int]) -> int:
         """A node picked by the seed: never node0 (whose ckptd the drill and the summary ask);
@@ -738,9 +759,8 @@ class Drill:
             return self._node_for(fault, first=1)
         return nodes[self._random(fault).randrange(len(nodes))]
 
-    def _lose_node(self, node: int, held: str, attempts: int, serving: set[int]) -> tuple[str, str]:
-        """SIGKILL node `node`'s agent, ranks and ckptd and delete its data dir (its SSD); a
-        spare takes its place, or the machine comes back empty at the same address."""
+    def _kill_machine(self, node: int) -> None:
+        """SIGKILL node `node`'s agent, ranks and ckptd and delete its data dir (its SSD)."""
         assert self.job is not None
         self._struck_step = self._struck_step or self.tap.step
         self.job.kill_agent(node)
@@ -748,6 +768,11 @@ class Drill:
         data_dir = self.stack.workdir.ckptd_dir(node)
         shutil.rmtree(data_dir)
         data_dir.mkdir()
+
+    def _lose_node(self, node: int, held: str, attempts: int, serving: set[int]) -> tuple[str, str]:
+        """After `_kill_machine(node)`: a spare takes its place, or the machine comes back empty
+        at the same address."""
+        assert self.job is not None
         name, address = node_name(node), self.stack.ckptd_addresses[node]
         killed = f"agent, ranks and ckptd SIGKILLed ({held}), data dir deleted"
         if self.options.spares:
@@ -939,9 +964,9 @@ FAULTS: dict[str, FaultKind] = {
     ),
     "kill-node-mid-save": FaultKind(
         "(--nodes 2 or more) as kill-node, but in the instant after the next save commits, "
-        "before its part is copied to a peer (the drill slows copies to 2 MB/s): that step may "
-        "be lost with the node, having never been node-loss safe; the job must resume from the "
-        "newest step it can still restore.",
+        "before its part is copied to a peer (the drill slows copies to 2 MB/s until then): that "
+        "step may be lost with the node, having never been node-loss safe; the job must resume "
+        "from the newest step it can still restore.",
         Drill._kill_node_mid_save,
         restarts=True,
         min_nodes=2,
@@ -1108,9 +1133,6 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
     )
     # ckptd retries S3 soon after an outage ends; S3 keeps every checkpoint, so none may vanish.
     ckptd_args = ("--s3-backoff-max-s", "2", "--s3-every", "1")
-    if any(f.kind == "kill-node-mid-save" for f in options.schedule):
-        # Copies slow enough that "committed, its part not yet on a peer" lasts seconds.
-        ckptd_args += ("--replica-mb-s", str(MID_SAVE_REPLICA_MB_S))
     stack = Stack(workdir, ckptd_args=ckptd_args, nodes=options.nodes, spares=options.spares)
     with disk, stack:
         workdir.remember_run(run_id)

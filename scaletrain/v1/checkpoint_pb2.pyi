@@ -430,6 +430,18 @@ class DeleteCheckpointResponse(_message.Message):
     pending: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
     def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., pending: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...) -> None: ...
 
+class SetReplicaRateRequest(_message.Message):
+    __slots__ = ("bytes_per_s",)
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    bytes_per_s: float
+    def __init__(self, bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class SetReplicaRateResponse(_message.Message):
+    __slots__ = ("previous_bytes_per_s",)
+    PREVIOUS_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    previous_bytes_per_s: float
+    def __init__(self, previous_bytes_per_s: _Optional[float] = ...) -> None: ...
+
 class HelloRequest(_message.Message):
     __slots__ = ("node", "address", "instance", "zone")
     NODE_FIELD_NUMBER: _ClassVar[int]

@@ -101,6 +101,11 @@ class CheckpointServiceStub:
                 request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.DeleteCheckpointRequest.SerializeToString,
                 response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.DeleteCheckpointResponse.FromString,
                 _registered_method=True)
+        self.SetReplicaRate = channel.unary_unary(
+                '/scaletrain.v1.CheckpointService/SetReplicaRate',
+                request_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.SetReplicaRateRequest.SerializeToString,
+                response_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.SetReplicaRateResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointServiceServicer:
@@ -224,6 +229,15 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetReplicaRate(self, request, context):
+        """The rate this node copies parts to its peers (replicas, re-replication), changed while it
+        runs: an operator gives copies more of the network while a job is stopped, or less while it
+        trains; `--replica-mb-s` sets it at start. Needs an admin's grant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -286,6 +300,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.DeleteCheckpoint,
                     request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.DeleteCheckpointRequest.FromString,
                     response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.DeleteCheckpointResponse.SerializeToString,
+            ),
+            'SetReplicaRate': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetReplicaRate,
+                    request_deserializer=scaletrain_dot_v1_dot_checkpoint__pb2.SetReplicaRateRequest.FromString,
+                    response_serializer=scaletrain_dot_v1_dot_checkpoint__pb2.SetReplicaRateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -619,6 +638,33 @@ class CheckpointService:
             '/scaletrain.v1.CheckpointService/DeleteCheckpoint',
             scaletrain_dot_v1_dot_checkpoint__pb2.DeleteCheckpointRequest.SerializeToString,
             scaletrain_dot_v1_dot_checkpoint__pb2.DeleteCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetReplicaRate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/scaletrain.v1.CheckpointService/SetReplicaRate',
+            scaletrain_dot_v1_dot_checkpoint__pb2.SetReplicaRateRequest.SerializeToString,
+            scaletrain_dot_v1_dot_checkpoint__pb2.SetReplicaRateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -377,6 +377,23 @@ def test_a_copy_cut_off_by_its_source_is_retried_and_the_step_is_safe_only_once_
     assert cluster.clients[0].read("run", 10, "__1_0.distcp") == files["__1_0.distcp"][2]
 
 
+def test_the_replica_rate_set_while_ckptd_runs_slows_the_next_copies_until_it_is_put_back(
+    make_cluster,
+) -> None:
+    # Started without a limit; at 0.25 MB/s a 2 MB part takes seconds to reach its peer.
+    cluster = make_cluster(2, None, "--replica-mb-s", "0")
+    slow = 0.25 * (1 << 20)
+    assert [c.set_replica_rate(slow) for c in cluster.clients] == [0.0, 0.0]
+    save(cluster, 10, checkpoint_files(world_size=2, shard_bytes=2_000_000, seed=5), 2)
+    time.sleep(2.0)
+    assert copies(cluster, 0, 10)[0] is False, "a 2 MB part copied at 0.25 MB/s within 2 s"
+    assert [c.set_replica_rate(0) for c in cluster.clients] == [slow, slow]
+    wait_until_safe(cluster, 10)
+    with pytest.raises(InvalidArgument, match="replica rate must be >= 0 bytes/s"):
+        cluster.clients[0].set_replica_rate(-1)
+    assert cluster.clients[0].set_replica_rate(0) == 0.0  # the bad call changed nothing
+
+
 def test_a_node_lost_before_its_part_is_copied_leaves_the_step_unsafe_and_the_older_safe_one_whole(
     make_cluster,
 ) -> None:

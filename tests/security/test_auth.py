@@ -69,6 +69,9 @@ def _every_write(services: Services, token: str | None) -> dict[str, grpc.Status
                     )
                 )
             ),
+            "SetReplicaRate": code_of(
+                lambda: ckpt.SetReplicaRate(checkpoint_pb2.SetReplicaRateRequest(bytes_per_s=1))
+            ),
         }
     with services.telemetry_stub(token) as stub:
         batch = telemetry_pb2.StepBatch(records=[step_record("alpha", 2)])
@@ -140,6 +143,8 @@ def test_a_trainer_saves_and_restores_its_own_run_but_only_an_admin_deletes(stor
         assert alpha.read("alpha", 5, "__0_0.distcp") == shard
         with pytest.raises(PermissionDenied, match="may not admin-access"):
             alpha.delete("alpha", 5)
+        with pytest.raises(PermissionDenied, match="may not admin-access"):
+            alpha.set_replica_rate(0)
     with stored.ckptd_client(stored.tokens.admin) as admin:
         admin.delete("alpha", 5)
         assert [c.ref.step for c in admin.list("alpha")] == [1]
