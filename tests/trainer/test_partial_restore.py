@@ -6,18 +6,12 @@ real ckptd, DCP)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from fp8_testing import TinyTrainer, tiny_model
+from copy_testing import damage_copies, machine_rank, run_ranks
 
-from ckptd.config import CkptdConfig
-from ckptd.server import start
-from telemetry.client import HOST_ENV
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.digest import state_sha256
 from trainer.checkpoint.own_copy import copy_dir, remove_copies
@@ -26,27 +20,9 @@ RUN = "partial-restore"
 WORLD = 2
 
 
-def _damage(run_id: str, host: str, rank: int) -> None:
-    """Flip a byte of every buffer of the rank's copies (the manifest and its CRCs stay)."""
-    directory = copy_dir(run_id, host, rank)
-    assert directory is not None
-    for buffer in directory.rglob("*"):
-        if buffer.is_file() and buffer.suffix != ".pkl" and buffer.stat().st_size:
-            with buffer.open("r+b") as f:
-                first = f.read(1)
-                f.seek(0)
-                f.write(bytes([first[0] ^ 0xFF]))
-
-
 def _rank(rank: int, port: int, address: str, out: str, loss: str) -> None:
     # Each rank is a machine of its own: rank 1's is replaced before the restore.
-    os.environ[HOST_ENV] = f"machine{rank}"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)  # fmt: skip
-    model, _ = tiny_model(None)
-    # Every rank trains the same batches: the state is the same on both, as DCP assumes of
-    # parameters that are not sharded.
-    trainer = TinyTrainer(model, steps=6)
+    model, trainer = machine_rank(rank, port, WORLD, steps=6)
     saver = Checkpointer(address, RUN, model, trainer.optimizer, trainer.scheduler,
                          trainer.loader, every=2, last_step=6)  # fmt: skip
     trainer.step(), trainer.step()
@@ -58,7 +34,7 @@ def _rank(rank: int, port: int, address: str, out: str, loss: str) -> None:
     if rank == 1 and loss == "lost":
         remove_copies(RUN, "machine1")  # its machine was lost: a spare restores in its place
     if rank == 1 and loss == "damaged":
-        _damage(RUN, "machine1", rank)
+        damage_copies(copy_dir(RUN, "machine1", rank))  # type: ignore[arg-type]
     dist.barrier()
     assert saver.load(2)["step"] == 2
     restored = state_sha256(model.state_dict()), trainer.loader.offset().global_sample
@@ -74,15 +50,7 @@ def _rank(rank: int, port: int, address: str, out: str, loss: str) -> None:
 def test_only_the_ranks_without_an_intact_own_copy_read_ckptd(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], loss: str
 ):
-    server = start(CkptdConfig(data_dir=tmp_path / "ckptd", listen="127.0.0.1:0"))
-    try:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(_rank, args=(port, server.address, str(tmp_path), loss), nprocs=WORLD)
-    finally:
-        server.stop(grace=1)
-        remove_copies(RUN)
+    server = run_ranks(_rank, WORLD, tmp_path, RUN, loss)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert [r["equal"] for r in ranks] == [True, True]
     # Every rank reports the restore of the whole job: rank 0's part from its own memory, rank

@@ -54,7 +54,15 @@ from ckptd.readpath import describe_sources
 from scaletrain.errors import ScaletrainError
 from scaletrain.v1 import checkpoint_pb2
 from trainer.checkpoint import rng
-from trainer.checkpoint.own_copy import OWN_MEMORY, Damaged, OwnCopy, Unusable, copy_dir
+from trainer.checkpoint.own_copy import (
+    OWN_MEMORY,
+    Damaged,
+    OwnCopy,
+    Unusable,
+    copy_dir,
+    sealed_step,
+)
+from trainer.checkpoint.peer_copy import PEER_MEMORY, PeerCopies
 from trainer.checkpoint.resume import ResumeRecords, check_config, check_offsets, latest_step
 from trainer.checkpoint.stager import HostStager, tensor_bytes
 from trainer.config import TrainConfig
@@ -170,6 +178,12 @@ class Checkpointer:
             _Slot(OwnCopy(own_dir / f"slot{i}") if own_dir is not None else None)
             for i in range(sets)
         ]
+        # With memory saves, each own copy is mirrored into a peer node's memory (peer_copy).
+        self._peers = (
+            PeerCopies(run_id, rank_host(), self._group) if mem_every and own_dir else None
+        )
+        # The host whose memory the last restore brought this rank's state back from.
+        self._brought_from = ""
         self._saves = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._inflight: Future[SaveDone] | None = None
@@ -269,13 +283,36 @@ class Checkpointer:
                     staged |= slot.stager.stage(lazy, self._stream)
             else:
                 staged |= slot.stager.stage(lazy)
-            if slot.own is not None:
-                slot.own.seal(started.step, staged, slot.stager.buffers)
+            sealed = slot.own is not None and slot.own.seal(
+                started.step, staged, slot.stager.buffers
+            )
         except Exception as exc:  # the loop hears of it at the next poll, as of a failed write
             return SaveDone(started.step, started.blocking_s, 0.0, started.staged_bytes, None, exc)
         finally:
             self._staged.set()  # the loop may change the live state from now on
+        if started.kind is SaveKind.MEMORY or self._peers is not None:
+            start = time.perf_counter()
+            try:
+                if self._peers is not None and slot.own is not None:
+                    self._peers.mirror(slot.own.directory if sealed else None, slot.own.name)
+                in_memory = self._all(sealed)
+            except Exception as exc:  # a peer lost mid-copy: the step is not in its memory
+                took = time.perf_counter() - start
+                return SaveDone(started.step, started.blocking_s, took, started.staged_bytes,
+                                None, exc)  # fmt: skip
+            if started.kind is SaveKind.MEMORY and in_memory:
+                # Every rank's copy is in its node's memory and a peer node's: done, without
+                # ckptd. Without one (no shared memory here), ckptd keeps it in memory.
+                took = time.perf_counter() - start
+                return SaveDone(started.step, started.blocking_s, took, started.staged_bytes, None)
         return self._write(staged, started, labels)
+
+    def _all(self, sealed: bool) -> bool:
+        """Whether every rank sealed its own copy: a collective of the background saves' group
+        (the thread that runs it owns that group)."""
+        flag = torch.tensor([int(sealed)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
 
     def _any_rank_busy(self) -> bool:
         busy = torch.tensor([int(self._inflight is not None and not self._inflight.done())])
@@ -336,6 +373,8 @@ class Checkpointer:
         for slot in self._slots:
             if slot.own is not None:
                 slot.own.remove()  # the run's last step is committed: nothing to restart from
+        if self._peers is not None:
+            self._peers.remove()
         if self.memory_due and self.rank == 0:
             print(
                 f"[trainer] memory checkpoints: {self.memory_skipped} of {self.memory_due} "
@@ -357,7 +396,9 @@ class Checkpointer:
         group = self._group
         if readers and len(readers) < len(intact):
             group = dist.new_group(ranks=readers, backend="gloo", timeout=self._timeout)
-        if own is not None:
+        if own is not None and self._brought_from:
+            state, served = own, {f"{PEER_MEMORY}@{self._brought_from}": copied}
+        elif own is not None:
             state, served = own, {f"{OWN_MEMORY}@{rank_host()}": copied}
         else:
             served = self._read(step, state, group)
@@ -432,7 +473,22 @@ class Checkpointer:
         without a checkpoint is refused.
         """
         required = cfg.resume
-        step = latest_step(self.address, self.run_id, self.rank, cfg.resume_wait_s, required)
+        in_memory = None
+        if self._peers is not None:
+            own_steps = {sealed_step(s.own.directory, verify=True) for s in self._slots if s.own}
+            in_memory = self._peers.newest_in_memory(own_steps - {None})  # type: ignore[arg-type]
+        step = latest_step(
+            self.address, self.run_id, self.rank, cfg.resume_wait_s, required,
+            in_memory.step if in_memory is not None else -1,
+        )  # fmt: skip
+        if in_memory is not None and step == in_memory.step:
+            # The ranks without their own copy get it from the peer node that holds it, into
+            # their own copy's first slot, whence `load` restores it as every rank's own.
+            into = self._slots[0].own
+            assert into is not None  # peers exist only with own copies
+            self._peers.bring_back(in_memory, into.directory)  # type: ignore[union-attr]
+            if self.rank in in_memory.senders:
+                self._brought_from = in_memory.hosts[self.rank]
         if step < 0:
             if self.rank == 0:
                 print(
@@ -441,6 +497,7 @@ class Checkpointer:
                 )
             return 0
         train_state = self.load(step)
+        self._brought_from = ""
         check_config(cfg, step, train_state.get("config", ""), records, self.rank)
         expected = self.loader.offset()
         recorded = records.resume_offsets(step)

@@ -16,6 +16,7 @@ A copy that fails any of them is never loaded: the restore reads ckptd instead, 
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 import shutil
 import zlib
@@ -28,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 # Where the copies live: memory that outlives processes (a tmpfs).
 SHM_ROOT = Path("/dev/shm")
-_MANIFEST = "manifest.pkl"
+MANIFEST = "manifest.pkl"
 # What a restore from it read, in `Checkpointer.restored_from` ("own memory@node0").
 OWN_MEMORY = "own memory"
 
@@ -42,13 +43,23 @@ class Damaged(Unusable):
 
 
 @dataclass(frozen=True)
-class _Buffer:
+class SealedBuffer:
     """A tensor of the sealed state: the file of its buffer and that buffer's CRC-32."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     crc: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def read(self, directory: Path) -> torch.Tensor:
+        """Its bytes in `directory`, mapped privately (nothing written reaches the file)."""
+        return torch.from_file(
+            str(directory / self.name), shared=False, size=self.numel, dtype=self.dtype
+        ).view(self.shape)
 
 
 def copy_dir(run_id: str, host: str, rank: int) -> Path | None:
@@ -93,25 +104,32 @@ class OwnCopy:
 
     def invalidate(self) -> None:
         """The buffers are about to be overwritten: the copy is no longer any step's."""
-        (self.directory / _MANIFEST).unlink(missing_ok=True)
+        (self.directory / MANIFEST).unlink(missing_ok=True)
 
-    def seal(self, step: int, staged: dict[str, Any], buffers: dict[str, torch.Tensor]) -> None:
-        """Record that `staged` (whose tensors are `buffers`, by stager path) holds `step`."""
+    @property
+    def name(self) -> str:
+        """The copy's slot name, the same on every rank (`peer_copy` keeps a peer's under it)."""
+        return self.directory.name
+
+    def seal(self, step: int, staged: dict[str, Any], buffers: dict[str, torch.Tensor]) -> bool:
+        """Record that `staged` (whose tensors are `buffers`, by stager path) holds `step`;
+        whether it could (not when some buffer is not in shared memory)."""
         if not self.enabled or any(
             path not in self._names and buffer.numel() for path, buffer in buffers.items()
         ):
-            return  # some buffer is not in shared memory
+            return False
         skeleton = _skeleton(staged, "", buffers, self._names)
-        temp = self.directory / f"{_MANIFEST}.tmp"
+        temp = self.directory / f"{MANIFEST}.tmp"
         temp.write_bytes(pickle.dumps((step, skeleton)))
-        temp.rename(self.directory / _MANIFEST)
+        temp.rename(self.directory / MANIFEST)
+        return True
 
     def restore_into(self, step: int, state: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """`state` (the live state's tree, `Checkpointer._state`) filled from the copy of `step`:
         tensors copied in place, the other parts the copy's; and the bytes copied. Raises
         Unusable, naming why, when the copy is not `step`'s or fails a check."""
         try:
-            sealed, skeleton = pickle.loads((self.directory / _MANIFEST).read_bytes())
+            sealed, skeleton = pickle.loads((self.directory / MANIFEST).read_bytes())
         except (OSError, pickle.UnpicklingError, ValueError) as exc:
             raise Unusable(f"no sealed copy ({type(exc).__name__})") from None
         if sealed != step:
@@ -134,15 +152,44 @@ class OwnCopy:
 def _skeleton(
     value: Any, path: str, buffers: dict[str, torch.Tensor], names: dict[str, str]
 ) -> Any:
-    """`value` with each tensor replaced by its `_Buffer` (stager paths, as HostStager walks)."""
+    """`value` with each tensor replaced by its `SealedBuffer` (stager paths, as HostStager
+    walks)."""
     if isinstance(value, dict):
         return {k: _skeleton(v, f"{path}.{k}", buffers, names) for k, v in value.items()}
     if isinstance(value, list):
         return [_skeleton(v, f"{path}.{i}", buffers, names) for i, v in enumerate(value)]
     if isinstance(value, DTensor | torch.Tensor):
         buffer = buffers[path]
-        return _Buffer(names.get(path, ""), buffer.dtype, tuple(buffer.shape), _crc(buffer))
+        return SealedBuffer(names.get(path, ""), buffer.dtype, tuple(buffer.shape), _crc(buffer))
     return value
+
+
+def buffers_of(skeleton: Any) -> list[SealedBuffer]:
+    """Every non-empty buffer of a sealed copy's skeleton, in name order: what a copy of its
+    directory must carry (`peer_copy`)."""
+    if isinstance(skeleton, dict):
+        return sorted((b for v in skeleton.values() for b in buffers_of(v)), key=_name)
+    if isinstance(skeleton, list):
+        return sorted((b for v in skeleton for b in buffers_of(v)), key=_name)
+    return [skeleton] if isinstance(skeleton, SealedBuffer) and skeleton.name else []
+
+
+def _name(buffer: SealedBuffer) -> str:
+    return buffer.name
+
+
+def sealed_step(directory: Path, verify: bool = False) -> int | None:
+    """The step the copy in `directory` is sealed for, None if none; with `verify`, only if
+    every buffer also passes its CRC-32."""
+    try:
+        step, skeleton = pickle.loads((directory / MANIFEST).read_bytes())
+        if verify and any(
+            _crc(buffer.read(directory)) != buffer.crc for buffer in buffers_of(skeleton)
+        ):
+            return None
+    except (OSError, RuntimeError, pickle.UnpicklingError, ValueError, EOFError):
+        return None
+    return int(step)
 
 
 def _fill(live: Any, saved: Any, path: str, directory: Path, copied: list[int]) -> Any:
@@ -157,7 +204,7 @@ def _fill(live: Any, saved: Any, path: str, directory: Path, copied: list[int]) 
         return [_fill(v, s, f"{path}.{i}", directory, copied) for i, (v, s) in pairs]
     if isinstance(live, DTensor | torch.Tensor):
         target = live.to_local() if isinstance(live, DTensor) else live
-        if not isinstance(saved, _Buffer) or (saved.dtype, saved.shape) != (
+        if not isinstance(saved, SealedBuffer) or (saved.dtype, saved.shape) != (
             target.dtype,
             tuple(target.shape),
         ):
@@ -165,9 +212,7 @@ def _fill(live: Any, saved: Any, path: str, directory: Path, copied: list[int]) 
         numel = target.numel()
         if not numel:
             return live
-        buffer = torch.from_file(
-            str(directory / saved.name), shared=False, size=numel, dtype=saved.dtype
-        ).view(saved.shape)
+        buffer = saved.read(directory)
         if _crc(buffer) != saved.crc:
             raise Damaged(f"{path} fails its CRC-32")
         with torch.no_grad():

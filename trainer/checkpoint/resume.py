@@ -29,7 +29,9 @@ class ResumeRecords(Protocol):
     def config_changed(self, step: int, changes: list[str]) -> None: ...
 
 
-def latest_step(address: str, run_id: str, rank: int, wait_s: float, required: bool) -> int:
+def latest_step(
+    address: str, run_id: str, rank: int, wait_s: float, required: bool, in_memory: int = -1
+) -> int:
     """The step every rank restores, or -1 when the run has no committed checkpoint at all (an
     error if `required`): rank 0 asks its node's ckptd and tells the others, so that ranks on
     nodes whose ckptds learned of a commit at different instants still restore the same step,
@@ -39,9 +41,16 @@ def latest_step(address: str, run_id: str, rank: int, wait_s: float, required: b
     behind, S3 lacks it) is never taken for a new run: rank 0 waits up to `wait_s` for a
     restorable step, saying so once, then stops every rank with ckptd's account of the newest
     committed step and what it lacks.
+
+    `in_memory`: the newest step every rank can restore from memory (its own copy or a peer
+    node's, `peer_copy`), -1 if none. It is taken unless ckptd can restore a newer step right
+    now, without waiting for one.
     """
     answer: list[object] = [-1, ""]
-    if rank == 0:
+    if rank == 0 and in_memory >= 0:
+        durable = _ask_latest(address, run_id, 0.0)[0]
+        answer = [max(durable, in_memory), ""]
+    elif rank == 0:
         step, none_because, error = _ask_latest(address, run_id, wait_s)
         answer = [step, error or (none_because if required else "")]
     dist.broadcast_object_list(answer, src=0)
