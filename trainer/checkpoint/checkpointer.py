@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 from torch.utils.serialization import config as serialization_config
 
 from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter, first_cause
@@ -184,6 +185,8 @@ class Checkpointer:
         )
         # The host whose memory the last restore brought this rank's state back from.
         self._brought_from = ""
+        # get_state_dict's model and optimizer state, reused (`_model_and_optim`).
+        self._live: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._saves = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._inflight: Future[SaveDone] | None = None
@@ -195,7 +198,7 @@ class Checkpointer:
         self._done: list[SaveDone] = []
 
     def _state(self, step: int) -> dict[str, Any]:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = self._model_and_optim()
         state = {
             "model": model_state,
             "optim": optim_state,
@@ -211,6 +214,50 @@ class Checkpointer:
         if fp8_state:
             state["fp8"] = fp8_state
         return state
+
+    def _model_and_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`get_state_dict` of the model and optimizer, from the first call that holds only live
+        tensors on reused at every save with the optimizer's hyperparameters read anew.
+
+        get_state_dict walks every parameter and every optimizer state to key them by name, on
+        the training thread, at every save: with a memory save at every step that walk is most
+        of what the save costs the loop (bench/mem_ckpt.py). Its tensors are the live ones (the
+        sharded parameters, the optimizer's states, updated in place), so the same dictionary
+        holds each later step's values; what it copies (the param groups' hyperparameters) is
+        read again. It is reused only once every tensor in it is checked to be live, and the
+        hyperparameters read again to equal what it gave; a restore, which replaces the
+        optimizer's states, drops it."""
+        if self._live is not None:
+            model_state, optim_state = self._live
+            return model_state, {**optim_state, "param_groups": self._groups(optim_state)}
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        if self._all_live(model_state, optim_state):
+            with contextlib.suppress(RuntimeError):  # a tensor hyperparameter: never reused
+                if self._groups(optim_state) == optim_state["param_groups"]:
+                    self._live = (model_state, optim_state)
+        return model_state, optim_state
+
+    def _groups(self, optim_state: dict[str, Any]) -> list[dict[str, Any]]:
+        """The optimizer's param groups now, keyed as `optim_state`'s (parameters by name)."""
+        return [
+            {**{k: v for k, v in live.items() if k != "params"}, "params": named["params"]}
+            for live, named in zip(
+                self.optimizer.param_groups, optim_state["param_groups"], strict=True
+            )
+        ]
+
+    def _all_live(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> bool:
+        """Whether every tensor of the state is a live parameter, buffer or optimizer state
+        (its storage theirs), and the optimizer has a state for every parameter it steps."""
+        stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if len(self.optimizer.state) < len(stepped):
+            return False  # states are made at the first step: not yet
+        live = {_storage(t) for t in (*self.model.parameters(), *self.model.buffers())}
+        for state in self.optimizer.state.values():
+            live.update(_storage(t) for t in state.values() if isinstance(t, torch.Tensor))
+        return all(_storage(t) in live for t in _tensors(model_state)) and all(
+            _storage(t) in live for t in _tensors(optim_state["state"])
+        )
 
     def kind(self, step: int) -> SaveKind | None:
         """The save due after `step`: durable every `every` steps and at the last step,
@@ -243,9 +290,11 @@ class Checkpointer:
         start = time.perf_counter()
         slot = self._slots[self._saves % len(self._slots)]
         self._saves += 1
+        state = self._state(step)
         if slot.own is not None:
             slot.own.invalidate()  # its buffers are about to hold another step
-        state = self._state(step)
+            if not slot.own.reserved:
+                slot.own.reserve(tensor_bytes(state))
         lazy = {part: state.pop(part) for part in _LAZY_PARTS}
         staged = slot.stager.stage(state)
         nbytes = slot.stager.staged_bytes + tensor_bytes(lazy)
@@ -411,6 +460,7 @@ class Checkpointer:
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
         )
+        self._live = None  # the optimizer's states are new tensors now
         train = state["train"]
         self.scheduler.load_state_dict(train["scheduler"])
         self.loader.load_state_dict(train["loader"])
@@ -518,6 +568,25 @@ class Checkpointer:
                 flush=True,
             )
         return int(train_state["step"])
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nested state (a DTensor's local shard)."""
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, torch.Tensor):
+        yield value
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Where a tensor's bytes live (a DTensor's local shard's)."""
+    with torch.no_grad():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
 
 
 def _summed(counts: Mapping[str, int], group: dist.ProcessGroup) -> dict[str, int]:

@@ -32,6 +32,10 @@ SHM_ROOT = Path("/dev/shm")
 MANIFEST = "manifest.pkl"
 # What a restore from it read, in `Checkpointer.restored_from` ("own memory@node0").
 OWN_MEMORY = "own memory"
+# The file every buffer is a view into, as far as it has room (`OwnCopy.reserve`), and the
+# alignment of each buffer in it.
+_ARENA = "arena.bin"
+_ALIGN = 64
 
 
 class Unusable(Exception):
@@ -44,22 +48,25 @@ class Damaged(Unusable):
 
 @dataclass(frozen=True)
 class SealedBuffer:
-    """A tensor of the sealed state: the file of its buffer and that buffer's CRC-32."""
+    """A tensor of the sealed state: where its bytes are (a file, at an offset) and their
+    CRC-32."""
 
     name: str
+    offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
     crc: int
 
     @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def read(self, directory: Path) -> torch.Tensor:
         """Its bytes in `directory`, mapped privately (nothing written reaches the file)."""
-        return torch.from_file(
-            str(directory / self.name), shared=False, size=self.numel, dtype=self.dtype
-        ).view(self.shape)
+        end = self.offset + self.nbytes
+        mapped = torch.from_file(str(directory / self.name), shared=False, size=end,
+                                 dtype=torch.uint8)  # fmt: skip
+        return mapped[self.offset : end].view(self.dtype).view(self.shape)
 
 
 def copy_dir(run_id: str, host: str, rank: int) -> Path | None:
@@ -75,32 +82,63 @@ def host_dir(run_id: str, host: str) -> Path:
 
 
 class OwnCopy:
-    """Allocates the stager's buffers as shared-memory files, seals and restores them."""
+    """Allocates the stager's buffers in shared-memory files, seals and restores them.
+
+    The buffers are views into one file (the arena) reserved at the first save for the whole
+    state: a copy of the directory (`peer_copy`) is then one message, not one per tensor. A
+    buffer the arena has no room for (the state grew) gets a file of its own."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._names: dict[str, str] = {}  # stager path -> file name
+        self._places: dict[str, tuple[str, int]] = {}  # stager path -> (file name, offset)
+        self._arena: torch.Tensor | None = None
+        self._used = 0
+        self._reserved = False
         self.enabled = True
 
+    @property
+    def reserved(self) -> bool:
+        """Whether `reserve` was called (it made the arena, or found no room for it)."""
+        return self._reserved
+
+    def reserve(self, nbytes: int) -> None:
+        """Make the arena, room for `nbytes` of buffers (aligned), once."""
+        self._reserved = True
+        if self._arena is None and self.enabled and nbytes > 0:
+            self._arena = self._file(_ARENA, nbytes + _ALIGN * 1024, torch.uint8)
+
     def allocate(self, path: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
-        """A buffer for stager path `path` backed by a file here; None when the tmpfs has no
-        room for it (twice its size left), and from then on for every buffer: the copy is off."""
+        """A buffer for stager path `path` backed by shared memory here; None when the tmpfs has
+        no room for it (twice its size left), and from then on for every buffer: the copy is
+        off."""
         nbytes = shape.numel() * dtype.itemsize
         if not self.enabled or nbytes == 0:
             return None
+        arena = self._arena
+        if arena is not None and self._used + nbytes <= arena.numel():
+            offset, self._used = self._used, self._used + -(-nbytes // _ALIGN) * _ALIGN
+            self._places[path] = (_ARENA, offset)
+            return arena[offset : offset + nbytes].view(dtype).view(shape)
+        name = f"{len(self._places)}.bin"
+        flat = self._file(name, shape.numel(), dtype)
+        if flat is None:
+            return None
+        self._places[path] = (name, 0)
+        return flat.view(shape)
+
+    def _file(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A new shared-memory file of `numel` elements, or None (and the copy off) when the
+        tmpfs has not twice its size left."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        if shutil.disk_usage(self.directory).free < 2 * nbytes:
+        if shutil.disk_usage(self.directory).free < 2 * numel * dtype.itemsize:
             self.enabled = False
             return None
-        name = self._names.setdefault(path, f"{len(self._names)}.bin")
         (self.directory / name).unlink(missing_ok=True)
-        flat = torch.from_file(
-            str(self.directory / name), shared=True, size=shape.numel(), dtype=dtype
-        )
+        flat = torch.from_file(str(self.directory / name), shared=True, size=numel, dtype=dtype)
         # Touched now, so that the tmpfs counts its pages before the next buffer asks for room
         # (an untouched page it cannot back later would be a SIGBUS, not an error).
         flat.zero_()
-        return flat.view(shape)
+        return flat
 
     def invalidate(self) -> None:
         """The buffers are about to be overwritten: the copy is no longer any step's."""
@@ -115,10 +153,10 @@ class OwnCopy:
         """Record that `staged` (whose tensors are `buffers`, by stager path) holds `step`;
         whether it could (not when some buffer is not in shared memory)."""
         if not self.enabled or any(
-            path not in self._names and buffer.numel() for path, buffer in buffers.items()
+            path not in self._places and buffer.numel() for path, buffer in buffers.items()
         ):
             return False
-        skeleton = _skeleton(staged, "", buffers, self._names)
+        skeleton = _skeleton(staged, "", buffers, self._places)
         temp = self.directory / f"{MANIFEST}.tmp"
         temp.write_bytes(pickle.dumps((step, skeleton)))
         temp.rename(self.directory / MANIFEST)
@@ -150,32 +188,37 @@ class OwnCopy:
 
 
 def _skeleton(
-    value: Any, path: str, buffers: dict[str, torch.Tensor], names: dict[str, str]
+    value: Any, path: str, buffers: dict[str, torch.Tensor], places: dict[str, tuple[str, int]]
 ) -> Any:
     """`value` with each tensor replaced by its `SealedBuffer` (stager paths, as HostStager
     walks)."""
     if isinstance(value, dict):
-        return {k: _skeleton(v, f"{path}.{k}", buffers, names) for k, v in value.items()}
+        return {k: _skeleton(v, f"{path}.{k}", buffers, places) for k, v in value.items()}
     if isinstance(value, list):
-        return [_skeleton(v, f"{path}.{i}", buffers, names) for i, v in enumerate(value)]
+        return [_skeleton(v, f"{path}.{i}", buffers, places) for i, v in enumerate(value)]
     if isinstance(value, DTensor | torch.Tensor):
         buffer = buffers[path]
-        return SealedBuffer(names.get(path, ""), buffer.dtype, tuple(buffer.shape), _crc(buffer))
+        name, offset = places.get(path, ("", 0))
+        return SealedBuffer(name, offset, buffer.dtype, tuple(buffer.shape), _crc(buffer))
     return value
 
 
 def buffers_of(skeleton: Any) -> list[SealedBuffer]:
-    """Every non-empty buffer of a sealed copy's skeleton, in name order: what a copy of its
-    directory must carry (`peer_copy`)."""
+    """Every non-empty buffer of a sealed copy's skeleton."""
     if isinstance(skeleton, dict):
-        return sorted((b for v in skeleton.values() for b in buffers_of(v)), key=_name)
+        return [b for v in skeleton.values() for b in buffers_of(v)]
     if isinstance(skeleton, list):
-        return sorted((b for v in skeleton for b in buffers_of(v)), key=_name)
+        return [b for v in skeleton for b in buffers_of(v)]
     return [skeleton] if isinstance(skeleton, SealedBuffer) and skeleton.name else []
 
 
-def _name(buffer: SealedBuffer) -> str:
-    return buffer.name
+def files_of(skeleton: Any) -> list[tuple[str, int]]:
+    """(name, bytes) of every file a sealed copy's buffers are in, in name order: what a copy of
+    its directory must carry (`peer_copy`)."""
+    ends: dict[str, int] = {}
+    for buffer in buffers_of(skeleton):
+        ends[buffer.name] = max(ends.get(buffer.name, 0), buffer.offset + buffer.nbytes)
+    return sorted(ends.items())
 
 
 def sealed_step(directory: Path, verify: bool = False) -> int | None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint.own_copy import MANIFEST, SealedBuffer, buffers_of, host_dir, sealed_step
+from trainer.checkpoint.own_copy import MANIFEST, files_of, host_dir, sealed_step
 
 # What a restore from a peer's memory read, in `Checkpointer.restored_from` ("peer memory@node1").
 PEER_MEMORY = "peer memory"
@@ -156,7 +156,7 @@ class PeerCopies:
     ) -> int:
         """Send each sealed copy directory of `sends` to its rank and receive one from each rank
         of `recvs` into its directory, which is unsealed first and sealed once whole: the
-        manifest's size, the manifest, then every buffer in name order; bytes received. A
+        manifest's size, the manifest, then every file its buffers are in; bytes received. A
         directory of None, or one not sealed, sends a size of 0 and nothing else."""
         outgoing = [(dst, src, _manifest(src)) for dst, src in sends]
         for _, into in recvs:
@@ -180,17 +180,17 @@ class PeerCopies:
         for dst, src, manifest in outgoing:
             if not manifest or src is None:
                 continue
-            for buffer in buffers_of(pickle.loads(manifest)[1]):
-                tensor = self._map(src / buffer.name, buffer, reuse, create=False)
-                works.append(dist.isend(tensor, dst, group=group))
+            for name, size in files_of(pickle.loads(manifest)[1]):
+                works.append(dist.isend(self._map(src / name, size, reuse, create=False), dst,
+                                        group=group))  # fmt: skip
         received = [m.numpy().tobytes() for m in manifests]
         for (src, into), manifest in zip(recvs, received, strict=True):
             if not manifest:
                 continue
-            for buffer in buffers_of(pickle.loads(manifest)[1]):
-                tensor = self._map(into / buffer.name, buffer, reuse, create=True)
-                works.append(dist.irecv(tensor, src, group=group))
-                nbytes += buffer.numel * buffer.dtype.itemsize
+            for name, size in files_of(pickle.loads(manifest)[1]):
+                works.append(dist.irecv(self._map(into / name, size, reuse, create=True), src,
+                                        group=group))  # fmt: skip
+                nbytes += size
         _wait(works)
         for (_, into), manifest in zip(recvs, received, strict=True):
             if not manifest:
@@ -200,15 +200,15 @@ class PeerCopies:
             temp.rename(into / MANIFEST)
         return nbytes
 
-    def _map(self, path: Path, buffer: SealedBuffer, reuse: bool, create: bool) -> torch.Tensor:
-        """The file at `path` as a flat tensor of `buffer`'s size, mapped shared (writes reach
-        the file); created anew when `create` (the bytes to come replace it)."""
+    def _map(self, path: Path, size: int, reuse: bool, create: bool) -> torch.Tensor:
+        """The first `size` bytes of the file at `path`, mapped shared (writes reach the file);
+        created anew when `create` (the bytes to come replace it)."""
         mapped = self._maps.get(path) if reuse else None
-        if mapped is not None and (mapped.dtype, mapped.numel()) == (buffer.dtype, buffer.numel):
+        if mapped is not None and mapped.numel() == size:
             return mapped
         if create:
             path.unlink(missing_ok=True)
-        tensor = torch.from_file(str(path), shared=True, size=buffer.numel, dtype=buffer.dtype)
+        tensor = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         if reuse:
             self._maps[path] = tensor
         return tensor

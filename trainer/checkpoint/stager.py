@@ -31,10 +31,15 @@ from torch.distributed.tensor import DTensor
 
 def tensor_bytes(value: Any) -> int:
     """The bytes `HostStager.stage` copies of `value` (a DTensor's local shard)."""
+    with torch.no_grad():  # DTensor.to_local is then the local tensor, not a new autograd view
+        return _bytes(value)
+
+
+def _bytes(value: Any) -> int:
     if isinstance(value, dict):
-        return sum(tensor_bytes(v) for v in value.values())
+        return sum(_bytes(v) for v in value.values())
     if isinstance(value, list):
-        return sum(tensor_bytes(v) for v in value)
+        return sum(_bytes(v) for v in value)
     if isinstance(value, DTensor):
         value = value.to_local()
     if isinstance(value, torch.Tensor):
