@@ -34,6 +34,10 @@ RANK_PROCESS = "st-rank-{rank}"
 KEEPER_PROCESS = "st-keeper-{rank}"
 # Rank 0's keeper's fork that hosts the job's store (trainer.keeper).
 STORE_PROCESS = "st-job-store"
+# How a rank's keeper names the failure of a rank that ended because a collective failed (a peer
+# died or hung up), not through a fault of its own: the stack does not count it against the
+# rank's node when it decides whether to cordon it (`scaletrain.app.stack.Job`).
+PEER_LOST = "lost a peer (a collective failed)"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 

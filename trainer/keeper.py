@@ -43,6 +43,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from scaletrain.process import (
+    PEER_LOST,
     RANK_PROCESS,
     STORE_PROCESS,
     die_with_parent,
@@ -57,8 +58,10 @@ GENERATION_ENV = "SCALETRAIN_GENERATION"
 # What a rank exits with on an error it has already reported in one line (trainer/__main__.py):
 # the same error would come again, so the keepers end the attempt instead of restarting in-job.
 FINAL_EXIT_CODES = (1, 2)
-# What a rank exits with when an exception escaped the loop (a broken collective, a bug).
+# What a rank exits with when an exception escaped the loop (a bug, any error but the next).
 FAILED_EXIT_CODE = 70
+# What a rank exits with when a collective failed: a peer died or hung up (`PEER_LOST`).
+PEER_LOST_EXIT_CODE = 71
 # How often a keeper looks at its rank and at the store.
 POLL_S = 0.05
 # How long a rank stopped by its keeper may hand telemetry its last records before SIGKILL.
@@ -226,6 +229,7 @@ def _fork_rank(train: Callable[[], int], prefix: str, generation: int) -> int:
     except BaseException as exc:  # the keeper hears of any failure by the exit code
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         if isinstance(exc, dist.DistError) or "gloo" in first:
+            code = PEER_LOST_EXIT_CODE
             print(
                 f"trainer: rank {os.environ['RANK']}: a collective failed: {first[:200]}",
                 file=sys.stderr,
@@ -284,6 +288,8 @@ def _read(store: dist.Store, key: str) -> str:
 def _describe(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
+    if code == PEER_LOST_EXIT_CODE:
+        return PEER_LOST
     return f"exited {code}"
 
 

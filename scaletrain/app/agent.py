@@ -23,6 +23,9 @@ import argparse
 import os
 import sys
 
+# With spares, a node whose ranks failed this many times is cordoned: the stack stops its agent
+# for good, and a spare waiting in the rendezvous takes its place (`stack.Job`).
+CORDON_AFTER = 3
 # The module whose ranks are forked warm.
 WARM_MODULE = "trainer"
 WARM_START = "forkserver"

@@ -38,6 +38,7 @@ from typing import IO, TypeVar
 from sqlalchemy import Engine
 
 from ckptd.client import CkptdClient
+from scaletrain.app.agent import CORDON_AFTER
 from scaletrain.app.embedded import check_layout, flag_value, new_run_id
 from scaletrain.app.recovery import (
     ATTEMPT_LINE,
@@ -123,6 +124,8 @@ class FaultKind:
     restarts: bool = False
     # Nodes a job needs to survive it.
     min_nodes: int = 1
+    # Hot spares it needs (--spares).
+    min_spares: int = 0
     # Trainer flags that make the trainer itself strike it, on the given rank.
     trainer_args: Callable[[Fault, int], list[str]] | None = None
     # It fills the SSD tier's disk, which must then be a small tmpfs.
@@ -195,6 +198,8 @@ class ChaosOptions:
     nodes: int = 1
     # Hot spares beside them (scaletrain run --spares): kill-node's lost node is replaced by one.
     spares: int = 0
+    # With spares, a node whose ranks failed this many times is cordoned (0: never).
+    cordon_after: int = CORDON_AFTER
     steps: int = 400
     ckpt_every: int = 5
     trainer_args: list[str] = field(default_factory=list)
@@ -749,6 +754,40 @@ class Drill:
                 with contextlib.suppress(ScaletrainError), CkptdClient(address) as client:
                     client.set_replica_rate(rate)
 
+    def _flaky_node(self, fault: Fault) -> tuple[str, str]:
+        """Kill a rank of one node, again each time the job trains after its restart, until the
+        stack cordons the node (`Job._count_failure`) and a spare takes its place."""
+        assert self.job is not None
+        serving = self.job.serving()
+        node = self._node_to_kill(fault, serving)
+        kills, deadline = 0, time.monotonic() + _WAIT_S
+        while node not in self.job.cordoned:
+            pids = self.job.rank_pids(node)
+            if self._done.is_set() or time.monotonic() > deadline:
+                raise _JobEnded
+            if not pids:  # its ranks are being forked again
+                time.sleep(0.05)
+                continue
+            attempts, mark = self.tap.attempts, self.tap.mark()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[min(pids)], signal.SIGKILL)
+                kills += 1
+            self.tap.wait(lambda a=attempts, m=mark: self._trains_again(node, a, m))
+        attempts = self.tap.attempts
+        restarted = self._await_restart(attempts)
+        self.spare_used = ", ".join(map(node_name, sorted(self.job.serving() - serving)))
+        return node_name(node), (
+            f"a rank of it SIGKILLed {kills} times; cordoned, spare "
+            f"{self.spare_used or 'NONE'} took its place{restarted}"
+        )
+
+    def _trains_again(self, node: int, attempts: int, mark: int) -> bool:
+        """Whether the job trained again since `mark` in an attempt after `attempts`, or ended,
+        or cordoned `node`."""
+        assert self.job is not None
+        again = self.tap.attempts > attempts and self.tap.seen_since(mark, "[trainer] step ")
+        return again or self._done.is_set() or node in self.job.cordoned
+
     def _node_to_kill(self, fault: Fault, serving: set[int]) -> int:
         """A node picked by the seed: never node0 (whose ckptd the drill and the summary ask);
         with spares, one that runs ranks now (a spare may have taken a node's place). The
@@ -971,6 +1010,15 @@ FAULTS: dict[str, FaultKind] = {
         restarts=True,
         min_nodes=2,
     ),
+    "flaky-node": FaultKind(
+        "(--spares 1 or more) SIGKILL a rank of a random node again and again, each time once "
+        "the job trains again, until the node is cordoned (--cordon-after failures of its ranks) "
+        "and a waiting spare takes its place; the cordoned machine does not come back.",
+        Drill._flaky_node,
+        restarts=True,
+        min_nodes=2,
+        min_spares=1,
+    ),
     "partition-node": FaultKind(
         "freeze a random node's ckptd (SIGSTOP) for SECONDS (default 5), then SIGCONT: its ranks "
         "and its peers cannot reach it meanwhile.",
@@ -1112,6 +1160,13 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
     lonely = sorted({f.kind for f in options.schedule if FAULTS[f.kind].min_nodes > options.nodes})
     if lonely:
         raise UserError(f"--schedule: {', '.join(lonely)} needs --nodes 2 or more")
+    spared = sorted(
+        {f.kind for f in options.schedule if FAULTS[f.kind].min_spares > options.spares}
+    )
+    if spared:
+        raise UserError(f"--schedule: {', '.join(spared)} needs --spares 1 or more")
+    if any(f.kind == "flaky-node" for f in options.schedule) and not options.cordon_after:
+        raise UserError("--schedule: flaky-node needs --cordon-after 1 or more (0 never cordons)")
     late = [f"{f.kind}@{f.step}" for f in options.schedule if f.step >= options.steps]
     if late:
         raise UserError(f"--schedule: {', '.join(late)} at or after the last step {options.steps}")
@@ -1133,7 +1188,13 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
     )
     # ckptd retries S3 soon after an outage ends; S3 keeps every checkpoint, so none may vanish.
     ckptd_args = ("--s3-backoff-max-s", "2", "--s3-every", "1")
-    stack = Stack(workdir, ckptd_args=ckptd_args, nodes=options.nodes, spares=options.spares)
+    stack = Stack(
+        workdir,
+        ckptd_args=ckptd_args,
+        nodes=options.nodes,
+        spares=options.spares,
+        cordon_after=options.cordon_after,
+    )
     with disk, stack:
         workdir.remember_run(run_id)
         print(

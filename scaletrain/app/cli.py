@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 # GRPC_VERBOSITY=debug to see them. This must happen before grpc is first imported.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
+from scaletrain.app.agent import CORDON_AFTER
 from scaletrain.errors import ScaletrainError, UserError
 from trainer import options
 from trainer.data.prepare import EXAMPLE_VOCAB
@@ -463,6 +464,14 @@ def _nodes_arg(parser: argparse.ArgumentParser) -> None:
         help="hot spare machines beside the nodes (--nodes 2 or more): a warm ckptd and agent "
         "each, that take a lost node's place (default 0)",
     )
+    parser.add_argument(
+        "--cordon-after",
+        type=int,
+        default=CORDON_AFTER,
+        metavar="N",
+        help="with --spares: a node whose ranks failed N times is cordoned, its agent stopped "
+        f"for good and a waiting spare taking its place (0: never; default {CORDON_AFTER})",
+    )
 
 
 def _workdir_arg(parser: argparse.ArgumentParser) -> None:
@@ -538,6 +547,7 @@ def _run(args: argparse.Namespace) -> int:
         ranks=args.ranks,
         nodes=args.nodes,
         spares=args.spares,
+        cordon_after=args.cordon_after,
         steps=int(job["steps"]),
         ckpt_every=int(job["ckpt_every"]),
         run_id=str(job["run_id"]) or None,
@@ -628,6 +638,7 @@ def _chaos(args: argparse.Namespace) -> int:
         ranks=args.ranks,
         nodes=args.nodes,
         spares=args.spares,
+        cordon_after=args.cordon_after,
         steps=int(job["steps"]),
         ckpt_every=int(job["ckpt_every"]),
         trainer_args=options.to_argv(options.passed_on(job)),

@@ -17,6 +17,7 @@ from typing import IO
 
 from ckptd.client import CkptdClient
 from ckptd.datadir import list_offline
+from scaletrain.app.agent import CORDON_AFTER
 from scaletrain.app.stack import Stack, Workdir, check_nodes
 from scaletrain.app.summary import RunSummary, checkpoint_row, summarize, whole_tiers
 from scaletrain.errors import UserError
@@ -33,6 +34,8 @@ class RunOptions:
     nodes: int = 1
     # Hot spare machines beside them, warm, each taking a lost node's place.
     spares: int = 0
+    # With spares, a node whose ranks failed this many times is cordoned (0: never).
+    cordon_after: int = CORDON_AFTER
     steps: int = 300
     ckpt_every: int = 100
     run_id: str | None = None
@@ -69,7 +72,13 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
         *options.trainer_args,
     ]  # fmt: skip
     saved_before = _newest_step(workdir, run_id)
-    with Stack(workdir, secure=options.secure, nodes=options.nodes, spares=options.spares) as stack:
+    with Stack(
+        workdir,
+        secure=options.secure,
+        nodes=options.nodes,
+        spares=options.spares,
+        cordon_after=options.cordon_after,
+    ) as stack:
         workdir.remember_run(run_id)
         nodes = (
             f" ({options.nodes} nodes of {options.ranks // options.nodes} ranks)"

@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -31,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from scaletrain.app.agent import CORDON_AFTER
 from scaletrain.app.rendezvous import wait_listening
 from scaletrain.app.seaweed import SeaweedS3, free_ports
 from scaletrain.errors import UserError
-from scaletrain.process import rank_named
+from scaletrain.process import PEER_LOST, rank_named
 from scaletrain.security import ClientSecurity, EmbeddedCredentials, Role
 from scaletrain.transport import wait_until_healthy
 from telemetry.client import HOST_ENV
@@ -49,6 +51,15 @@ def node_name(node: int) -> str:
 def ckptd_service(node: int) -> str:
     """The name of node `node`'s ckptd among the stack's children (and of its log file)."""
     return "ckptd" if node == 0 else f"ckptd-{node_name(node)}"
+
+
+# A rank's keeper restarting it in the job, as rank 0's keeper says it: the failed rank is group 2
+# (one that only lost a peer is not matched: the failure was not its node's).
+IN_JOB_FAILURE = re.compile(
+    rf"^\[keeper\] in-job restart (\d+): rank (\d+) (?!{re.escape(PEER_LOST)})"
+)
+# How long a failed rank's node is looked for among the ranks forked again.
+_FIND_RANK_S = 10.0
 
 
 def check_nodes(ranks: int, nodes: int, spares: int = 0, memory_budget_mb: int = 512) -> None:
@@ -241,7 +252,10 @@ class Stack:
         ckptd_args: tuple[str, ...] = (),
         nodes: int = 1,
         spares: int = 0,
+        cordon_after: int = CORDON_AFTER,
     ) -> None:
+        if cordon_after < 0:
+            raise UserError(f"--cordon-after must be 0 or more, got {cordon_after}")
         self.workdir = workdir
         self.memory_budget_mb = memory_budget_mb
         self.secure = secure
@@ -251,6 +265,8 @@ class Stack:
         self.ckptd_args = ckptd_args
         self.nodes = nodes
         self.spares = spares
+        # With spares: a node whose ranks failed this many times is cordoned (0: never).
+        self.cordon_after = cordon_after
         self.children: list[Child] = []
         self.s3: SeaweedS3 | None = None
         # Node i's ckptd listens on ckptd_addresses[i].
@@ -536,6 +552,11 @@ class Job:
         self._replacing: set[int] = set()  # nodes whose agent was killed, to be started again
         self._served: set[int] = set()  # pids of the agents that have run ranks
         self._stopped = False
+        # Rank failures seen per node (in-job restarts); nodes cordoned for them, for good; the
+        # spares that are to take their places, until they run ranks.
+        self._failures: dict[int, int] = {}
+        self.cordoned: set[int] = set()
+        self._claimed: set[int] = set()
 
     def agent_argv(self, node: int) -> list[str]:
         # No --node-rank: c10d assigns node ranks itself (by process id) and torchrun warns
@@ -577,6 +598,7 @@ class Job:
             )
             self.agents[node] = proc
             self._replacing.discard(node)
+            self._failures.pop(node, None)  # a new machine in its place
         reader = threading.Thread(target=self._pump, args=(node, proc), name=f"agent-{node}")
         reader.start()
         self._readers.append(reader)
@@ -625,6 +647,53 @@ class Job:
                 self._logs[node].flush()
                 self._out.write(line)
                 self._out.flush()
+            failed = IN_JOB_FAILURE.match(line)
+            if failed is not None and self.stack.spares and self.stack.cordon_after:
+                cause = line.split(": ", 1)[1].strip()
+                threading.Thread(
+                    target=self._count_failure, args=(int(failed[2]), cause), daemon=True
+                ).start()
+
+    def _count_failure(self, rank: int, cause: str) -> None:
+        """A rank failed and its keeper restarted it in the job: once the ranks of its node
+        failed `cordon_after` times, the node is cordoned (its agent stopped for good, so the
+        next rendezvous round takes a waiting spare in its place), if a spare waits."""
+        node, deadline = None, time.monotonic() + _FIND_RANK_S
+        while node is None and time.monotonic() < deadline and not self._stopped:
+            # Its keeper forks it again: until then no process trains as that rank.
+            node = next((n for n in self.serving() if rank in self.rank_pids(n)), None)
+            time.sleep(0.1)
+        if node is None:
+            return
+        with self._lock:
+            self._failures[node] = failures = self._failures.get(node, 0) + 1
+        if failures < self.stack.cordon_after or node in self.cordoned:
+            return
+        serving = self.serving()
+        with self._lock:
+            self._claimed -= serving  # a spare that took a cordoned node's place
+            waiting = [
+                n
+                for n, agent in enumerate(self.agents)
+                if agent and agent.poll() is None and n not in serving | self._claimed
+            ]
+            if waiting:
+                self.cordoned.add(node)
+                self._replacing.add(node)  # never started again; its end is not the job's
+                self._claimed.add(waiting[0])
+                agent = self.agent(node)
+        if not waiting:
+            if failures == self.stack.cordon_after:
+                self._say(
+                    f"{node_name(node)}'s ranks failed {failures} times (the last: {cause}); "
+                    "no spare waits to take its place, so it stays"
+                )
+            return
+        self._say(
+            f"{node_name(node)} cordoned: its ranks failed {failures} times (the last: {cause}); "
+            f"its agent is stopped, and the waiting spare {node_name(waiting[0])} takes its place"
+        )
+        _kill_agent(agent)
 
     def rank_pids(self, node: int | None = None) -> dict[int, int]:
         """RANK -> pid of the ranks running now (on node `node`, or on every node)."""

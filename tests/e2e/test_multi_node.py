@@ -46,7 +46,7 @@ SDC_STEP = 18
 # that stop-s3 (a ride-through fault) and the final save, made by node0 and the spare that took
 # over, still have steps to run.
 SCHEDULE = ["kill-node@8", "partition-node@13:2", f"sdc@{SDC_STEP}", "kill-node-mid-save@19",
-            "stop-s3@30:2"]  # fmt: skip
+            "flaky-node@26", "stop-s3@30:2"]  # fmt: skip
 # A global batch every data-parallel degree of the reshard test divides (4, 2 and 8 ranks).
 MODEL = [*TINY, "--global-batch", "24"]
 LAYOUT = ["--ranks", str(RANKS), "--nodes", str(NODES), "--steps", str(STEPS),
@@ -148,6 +148,14 @@ def test_every_nodes_ckptd_lists_the_same_checkpoints(two_nodes: dict):
          "same number of ranks; nearest valid --ranks: 3 or 6"),
         (["chaos", "--schedule", "kill-node@3"],
          "scaletrain chaos: error: --schedule: kill-node needs --nodes 2 or more"),
+        (["chaos", "--nodes", "2", "--schedule", "flaky-node@3"],
+         "scaletrain chaos: error: --schedule: flaky-node needs --spares 1 or more"),
+        (["chaos", "--nodes", "2", "--spares", "1", "--cordon-after", "0", "--schedule",
+          "flaky-node@3"],
+         "scaletrain chaos: error: --schedule: flaky-node needs --cordon-after 1 or more (0 "
+         "never cordons)"),
+        (["run", "--nodes", "2", "--spares", "1", "--cordon-after", "-1"],
+         "scaletrain run: error: --cordon-after must be 0 or more, got -1"),
     ],
 )  # fmt: skip
 def test_a_layout_the_nodes_cannot_split_is_refused_in_one_line_before_anything_starts(
@@ -200,13 +208,34 @@ def test_a_killed_node_is_replaced_by_the_warm_spare_and_comes_back_as_the_next_
     assert "[scaletrain] spare node2 is warm, waiting in the rendezvous" in drill["_log"]
     (record,) = [r for r in drill["fault_recoveries"] if r["kind"] == "kill-node"]
     assert record["spare"] is True and record["mttr_s"] > 0, record
-    # The last checkpoint has a part on node0 and on the spare that took the last lost node's
-    # place (kill-node-mid-save strikes later), each on its SSD; the spare of the end holds none.
+    # The last checkpoint has a part on node0 and on the spare that took the cordoned node's
+    # place (flaky-node strikes after the node faults), each on its SSD; the spare of the end
+    # holds none.
     final = max(drill["checkpoints"], key=lambda c: c["step"])
     assert final["step"] == STEPS
     saved = {part["node"]: part for part in final["parts"] if part["files"]}
-    assert sorted(saved) == ["node0", injected(drill, "kill-node-mid-save")["spare"]], final
+    assert sorted(saved) == ["node0", injected(drill, "flaky-node")["spare"]], final
     assert all("ssd" in part["tiers"] for part in saved.values()), final
+
+
+def test_a_node_whose_ranks_keep_failing_is_cordoned_and_a_spare_takes_its_place(drill: dict):
+    fault = injected(drill, "flaky-node")
+    target, spare = fault["target"], fault["spare"]
+    assert spare and spare != target, fault
+    # 3 failures of its ranks, each counted unless a peer's loss was seen before it.
+    kills = int(fault["detail"].split("SIGKILLed ")[1].split()[0])
+    assert kills >= 3 and "; cordoned, spare " in fault["detail"], fault
+    said = [line for line in drill["_log"].splitlines() if " cordoned: " in line]
+    assert said == [
+        f"[scaletrain] {target} cordoned: its ranks failed 3 times (the last: rank "
+        + said[0].split("(the last: rank ")[1]
+    ], said
+    assert said[0].endswith(f"the waiting spare {spare} takes its place"), said
+    # The cordoned machine never comes back: it runs no rank at the end and holds no part.
+    final = max(drill["checkpoints"], key=lambda c: c["step"])
+    assert target not in {part["node"] for part in final["parts"] if part["files"]}, final
+    (record,) = [r for r in drill["fault_recoveries"] if r["kind"] == "flaky-node"]
+    assert record["mttr_s"] > 0, record
 
 
 def test_a_node_lost_right_after_a_commit_loses_at_most_that_unsafe_step_and_the_job_goes_on(

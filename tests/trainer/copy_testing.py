@@ -7,6 +7,7 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,8 @@ from fp8_testing import TinyTrainer, tiny_model
 from ckptd.config import CkptdConfig
 from ckptd.server import RunningCkptd, start
 from telemetry.client import HOST_ENV
-from trainer.checkpoint.own_copy import remove_copies
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.own_copy import remove_copies, sealed_step
 
 
 def damage_copies(directory: Path) -> None:
@@ -59,3 +61,24 @@ def machine_rank(
                             world_size=world)  # fmt: skip
     model, _ = tiny_model(None)
     return model, TinyTrainer(model, steps=steps)
+
+
+class NoRecords:
+    """Telemetry that knows nothing of the run: a resume goes by the checkpoint alone."""
+
+    def resume_offsets(self, step: int) -> None:
+        return None
+
+    def config_changed(self, step: int, changes: list[str]) -> None:
+        raise AssertionError("the config did not change")
+
+
+def resume(saver: Checkpointer, run_id: str) -> int:
+    """`saver.resume` as the trainer calls it, with a config that only names the run."""
+    cfg = SimpleNamespace(resume=False, resume_wait_s=5.0, job=None, run_id=run_id)
+    return saver.resume(cfg, NoRecords())  # type: ignore[arg-type]
+
+
+def own_steps(saver: Checkpointer) -> set[int | None]:
+    """The steps the rank's own copies hold sealed (None for a set holding none)."""
+    return {sealed_step(slot.own.directory) for slot in saver._slots if slot.own is not None}

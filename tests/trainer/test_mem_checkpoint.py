@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from copy_testing import own_steps, resume
 from fp8_testing import TinyTrainer, tiny_model
 
 from ckptd.client import CkptdClient
@@ -57,3 +58,29 @@ def test_a_lazy_memory_save_holds_its_steps_state_bitwise_though_training_goes_o
     assert trainer.loader.offset() == sample
     assert [trainer.step() for _ in range(2)] == straight
     saver.close()
+
+
+def test_a_save_after_a_restart_leaves_the_restored_steps_copy_whole(ckptd):
+    # Saves take turns on two sets of buffers (the rank's own copies); one after a restart must
+    # not overwrite the step the job just restored, its only whole copy until the save is
+    # sealed: a failure during it would find no step to resume from.
+    model, _ = tiny_model(None)
+    trainer = TinyTrainer(model, steps=8)
+
+    def checkpointer() -> Checkpointer:
+        return Checkpointer(ckptd.address, "turns", model, trainer.optimizer, trainer.scheduler,
+                            trainer.loader, every=0, last_step=8, mem_every=1)  # fmt: skip
+
+    first = checkpointer()
+    for step in (1, 2, 3):
+        trainer.step()
+        assert first.save(step, labels={}) is not None
+        first.wait_staged()
+    assert [d.error for d in first.finish()] == [None, None, None]
+    restarted = checkpointer()  # the same rank's next generation (its copies outlive it)
+    assert resume(restarted, "turns") == 3
+    trainer.step()
+    assert restarted.save(4, labels={}) is not None
+    assert [d.error for d in restarted.finish()] == [None]
+    assert own_steps(restarted) == {3, 4}
+    restarted.close()

@@ -9,11 +9,10 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
-from copy_testing import damage_copies, machine_rank, run_ranks
+from copy_testing import damage_copies, machine_rank, resume, run_ranks
 
 from ckptd.client import CkptdClient
 from scaletrain.errors import NotFound
@@ -24,16 +23,6 @@ from trainer.checkpoint.peer_copy import buddies, peer_dir
 
 RUN = "peer-memory"
 WORLD = 2
-
-
-class _NoRecords:
-    """Telemetry that knows nothing of the run (the resume goes by the checkpoint alone)."""
-
-    def resume_offsets(self, step: int) -> None:
-        return None
-
-    def config_changed(self, step: int, changes: list[str]) -> None:
-        raise AssertionError("the config did not change")
 
 
 def _rank(rank: int, port: int, address: str, out: str, loss: str) -> None:
@@ -66,8 +55,7 @@ def _rank(rank: int, port: int, address: str, out: str, loss: str) -> None:
         damage_copies(copy_dir(RUN, "machine1", rank))  # type: ignore[arg-type]
     dist.barrier()
     restarted = checkpointer()
-    cfg = SimpleNamespace(resume=False, resume_wait_s=5.0, job=None, run_id=RUN)
-    report["resumed"] = restarted.resume(cfg, _NoRecords())  # type: ignore[arg-type]
+    report["resumed"] = resume(restarted, RUN)
     report["restored"] = state_sha256(model.state_dict())
     report["restored_sample"] = trainer.loader.offset().global_sample
     report["restored_from"] = restarted.restored_from

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import threading
 import time
 from collections import Counter
@@ -187,7 +188,6 @@ class Checkpointer:
         self._brought_from = ""
         # get_state_dict's model and optimizer state, reused (`_model_and_optim`).
         self._live: tuple[dict[str, Any], dict[str, Any]] | None = None
-        self._saves = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._inflight: Future[SaveDone] | None = None
         # Set once the save in flight has copied the model and optimizer (`wait_staged`).
@@ -268,6 +268,23 @@ class Checkpointer:
             return SaveKind.MEMORY
         return None
 
+    def _slot(self, step: int) -> _Slot:
+        """The staging buffers a save of `step` uses: the sets take turns by the save's place in
+        the run (`_ordinal`), the same on every rank and in every generation of the job. A save
+        after a restore of step s then never overwrites s's copies, own or a peer's: until it is
+        sealed, s stays whole for a failure during it (a count of saves since the process
+        started would reuse s's set half the time)."""
+        return self._slots[self._ordinal(step) % len(self._slots)]
+
+    def _ordinal(self, step: int) -> int:
+        """How many saves are due at steps 1..`step` (`kind`), skipped ones included."""
+        durable = step // self.every if self.every else 0
+        memory = step // self.mem_every if self.mem_every else 0
+        both = step // math.lcm(self.every, self.mem_every) if durable and memory else 0
+        last = self.every and self.last_step <= step and self.last_step % self.every != 0
+        last = last and not (self.mem_every and self.last_step % self.mem_every == 0)
+        return durable + memory - both + int(bool(last))
+
     def should_save(self, step: int) -> bool:
         """Whether the loop saves after `step` (`kind`). A memory save due while the previous
         save still streams on some rank is not: every rank decides it together (a collective,
@@ -288,8 +305,7 @@ class Checkpointer:
             return None
         self._collect(block=True)
         start = time.perf_counter()
-        slot = self._slots[self._saves % len(self._slots)]
-        self._saves += 1
+        slot = self._slot(step)
         state = self._state(step)
         if slot.own is not None:
             slot.own.invalidate()  # its buffers are about to hold another step
@@ -533,8 +549,9 @@ class Checkpointer:
         )  # fmt: skip
         if in_memory is not None and step == in_memory.step:
             # The ranks without their own copy get it from the peer node that holds it, into
-            # their own copy's first slot, whence `load` restores it as every rank's own.
-            into = self._slots[0].own
+            # the slot a save of that step uses, whence `load` restores it as every rank's own
+            # (and the next save leaves it whole).
+            into = self._slot(in_memory.step).own
             assert into is not None  # peers exist only with own copies
             self._peers.bring_back(in_memory, into.directory)  # type: ignore[union-attr]
             if self.rank in in_memory.senders:
