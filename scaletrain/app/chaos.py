@@ -49,7 +49,15 @@ from scaletrain.app.recovery import (
     recovery_record,
     signs,
 )
-from scaletrain.app.stack import Job, Stack, Workdir, check_nodes, ckptd_service, node_name
+from scaletrain.app.stack import (
+    RENDEZVOUS,
+    Job,
+    Stack,
+    Workdir,
+    check_nodes,
+    ckptd_service,
+    node_name,
+)
 from scaletrain.app.summary import summarize
 from scaletrain.errors import ScaletrainError, UserError
 from scaletrain.v1 import checkpoint_pb2, common_pb2
@@ -754,6 +762,41 @@ class Drill:
                 with contextlib.suppress(ScaletrainError), CkptdClient(address) as client:
                     client.set_replica_rate(rate)
 
+    def _kill_spare_taking_over(self, fault: Fault) -> tuple[str, str]:
+        """kill-node, and the spare that takes the lost node's place too, as soon as it runs
+        ranks, before the job trains on it: the job must find it lost and go on with the next
+        machine (the first lost one, coming back)."""
+        assert self.job is not None
+        deadline = time.monotonic() + _WAIT_S
+        while not (waiting := set(self.job.waiting_spares())):  # a spare must be there to lose
+            if self._done.is_set() or time.monotonic() > deadline:
+                raise _JobEnded
+            time.sleep(0.2)
+        struck: list[str] = []
+
+        def strike_the_spare() -> None:
+            deadline = time.monotonic() + _WAIT_S
+            while not self._done.is_set() and time.monotonic() < deadline:
+                taking = sorted(waiting & self.job.serving())  # type: ignore[union-attr]
+                if taking:
+                    self._kill_machine(taking[0], replaced=False)
+                    struck.append(node_name(taking[0]))
+                    self._spare_machine(taking[0])  # it comes back later, as a spare
+                    return
+                time.sleep(0.05)
+
+        striker = threading.Thread(target=strike_the_spare, name="chaos-spare", daemon=True)
+        striker.start()
+        target, detail = self._kill_node(fault)
+        striker.join(_WAIT_S)
+        spare = struck[0] if struck else "NONE"
+        return target, f"{detail}; then the spare {spare} lost as it took over"
+
+    def _kill_rendezvous(self, fault: Fault) -> tuple[str, str]:
+        attempts = self.tap.attempts
+        self.stack.service(RENDEZVOUS).kill()
+        return RENDEZVOUS, "SIGKILL" + self._await_restart(attempts)
+
     def _flaky_node(self, fault: Fault) -> tuple[str, str]:
         """Kill a rank of one node, again each time the job trains after its restart, until the
         stack cordons the node (`Job._count_failure`) and a spare takes its place."""
@@ -798,11 +841,15 @@ class Drill:
             return self._node_for(fault, first=1)
         return nodes[self._random(fault).randrange(len(nodes))]
 
-    def _kill_machine(self, node: int) -> None:
-        """SIGKILL node `node`'s agent, ranks and ckptd and delete its data dir (its SSD)."""
+    def _kill_machine(self, node: int, replaced: bool = True) -> None:
+        """SIGKILL node `node`'s agent, ranks and ckptd and delete its data dir (its SSD); the
+        job is told it is being `replaced`, or finds out itself."""
         assert self.job is not None
         self._struck_step = self._struck_step or self.tap.step
-        self.job.kill_agent(node)
+        if replaced:
+            self.job.kill_agent(node)
+        else:
+            self.job.lose(node)
         self.stack.service(ckptd_service(node)).kill()
         data_dir = self.stack.workdir.ckptd_dir(node)
         shutil.rmtree(data_dir)
@@ -1018,6 +1065,24 @@ FAULTS: dict[str, FaultKind] = {
         restarts=True,
         min_nodes=2,
         min_spares=1,
+    ),
+    "kill-spare-taking-over": FaultKind(
+        "(--spares 1 or more) as kill-node, then SIGKILL the spare taking the node's place as "
+        "soon as it runs ranks: the job finds it lost and goes on with the next machine (the "
+        "one lost first, back as a spare).",
+        Drill._kill_spare_taking_over,
+        restarts=True,
+        min_nodes=2,
+        min_spares=1,
+    ),
+    "kill-rendezvous": FaultKind(
+        "(--nodes 2 or more) SIGKILL the rendezvous service the agents meet in: torch's agents "
+        "cannot reconnect to its store, so the stack starts it again at its address, then "
+        "every agent; the job resumes from its newest checkpoint.",
+        Drill._kill_rendezvous,
+        restarts=True,
+        min_nodes=2,
+        detected_by=r"^\[scaletrain\] the rendezvous at \S+ was lost",
     ),
     "partition-node": FaultKind(
         "freeze a random node's ckptd (SIGSTOP) for SECONDS (default 5), then SIGCONT: its ranks "

@@ -53,6 +53,8 @@ def ckptd_service(node: int) -> str:
     return "ckptd" if node == 0 else f"ckptd-{node_name(node)}"
 
 
+# The stack's rendezvous service, among its children (and its log file).
+RENDEZVOUS = "rendezvous"
 # A rank's keeper restarting it in the job, as rank 0's keeper says it: the failed rank is group 2
 # (one that only lost a peer is not matched: the failure was not its node's).
 IN_JOB_FAILURE = re.compile(
@@ -321,7 +323,7 @@ class Stack:
         if self.machines > 1:
             self.rendezvous_address = f"127.0.0.1:{rendezvous_port}"
             rendezvous = self._spawn(
-                "rendezvous",
+                RENDEZVOUS,
                 _scaletrain_argv("rendezvous", "--listen", self.rendezvous_address),
                 base_env,
                 self.rendezvous_address,
@@ -387,7 +389,14 @@ class Stack:
         """Start service `name` again at its address (it died or was killed), wait until healthy."""
         child = self.service(name)
         child.restart()
-        self._wait_healthy(child)
+        if name == RENDEZVOUS:  # a TCP store, no gRPC health service
+            wait_listening(self.rendezvous_address, timeout_s=60)
+        else:
+            self._wait_healthy(child)
+
+    def rendezvous_lost(self) -> bool:
+        """Whether the rendezvous service (several machines) has died."""
+        return bool(self.rendezvous_address) and self.service(RENDEZVOUS).proc.poll() is not None
 
     def _wait_healthy(self, child: Child) -> None:
         name, address = child.name, self._addresses[child.name]
@@ -604,12 +613,14 @@ class Job:
         self._readers.append(reader)
         return True
 
-    def start_spares(self) -> None:
-        """Start the spares' agents once every training node's agent runs its ranks (the job
-        formed), from a thread of its own: a spare started sooner could take a node's place in
-        the first round."""
+    def start_spares(self, machines: list[int] | None = None) -> None:
+        """Start the spares' agents (of `machines`, or the stack's spares) once every training
+        node's agent runs its ranks (the job formed), from a thread of its own: a spare started
+        sooner could take a node's place in the first round."""
         if not self.stack.spares:
             return
+        if machines is None:
+            machines = list(range(self.stack.nodes, self.stack.machines))
 
         def start() -> None:
             deadline = time.monotonic() + SPARE_START_WAIT_S
@@ -617,7 +628,7 @@ class Job:
                 if self._stopped:
                     return
                 time.sleep(0.2)
-            for node in range(self.stack.nodes, self.stack.machines):
+            for node in machines:
                 if not self.start_agent(node):
                     return
                 self._say(f"spare {node_name(node)} is warm, waiting in the rendezvous")
@@ -716,6 +727,12 @@ class Job:
         `start_agent(node)`. Returns the pids killed."""
         with self._lock:
             self._replacing.add(node)
+        return self.lose(node)
+
+    def lose(self, node: int) -> list[int]:
+        """SIGKILL node `node`'s agent and its ranks, and drop the copies its ranks kept: a
+        machine lost, as the job sees it (`wait` finds it out). Returns the pids killed."""
+        with self._lock:
             agent = self.agent(node)
         ranks = descendants(agent.pid)
         _kill_agent(agent)
@@ -732,6 +749,8 @@ class Job:
         others are stopped). A spare that fails before it ran a rank is reported, not fatal."""
         reported: set[int] = set()
         for polls in itertools.count():
+            if self.stack.rendezvous_lost():  # before the agents' failures: it caused them
+                self._rendezvous_again()
             if self.stack.spares and polls % 5 == 0:  # a scan of /proc: once a second
                 self.serving()
             with self._lock:
@@ -741,6 +760,9 @@ class Job:
             counts = {
                 n: c for n, c in codes.items() if live[n].pid in served or not self.stack.spares
             }
+            lost = sorted(n for n, code in counts.items() if code is not None and code < 0)
+            if lost and self.stack.spares and self._take_places(lost, counts):
+                continue
             failed = [code for code in counts.values() if code not in (None, 0)]
             ended = all(code is not None for code in codes.values())
             # A machine being replaced holds the end only without spares: with them the job no
@@ -757,6 +779,63 @@ class Job:
                     reported.add(node)
                     self._say(f"spare {node_name(node)}'s agent exited ({codes[node]}) unused")
             time.sleep(0.2)
+
+    def waiting_spares(self) -> list[int]:
+        """The machines whose agent waits in the rendezvous, running no rank, and that no
+        cordon has claimed."""
+        serving = self.serving()
+        with self._lock:
+            return [
+                n
+                for n, agent in enumerate(self.agents)
+                if agent and agent.poll() is None and n not in serving | self._claimed
+            ]
+
+    def _take_places(self, lost: list[int], codes: dict[int, int | None]) -> bool:
+        """Machines whose agent was killed while it ran ranks (lost, as a spare can be while it
+        takes over): with a spare waiting, or a machine coming back (being started again), the
+        next round takes it in their place, and the job goes on; False when none can."""
+        waiting = self.waiting_spares()
+        with self._lock:
+            coming = self._replacing - self.cordoned - set(lost)
+            if not waiting and not coming:
+                return False
+            self._replacing |= set(lost)
+        instead = (
+            f"the waiting spare {node_name(waiting[0])}"
+            if waiting
+            else " or ".join(map(node_name, sorted(coming))) + ", coming back,"
+        )
+        for node in lost:
+            how = signal.Signals(-codes[node]).name  # type: ignore[operator]
+            self._say(
+                f"{node_name(node)} was lost while it ran ranks (its agent ended by {how}); "
+                f"{instead} takes its place"
+            )
+        return True
+
+    def _rendezvous_again(self) -> None:
+        """The rendezvous service died: torch's agents cannot reconnect to a store, so every
+        agent fails. Start the service again at its address, then every agent again (the
+        training machines now, the spares once the job has formed): the job resumes from its
+        newest checkpoint, from the ranks' own memory where they hold it."""
+        serving = self.serving()
+        self._say(
+            f"the rendezvous at {self.stack.rendezvous_address} was lost: it is started again, "
+            "then every agent; the job resumes from its newest checkpoint"
+        )
+        with self._lock:
+            agents = {n: a for n, a in enumerate(self.agents) if a and n not in self.cordoned}
+            self._replacing |= set(agents)  # their ends are not the job's
+        for agent in agents.values():
+            _kill_agent(agent)
+        self.stack.restart_service(RENDEZVOUS)
+        for node in sorted(serving):
+            if not self.start_agent(node):
+                return
+        spares = sorted(set(agents) - serving)
+        if spares:
+            self.start_spares(spares)
 
     def stop(self) -> None:
         """Stop every agent still running (SIGTERM: torchrun stops its ranks; SIGKILL for what is

@@ -21,8 +21,10 @@ from e2e_procs import trainer_pids
 from e2e_runs import scaletrain_json
 
 pytestmark = pytest.mark.e2e
-COMMON = ("--ranks", "4", "--nodes", "2", "--steps", "16", "--ckpt-every", "10")
+COMMON = ("--ranks", "4", "--nodes", "2", "--steps", "40", "--ckpt-every", "10")
 KILL_AFTER = 13
+# The machine faults of the two-node drill: each strikes once the job trains after the last.
+MACHINE_FAULTS = ("kill-node@5", "kill-spare-taking-over@15", "kill-rendezvous@25")
 VICTIM = 3  # a rank of node 1
 
 
@@ -82,22 +84,38 @@ def test_a_killed_rank_costs_at_most_one_step_and_the_run_ends_bitwise_as_an_uni
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["last_loss"] == reference["last_loss"]
     # Memory steps never reach ckptd: it holds the durable ones alone.
-    assert [c["step"] for c in summary["checkpoints"]] == [10, 16]
+    assert [c["step"] for c in summary["checkpoints"]] == [10, 20, 30, 40]
 
 
-def test_a_lost_node_costs_at_most_one_step_its_ranks_state_coming_from_the_peer_nodes_memory(
+def test_machines_lost_cost_at_most_one_step_each_the_state_coming_from_own_and_peer_memory(
     tmp_path: Path, reference: dict
 ) -> None:
     drill = scaletrain_json(
         "chaos", "--workdir", str(tmp_path / "drill"), *COMMON, "--spares", "1",
-        "--mem-ckpt-every", "1", "--schedule", f"kill-node@{KILL_AFTER}",
+        "--mem-ckpt-every", "1", "--schedule", ",".join(MACHINE_FAULTS),
     )  # fmt: skip
-    assert drill["completed"] and not drill["checkpoints_lost"], drill["_log"][-3000:]
+    log = drill["_log"]
+    assert drill["completed"] and not drill["checkpoints_lost"], log[-3000:]
+    assert drill["faults_injected"] == len(MACHINE_FAULTS), drill["faults"]
     assert drill["params_sha256"] == reference["params_sha256"]
-    (record,) = drill["fault_recoveries"]
-    assert record["kind"] == "kill-node" and record["spare"], record
-    assert record["steps_lost"] <= 1, record
-    # The survivors' ranks from their own memory; the lost node's ranks, on the spare, from the
-    # copies their buddies on the surviving node kept: nothing from ckptd's tiers.
-    copies = {source.split("@")[0] for source in record["restored_from"]}
-    assert copies == {"own memory", "peer memory"}, record["restored_from"]
+    records = {r["kind"]: r for r in drill["fault_recoveries"]}
+    assert sorted(records) == sorted(f.split("@")[0] for f in MACHINE_FAULTS), records
+    for record in records.values():
+        assert record["steps_lost"] <= 1, record
+        # The survivors' ranks from their own memory; a lost node's ranks, on the machine that
+        # took its place, from the copies their buddies kept: nothing from ckptd's tiers.
+        copies = {source.split("@")[0] for source in record["restored_from"]}
+        assert copies <= {"own memory", "peer memory"} and copies, record
+    assert records["kill-node"]["spare"], records["kill-node"]
+    assert "peer memory" in str(records["kill-node"]["restored_from"])
+    # The spare lost as it took over: the job found it out, said so, and went on with the
+    # machine lost first, back as a spare.
+    (spare_lost,) = [line for line in log.splitlines() if " was lost while it ran ranks " in line]
+    assert spare_lost.endswith("takes its place"), spare_lost
+    # The rendezvous lost: started again, every agent too, the ranks' own memory restored.
+    assert "[scaletrain] the rendezvous at " in log and "was lost: it is started again" in log
+    assert set(records["kill-rendezvous"]["restored_from"]) <= {
+        "own memory@node0",
+        "own memory@node1",
+        "own memory@node2",
+    }
