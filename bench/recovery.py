@@ -18,8 +18,10 @@ The second runs kill-rank and stop-rank again with the in-job restart (the defau
 keeper forks it again, `trainer.keeper`), with its MTTR's ratio to the cold one's. The third runs
 kill-node and kill-node-mid-save with one hot spare (`--spares 1`: a warm machine takes the lost
 node's place), in the same command, with its MTTR's ratio to the cold kill-node's.
+`--mem-ckpt-every K` runs every drill but the baseline with a memory checkpoint every K steps
+(each rank's own memory and a peer node's: at most K steps lost).
 Run: `OMP_NUM_THREADS=1 .venv/bin/python bench/recovery.py [--steps 30] [--no-default]
-[--workdir DIR]`.
+[--mem-ckpt-every K] [--workdir DIR]`.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ SPARE_KINDS = ("kill-node", "kill-node-mid-save")
 NODE_EVERY_90S = "kill-node@every90s"
 # What a restore reads from, as the recovery records name it: the ranks' own copies, then
 # ckptd's tiers.
-TIERS = ("own memory", "memory", "SSD", "S3")
+TIERS = ("own memory", "peer memory", "memory", "SSD", "S3")
 
 
 def drill(
@@ -69,7 +71,8 @@ def drill(
         spares=spares,
         steps=steps,
         ckpt_every=args.ckpt_every,
-        trainer_args=args.trainer + (COLD if cold else []),
+        trainer_args=args.trainer
+        + (COLD if cold else ["--mem-ckpt-every", str(args.mem_ckpt_every)]),
     )
     with _cold_start(cold):
         report = chaos(options, io.StringIO())
@@ -126,6 +129,13 @@ def main() -> None:
     parser.add_argument("--fault-step", type=int, default=12)
     parser.add_argument("--ckpt-every", type=int, default=5)
     parser.add_argument("--no-default", action="store_true", help="skip the default schedule")
+    parser.add_argument(
+        "--mem-ckpt-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="a memory checkpoint every K steps in every drill but the cold baseline (0: none)",
+    )
     parser.add_argument(
         "--node-every-90s",
         type=int,

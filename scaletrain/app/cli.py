@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -480,13 +481,27 @@ def _workdir_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class Terminated(BaseException):
+    """SIGTERM (`kill`, `timeout`, a pod's end): unwinds like Ctrl-C, so that every child process
+    is stopped on the way out; a BaseException, so no `except Exception` on the way stops it."""
+
+
+def _terminated(signum: int, frame: object) -> NoReturn:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The services' own commands (ckptd, telemetry, rendezvous) install their own handler.
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         return args.handler(args)
     except KeyboardInterrupt:
         print("scaletrain: interrupted; every child process was stopped", file=sys.stderr)
         return 130
+    except Terminated:
+        print("scaletrain: terminated; every child process was stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except (UserError, ScaletrainError, ValueError) as exc:
         print(f"scaletrain {args.command}: error: {exc}", file=sys.stderr)
         return 1

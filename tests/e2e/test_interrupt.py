@@ -1,4 +1,5 @@
-"""Ctrl-C on `scaletrain run` stops every child process it started and leaves nothing running."""
+"""Ctrl-C (SIGINT) or `kill` (SIGTERM) on `scaletrain run` stops every child process it started
+and leaves nothing running."""
 
 from __future__ import annotations
 
@@ -28,7 +29,14 @@ def _as_foreground_process(argv: list[str]) -> subprocess.Popen[str]:
         signal.signal(signal.SIGINT, previous)
 
 
-def test_ctrl_c_stops_the_services_and_the_training_job(tmp_path: Path):
+@pytest.mark.parametrize(
+    ("sig", "code", "said"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ids=["ctrl-c", "kill"],
+)
+def test_ctrl_c_or_kill_stops_the_services_and_the_training_job(
+    tmp_path: Path, sig: signal.Signals, code: int, said: str
+):
     workdir = tmp_path / "interrupted"
     others = set(rank_processes())  # not this run's
     run = _as_foreground_process(
@@ -47,11 +55,9 @@ def test_ctrl_c_stops_the_services_and_the_training_job(tmp_path: Path):
     assert processes_mentioning(str(workdir)), "the services should be running now"
     assert processes_mentioning(run_id), "the training job should be running now"
     assert set(rank_processes()) - others, "its ranks, forked warm, should be running now"
-    run.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends to the foreground process
+    run.send_signal(sig)  # a terminal's Ctrl-C to the foreground process, or `kill`
     _, stderr = run.communicate(timeout=60)
-    assert run.returncode == 130
-    assert stderr.strip().splitlines()[-1] == (
-        "scaletrain: interrupted; every child process was stopped"
-    )
+    assert run.returncode == code
+    assert stderr.strip().splitlines()[-1] == f"scaletrain: {said}; every child process was stopped"
     left = left_behind([str(workdir), run_id], others)
     assert not left, left
