@@ -310,7 +310,9 @@ def test_a_run_killed_mid_step_resumes_with_bit_identical_losses(reference: dict
     # The validation loss after the resume too, bit for bit.
     evaluated = eval_losses(killed_fsdp["workdir"], killed_fsdp["run_id"])
     assert evaluated[STEPS] == eval_losses(reference["workdir"], reference["run_id"])[STEPS]
-    assert sorted(evaluated) == [EVERY, STEPS, MORE]
+    # Step EVERY's, made before the kill, is in telemetry unless the killed rank took it with
+    # its unsent records (a SIGKILL gives it no time to hand them over).
+    assert {STEPS, MORE} <= set(evaluated) <= {EVERY, STEPS, MORE}, evaluated
 
 
 def test_a_2d_hsdp_run_killed_and_started_again_without_resume_goes_on_bit_identically(
