@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     drill.add_argument(
         "--schedule",
         help="KIND@STEP[:SECONDS] (once, after step STEP) or KIND@everyNs[:SECONDS] (every N "
-        "seconds of the job),... with KIND one of the fault kinds below (default: 18 faults "
-        "of every kind; 16 without spares, 13 on one node, without the node kinds)",
+        "seconds of the job),... with KIND one of the fault kinds below (default: 16 faults "
+        "of every kind but those that need --spares; 13 on one node, without the node kinds)",
     )
     drill.add_argument(
         "--max-restarts",
@@ -649,7 +649,7 @@ def _chaos(args: argparse.Namespace) -> int:
         return 0
     chaos_options = ChaosOptions(
         workdir=Workdir(args.workdir),
-        schedule=parse_schedule(args.schedule or default_schedule(args.nodes, args.spares)),
+        schedule=parse_schedule(args.schedule or default_schedule(args.nodes)),
         ranks=args.ranks,
         nodes=args.nodes,
         spares=args.spares,
