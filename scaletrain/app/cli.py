@@ -470,8 +470,9 @@ def _nodes_arg(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=CORDON_AFTER,
         metavar="N",
-        help="with --spares: a node whose ranks failed N times is cordoned, its agent stopped "
-        f"for good and a waiting spare taking its place (0: never; default {CORDON_AFTER})",
+        help="with --spares: a node whose ranks failed N times, each soon after the last (10 "
+        "steps), is cordoned, its agent stopped for good and a waiting spare taking its place "
+        f"(0: never; default {CORDON_AFTER})",
     )
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import IO
 
 from scaletrain.app.agent import CORDON_AFTER
+from scaletrain.app.recovery import STEP_LINE
 from scaletrain.app.rendezvous import wait_listening
 from scaletrain.app.seaweed import SeaweedS3, free_ports
 from scaletrain.errors import UserError
@@ -60,6 +61,9 @@ RENDEZVOUS = "rendezvous"
 IN_JOB_FAILURE = re.compile(
     rf"^\[keeper\] in-job restart (\d+): rank (\d+) (?!{re.escape(PEER_LOST)})"
 )
+# A node's ranks failing again within this many steps of their last failure keep failing (the
+# count towards --cordon-after goes on); failures further apart are faults of their own.
+CORDON_WITHIN_STEPS = 10
 # How long a failed rank's node is looked for among the ranks forked again.
 _FIND_RANK_S = 10.0
 
@@ -564,6 +568,8 @@ class Job:
         # Rank failures seen per node (in-job restarts); nodes cordoned for them, for good; the
         # spares that are to take their places, until they run ranks.
         self._failures: dict[int, int] = {}
+        self._failed_at: dict[int, int] = {}  # the step after which its ranks last failed
+        self._step = 0  # the last step the job's output showed
         self.cordoned: set[int] = set()
         self._claimed: set[int] = set()
 
@@ -608,6 +614,7 @@ class Job:
             self.agents[node] = proc
             self._replacing.discard(node)
             self._failures.pop(node, None)  # a new machine in its place
+            self._failed_at.pop(node, None)
         reader = threading.Thread(target=self._pump, args=(node, proc), name=f"agent-{node}")
         reader.start()
         self._readers.append(reader)
@@ -658,17 +665,24 @@ class Job:
                 self._logs[node].flush()
                 self._out.write(line)
                 self._out.flush()
+            trained = STEP_LINE.match(line)
+            if trained is not None:
+                self._step = int(trained[1])
             failed = IN_JOB_FAILURE.match(line)
             if failed is not None and self.stack.spares and self.stack.cordon_after:
                 cause = line.split(": ", 1)[1].strip()
                 threading.Thread(
-                    target=self._count_failure, args=(int(failed[2]), cause), daemon=True
+                    target=self._count_failure,
+                    args=(int(failed[2]), cause, self._step),
+                    daemon=True,
                 ).start()
 
-    def _count_failure(self, rank: int, cause: str) -> None:
-        """A rank failed and its keeper restarted it in the job: once the ranks of its node
-        failed `cordon_after` times, the node is cordoned (its agent stopped for good, so the
-        next rendezvous round takes a waiting spare in its place), if a spare waits."""
+    def _count_failure(self, rank: int, cause: str, step: int) -> None:
+        """A rank failed after `step` and its keeper restarted it in the job: once the ranks of
+        its node failed `cordon_after` times, each within CORDON_WITHIN_STEPS steps of the one
+        before (failures further apart are faults of their own, and the count starts again),
+        the node is cordoned: its agent stopped for good, so the next rendezvous round takes a
+        waiting spare in its place, if a spare waits."""
         node, deadline = None, time.monotonic() + _FIND_RANK_S
         while node is None and time.monotonic() < deadline and not self._stopped:
             # Its keeper forks it again: until then no process trains as that rank.
@@ -677,7 +691,10 @@ class Job:
         if node is None:
             return
         with self._lock:
-            self._failures[node] = failures = self._failures.get(node, 0) + 1
+            last = self._failed_at.get(node)
+            again = last is not None and step - last <= CORDON_WITHIN_STEPS
+            self._failures[node] = failures = (self._failures.get(node, 0) if again else 0) + 1
+            self._failed_at[node] = step
         if failures < self.stack.cordon_after or node in self.cordoned:
             return
         serving = self.serving()
