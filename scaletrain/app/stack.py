@@ -697,14 +697,9 @@ class Job:
             self._failed_at[node] = step
         if failures < self.stack.cordon_after or node in self.cordoned:
             return
-        serving = self.serving()
+        waiting = self.waiting_spares()
         with self._lock:
-            self._claimed -= serving  # a spare that took a cordoned node's place
-            waiting = [
-                n
-                for n, agent in enumerate(self.agents)
-                if agent and agent.poll() is None and n not in serving | self._claimed
-            ]
+            waiting = [n for n in waiting if n not in self._claimed]  # claimed meanwhile
             if waiting:
                 self.cordoned.add(node)
                 self._replacing.add(node)  # never started again; its end is not the job's
@@ -802,6 +797,7 @@ class Job:
         cordon has claimed."""
         serving = self.serving()
         with self._lock:
+            self._claimed -= serving  # a spare that took a cordoned node's place runs ranks now
             return [
                 n
                 for n, agent in enumerate(self.agents)

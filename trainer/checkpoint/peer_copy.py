@@ -170,10 +170,11 @@ class PeerCopies:
         )
         manifests = [torch.empty(int(n.item()), dtype=torch.uint8) for n in sizes]
         _wait(
-            [dist.isend(_as_tensor(m), dst, group=group) for dst, _, m in outgoing]
+            [dist.isend(_as_tensor(m), dst, group=group) for dst, _, m in outgoing if m]
             + [
                 dist.irecv(m, src, group=group)
                 for m, (src, _) in zip(manifests, recvs, strict=True)
+                if m.numel()
             ]
         )
         works, nbytes = [], 0
