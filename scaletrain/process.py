@@ -6,6 +6,7 @@ import atexit
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -47,6 +48,32 @@ def rank_named(name: str) -> int | None:
     prefix = RANK_PROCESS.format(rank="")
     rank = name.removeprefix(prefix)
     return int(rank) if name.startswith(prefix) and rank.isdigit() else None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (an agent's ranks, their keepers and what those started)."""
+    children, found, queue = children_by_parent(), [], [pid]
+    while queue:
+        below = [int(c.name) for c in children.get(queue.pop(), [])]
+        found += below
+        queue += below
+    return found
+
+
+def children_by_parent() -> dict[int, list[Path]]:
+    """Parent pid -> its children's /proc entries, oldest first."""
+    children: dict[int, list[Path]] = {}
+    for proc in sorted(
+        Path("/proc").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else 0
+    ):
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(proc)
+    return children
 
 
 def name_process(name: str) -> None:

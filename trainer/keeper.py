@@ -31,6 +31,7 @@ restarts every rank cold (and a lost node is replaced there, by a spare when the
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import signal
 import sys
@@ -42,6 +43,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from scaletrain.cordon import record_failure
 from scaletrain.process import (
     PEER_LOST,
     RANK_PROCESS,
@@ -73,6 +75,9 @@ FIRST_JOIN_S = 300.0
 # How long a later generation waits for every keeper: they are warm, and one that does not come
 # went with its machine; torchrun's agents then re-form the job (with a spare, if any).
 JOIN_S = 10.0
+# The last step this keeper's rank completed, in memory the rank shares with its keeper (a map
+# made by the keeper before its forks): where a failed rank got to, for the cordon's count.
+_trained: mmap.mmap | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,8 @@ def keep(train: Callable[[], int], restarts: int) -> int:
     the job, at most `restarts` times; returns what the keeper exits with (the rank's code)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     die_with_parent()  # a lost agent (a lost machine) takes its keepers with it
+    global _trained
+    _trained = mmap.mmap(-1, 8)
     # torchrun's agent keeps its store across its restarts: each attempt meets under a prefix
     # of its own. Else every attempt has a store of its own, and the agents may count their
     # restarts differently (a replaced node's starts again at 0): no attempt in the prefix.
@@ -198,6 +205,8 @@ def _watch(pid: int, store: dist.Store, gen: Generation, stop: _Stop) -> tuple[i
                 code = os.waitstatus_to_exitcode(status)
                 if code != 0 and code not in FINAL_EXIT_CODES:
                     _mark(store, gen.failed, f"rank {rank} {_describe(code)}")
+                    if code != PEER_LOST_EXIT_CODE:  # a peer's failure is not its machine's
+                        record_failure(int(rank), _last_trained(), _describe(code))
                 return code, _read(store, gen.failed)
             if stop.is_set():
                 return _stop_rank(pid), "the agent stopped this rank"
@@ -291,6 +300,17 @@ def _describe(code: int) -> str:
     if code == PEER_LOST_EXIT_CODE:
         return PEER_LOST
     return f"exited {code}"
+
+
+def trained(step: int) -> None:
+    """The rank completed `step` (its keeper reads it should the rank fail; nothing without a
+    keeper)."""
+    if _trained is not None:
+        _trained[:8] = step.to_bytes(8, "little")
+
+
+def _last_trained() -> int:
+    return int.from_bytes(_trained[:8], "little") if _trained is not None else 0
 
 
 def restart_count() -> int:

@@ -300,6 +300,7 @@ def run_loop(run: Run) -> None:
         )
         step_seconds = sum(vars(phases).values())
         watchdog.step_done(step_seconds)
+        keeper.trained(step)  # where this rank got to, should it fail
         run.reporter.step(
             step=step, loss=result.loss, grad_norm=result.grad_norm, tokens=local_tokens,
             phases=phases, step_seconds=step_seconds, lr=lr, offset=run.loader.offset(),

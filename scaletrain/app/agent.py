@@ -15,17 +15,37 @@ that was never needed), the rendezvous closes, torch's agent returns no result, 
 fails on it (`AttributeError: 'NoneType' object has no attribute 'is_failed'` in `launch_agent`)
 and exits 1 with a traceback. That is the normal end of an unused spare: it says so in one line
 and exits 0. Anything else torchrun raises is left as it is.
+
+Cordoning (`--cordon-after N`, before torchrun's own options; the Helm chart's
+`trainer.cordon.after`). The machine's keepers append their ranks' failures to a file of this
+agent's (`scaletrain.cordon`); once N come in a row, the agent marks its Kubernetes node
+unschedulable where the pod may (`trainer.cordon.markNode`), stops its ranks and exits
+CORDONED_EXIT_CODE: a spare waiting in the rendezvous takes its place in the next round, and the
+pod's replacement is scheduled on another node. The embedded stack cordons from outside its
+agents instead (`scaletrain.app.stack.Job`), where it knows whether a spare waits.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import tempfile
+from pathlib import Path
 
-# With spares, a node whose ranks failed this many times is cordoned: the stack stops its agent
-# for good, and a spare waiting in the rendezvous takes its place (`stack.Job`).
-CORDON_AFTER = 3
+from scaletrain.cordon import (
+    CORDONED_EXIT_CODE,
+    FAILURES_ENV,
+    Failure,
+    FailureWatch,
+    KubeNode,
+    cordon_node,
+)
+from scaletrain.errors import UserError
+from scaletrain.process import descendants
+
 # The module whose ranks are forked warm.
 WARM_MODULE = "trainer"
 WARM_START = "forkserver"
@@ -35,7 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run
 
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        cordon_after, argv = own_options(argv)
+    except UserError as exc:
+        print(f"agent: error: {exc}", file=sys.stderr)
+        return 2
     args = run.parse_args(argv)
+    if cordon_after:
+        _watch_failures(cordon_after)
     try:
         if warm(args, argv):
             _launch_warm(args)
@@ -46,6 +73,44 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print("[agent] the job ended while this machine waited as a spare", flush=True)
     return 0
+
+
+def own_options(argv: list[str]) -> tuple[int, list[str]]:
+    """`--cordon-after N` at the front of `argv` (0 without it), and torchrun's arguments after
+    it: only at the front, so that no option of the training script is taken for it."""
+    if argv[:1] == ["--cordon-after"] and len(argv) > 1:
+        value, rest = argv[1], argv[2:]
+    elif argv[:1] and argv[0].startswith("--cordon-after="):
+        value, rest = argv[0].split("=", 1)[1], argv[1:]
+    else:
+        return 0, argv
+    if not value.isdigit():
+        raise UserError(f"--cordon-after must be a whole number of failures, got {value!r}")
+    return int(value), rest
+
+
+def _watch_failures(after: int) -> None:
+    """Tell this machine's keepers where to record their ranks' failures (the environment the
+    ranks are started with), and cordon the machine once `after` come in a row."""
+    path = Path(tempfile.gettempdir()) / f"scaletrain-agent-{os.getpid()}" / "failures"
+    os.environ[FAILURES_ENV] = str(path)
+    FailureWatch(path, after, _cordon).start()
+
+
+def _cordon(count: int, last: Failure) -> None:
+    """Take this machine out of the job: its node marked unschedulable, its ranks stopped, the
+    agent gone with CORDONED_EXIT_CODE (a waiting spare takes its place in the next round)."""
+    marked = cordon_node(KubeNode.in_cluster())
+    print(
+        f"[agent] this machine is cordoned: its ranks failed {count} times in a row (the last: "
+        f"rank {last.rank} after step {last.step}: {last.cause}); {marked}; its ranks are "
+        f"stopped and it leaves the job (exit {CORDONED_EXIT_CODE})",
+        flush=True,
+    )
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    os._exit(CORDONED_EXIT_CODE)
 
 
 def warm(args: argparse.Namespace, argv: list[str]) -> bool:

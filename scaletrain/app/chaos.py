@@ -38,7 +38,6 @@ from typing import IO, TypeVar
 from sqlalchemy import Engine
 
 from ckptd.client import CkptdClient
-from scaletrain.app.agent import CORDON_AFTER
 from scaletrain.app.embedded import check_layout, flag_value, new_run_id
 from scaletrain.app.recovery import (
     ATTEMPT_LINE,
@@ -59,6 +58,7 @@ from scaletrain.app.stack import (
     node_name,
 )
 from scaletrain.app.summary import summarize
+from scaletrain.cordon import CORDON_AFTER
 from scaletrain.errors import ScaletrainError, UserError
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 from telemetry import queries

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 # GRPC_VERBOSITY=debug to see them. This must happen before grpc is first imported.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from scaletrain.app.agent import CORDON_AFTER
+from scaletrain.cordon import CORDON_AFTER
 from scaletrain.errors import ScaletrainError, UserError
 from trainer import options
 from trainer.data.prepare import EXAMPLE_VOCAB

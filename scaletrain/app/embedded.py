@@ -17,9 +17,9 @@ from typing import IO
 
 from ckptd.client import CkptdClient
 from ckptd.datadir import list_offline
-from scaletrain.app.agent import CORDON_AFTER
 from scaletrain.app.stack import Stack, Workdir, check_nodes
 from scaletrain.app.summary import RunSummary, checkpoint_row, summarize, whole_tiers
+from scaletrain.cordon import CORDON_AFTER
 from scaletrain.errors import UserError
 from scaletrain.names import TIER_NAMES
 from scaletrain.security import ClientSecurity, Role

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from scaletrain.app.agent import CORDON_AFTER
 from scaletrain.app.recovery import STEP_LINE
 from scaletrain.app.rendezvous import wait_listening
 from scaletrain.app.seaweed import SeaweedS3, free_ports
+from scaletrain.cordon import CORDON_AFTER, FailureStreak
 from scaletrain.errors import UserError
-from scaletrain.process import PEER_LOST, rank_named
+from scaletrain.process import PEER_LOST, children_by_parent, descendants, rank_named
 from scaletrain.security import ClientSecurity, EmbeddedCredentials, Role
 from scaletrain.transport import wait_until_healthy
 from telemetry.client import HOST_ENV
@@ -61,9 +61,6 @@ RENDEZVOUS = "rendezvous"
 IN_JOB_FAILURE = re.compile(
     rf"^\[keeper\] in-job restart (\d+): rank (\d+) (?!{re.escape(PEER_LOST)})"
 )
-# A node's ranks failing again within this many steps of their last failure keep failing (the
-# count towards --cordon-after goes on); failures further apart are faults of their own.
-CORDON_WITHIN_STEPS = 10
 # How long a failed rank's node is looked for among the ranks forked again.
 _FIND_RANK_S = 10.0
 
@@ -476,7 +473,7 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
     from a warm process (`scaletrain.app.agent`), whose command line and environment they keep,
     and under `--in-job-restarts` the rank is a fork of its keeper (named `KEEPER_PROCESS`).
     """
-    children, pids, queue = _children(), {}, [agent_pid]
+    children, pids, queue = children_by_parent(), {}, [agent_pid]
     while queue:
         for child in children.get(queue.pop(), []):
             rank = rank_named(_comm(child))
@@ -485,32 +482,6 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
             else:
                 queue.append(int(child.name))
     return pids
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (an agent's ranks, their keepers and what those started)."""
-    children, found, queue = _children(), [], [pid]
-    while queue:
-        below = [int(c.name) for c in children.get(queue.pop(), [])]
-        found += below
-        queue += below
-    return found
-
-
-def _children() -> dict[int, list[Path]]:
-    """Parent pid -> its children's /proc entries, oldest first."""
-    children: dict[int, list[Path]] = {}
-    for proc in sorted(
-        Path("/proc").iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else 0
-    ):
-        if not proc.name.isdigit():
-            continue
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(proc)
-    return children
 
 
 def _comm(proc: Path) -> str:
@@ -567,8 +538,7 @@ class Job:
         self._stopped = False
         # Rank failures seen per node (in-job restarts); nodes cordoned for them, for good; the
         # spares that are to take their places, until they run ranks.
-        self._failures: dict[int, int] = {}
-        self._failed_at: dict[int, int] = {}  # the step after which its ranks last failed
+        self._streaks: dict[int, FailureStreak] = {}
         self._step = 0  # the last step the job's output showed
         self.cordoned: set[int] = set()
         self._claimed: set[int] = set()
@@ -613,8 +583,7 @@ class Job:
             )
             self.agents[node] = proc
             self._replacing.discard(node)
-            self._failures.pop(node, None)  # a new machine in its place
-            self._failed_at.pop(node, None)
+            self._streaks.pop(node, None)  # a new machine in its place
         reader = threading.Thread(target=self._pump, args=(node, proc), name=f"agent-{node}")
         reader.start()
         self._readers.append(reader)
@@ -691,10 +660,7 @@ class Job:
         if node is None:
             return
         with self._lock:
-            last = self._failed_at.get(node)
-            again = last is not None and step - last <= CORDON_WITHIN_STEPS
-            self._failures[node] = failures = (self._failures.get(node, 0) if again else 0) + 1
-            self._failed_at[node] = step
+            failures = self._streaks.setdefault(node, FailureStreak()).add(step)
         if failures < self.stack.cordon_after or node in self.cordoned:
             return
         waiting = self.waiting_spares()

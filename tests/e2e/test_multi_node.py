@@ -254,7 +254,13 @@ def test_a_node_lost_right_after_a_commit_loses_at_most_that_unsafe_step_and_the
     # checkpoints_lost (asserted empty above) counts every other.
     assert set(drill["lost_with_node"]) <= {int(struck)}, drill["lost_with_node"]
     restart_after(drill, fault)
-    resumed = drill["recoveries"][-1]
+    # The restart this fault caused (flaky-node's come after it).
+    (record,) = [r for r in drill["fault_recoveries"] if r["kind"] == "kill-node-mid-save"]
+    resumed = min(
+        (r for r in drill["recoveries"] if r["first_step_at"] >= record["injected_at"]),
+        key=lambda r: r["first_step_at"],
+    )
+    assert resumed["step"] == record["resumed_from"], (resumed, record)
     assert resumed["step"] <= int(struck), drill["recoveries"]
     # The struck step's lost part was never copied to a peer: restoring that step reads the part
     # from S3 (its upload may finish in the instant before the kill as well), every older step

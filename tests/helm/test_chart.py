@@ -29,6 +29,10 @@ import kubernetes_validate.utils
 import pytest
 import sqlalchemy as sa
 import yaml
+from torch.distributed.run import get_args_parser
+
+from scaletrain.app.agent import own_options
+from scaletrain.cordon import CORDONED_EXIT_CODE
 
 CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "scaletrain"
 # The two newest Kubernetes versions kubernetes-validate knows.
@@ -500,8 +504,65 @@ def test_the_launcher_gives_up_when_torchrun_runs_out_of_restarts(case: str) -> 
             assert replica["restartPolicy"] == "OnFailure"
         jobs = []
     for job in jobs:
-        (rule,) = job["podFailurePolicy"]["rules"]
-        assert rule == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+        # A preempted or drained pod, and one that cordoned itself, are replaced without counting.
+        assert job["podFailurePolicy"]["rules"] == [
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+            {
+                "action": "Ignore",
+                "onExitCodes": {
+                    "containerName": "trainer",
+                    "operator": "In",
+                    "values": [CORDONED_EXIT_CODE],
+                },
+            },
+        ]
+
+
+@pytest.mark.parametrize("case", SPARES_CASES)
+def test_a_pod_whose_ranks_keep_failing_leaves_the_job_by_default_without_api_access(
+    case: str,
+) -> None:
+    docs = rendered(case)
+    c = container(trainer(docs))
+    cordon_after, torchrun_args = own_options(c["args"])
+    assert cordon_after == 3
+    assert get_args_parser().parse_args(torchrun_args).training_script == "trainer"
+    assert env_of(c)["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    spec = pod_spec(trainer(docs))
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["serviceAccountName"] == NAME
+    assert of_kind(docs, "ClusterRole") == of_kind(docs, "ClusterRoleBinding") == []
+
+
+def test_cordon_after_zero_keeps_a_failing_pod_in_the_job(chart) -> None:
+    docs = parse(render_raw(chart, {"trainer": {"cordon": {"after": 0}}}))
+    assert "--cordon-after" not in container(trainer(docs))["args"]
+
+
+@pytest.mark.parametrize("launcher", ["Job", "JobSet", "PyTorchJob"])
+def test_marking_the_node_unschedulable_takes_an_own_account_that_may_only_patch_nodes(
+    chart, launcher: str
+) -> None:
+    values = {"trainer": {"launcher": launcher, "spares": 1, "cordon": {"markNode": True}}}
+    docs = parse(render_raw(chart, values))
+    spec = pod_spec(trainer(docs))
+    assert spec["automountServiceAccountToken"] is True
+    account = one(docs, "ServiceAccount", "trainer")
+    assert spec["serviceAccountName"] == account["metadata"]["name"] == f"{NAME}-trainer"
+    (role,) = of_kind(docs, "ClusterRole")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    (binding,) = of_kind(docs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": f"{NAME}-trainer", "namespace": NAMESPACE}
+    ]
+    for component in ("ckptd", "telemetry", "ui"):  # no other pod gets the token
+        assert pod_spec(workload(docs, component))["automountServiceAccountToken"] is False
+    for doc in (account, role, binding):
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+    report = helm.lint(CHART_DIR, values, strict=True, kube_version=f"v{KUBE_VERSIONS[-1]}")
+    assert report["errors"] == []
 
 
 def test_trainer_takes_its_layout_fp8_recipe_and_services_from_values(chart) -> None:
@@ -543,14 +604,12 @@ def test_trainer_takes_its_layout_fp8_recipe_and_services_from_values(chart) -> 
 
 @pytest.mark.parametrize("case", [BIG_JOB, "external-pg/ingress-on/PyTorchJob/16-nodes"])
 def test_every_command_line_is_one_its_program_accepts(case: str) -> None:
-    from torch.distributed.run import get_args_parser
-
     from scaletrain.app.cli import build_parser
     from trainer.config import from_args, parser
 
     docs = rendered(case)
     c = container(trainer(docs))
-    torchrun = get_args_parser().parse_args(c["args"])
+    torchrun = get_args_parser().parse_args(own_options(c["args"])[1])
     assert (torchrun.module, torchrun.training_script) == (True, "trainer")
     assert torchrun.nnodes == "16"
     assert torchrun.rdzv_conf == "is_host=false,keep_alive_interval=2,keep_alive_max_attempt=3"

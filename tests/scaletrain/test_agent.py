@@ -17,6 +17,8 @@ from torch.distributed import run
 from scaletrain.app.agent import warm
 from scaletrain.app.seaweed import free_ports
 from scaletrain.app.stack import worker_pids
+from scaletrain.cordon import CORDONED_EXIT_CODE
+from scaletrain.process import descendants
 
 TINY = ["--dim", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "1", "--seq-len",
         "32", "--global-batch", "8"]  # fmt: skip
@@ -83,6 +85,50 @@ def test_a_restart_forks_the_ranks_again_from_the_same_warm_process():
     while _alive(server) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(server), "the forkserver outlived its agent"
+
+
+def test_an_agent_whose_ranks_keep_failing_cordons_its_machine_and_leaves_the_job():
+    (port,) = free_ports(1)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "scaletrain.app.agent", "--cordon-after", "2",
+         "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cordon",
+         "--rdzv-conf", "is_host=true", "--max-restarts", "0",
+         "-m", "trainer", "--run-id", "cordon", *TINY, "--steps", "100000",
+         "--in-job-restarts", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+        | {"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        first = _ranks(agent, 2, set())
+        os.kill(first[1], signal.SIGKILL)  # its keeper restarts the job in-job: one failure
+        again = _ranks(agent, 2, set(first.values()))
+        machine = [*again.values(), *descendants(agent.pid)]
+        os.kill(again[0], signal.SIGKILL)  # the second in a row: the machine is cordoned
+        out = agent.communicate(timeout=60)[0]
+    finally:
+        agent.kill()
+    assert agent.returncode == CORDONED_EXIT_CODE, out[-3000:]
+    (line,) = [x for x in out.splitlines() if x.startswith("[agent] this machine is cordoned")]
+    assert "its ranks failed 2 times in a row (the last: rank 0 after step " in line
+    assert "was killed by SIGKILL); not on Kubernetes" in line
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in machine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in machine if _alive(pid)], "a process outlived its cordoned agent"
+
+
+def test_a_bad_cordon_after_is_refused_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "scaletrain.app.agent", "--cordon-after", "many", *C10D,
+         "-m", "trainer"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "agent: error: --cordon-after must be a whole number of failures, got 'many'"
+    )
 
 
 def _alive(pid: int) -> bool:

@@ -99,14 +99,26 @@ Pod template labels: include "scaletrain.podLabels" (list . "ckptd")
 {{- end }}
 {{- end }}
 
+{{- define "scaletrain.trainerServiceAccountName" -}}
+{{- include "scaletrain.componentName" (list . "trainer") }}
+{{- end }}
+
 {{/*
 Pod spec fields shared by every pod: include "scaletrain.podCommon" (list . "ckptd")
 */}}
 {{- define "scaletrain.podCommon" -}}
 {{- $root := index . 0 }}
 {{- $component := index . 1 -}}
-serviceAccountName: {{ eq $component "ckptd" | ternary (include "scaletrain.ckptdServiceAccountName" $root) (include "scaletrain.serviceAccountName" $root) }}
-automountServiceAccountToken: false
+{{- /* Trainer pods that cordon their node call the API server: their own account, its token. */}}
+{{- $cordons := and (eq $component "trainer") $root.Values.trainer.cordon.markNode }}
+{{- if eq $component "ckptd" }}
+serviceAccountName: {{ include "scaletrain.ckptdServiceAccountName" $root }}
+{{- else if $cordons }}
+serviceAccountName: {{ include "scaletrain.trainerServiceAccountName" $root }}
+{{- else }}
+serviceAccountName: {{ include "scaletrain.serviceAccountName" $root }}
+{{- end }}
+automountServiceAccountToken: {{ $cordons }}
 enableServiceLinks: false
 {{- with $root.Values.imagePullSecrets }}
 imagePullSecrets:

@@ -64,6 +64,11 @@ spec:
         - -m
         - scaletrain.app.agent
       args:
+        {{- if $t.cordon.after }}
+        # The agent's own option, before torchrun's: the pod leaves after this many failures in a row.
+        - --cordon-after
+        - {{ $t.cordon.after | int64 | quote }}
+        {{- end }}
         # Spares or not, a round is trainer.nodes agents: the others wait in its redundancy list.
         - --nnodes
         - {{ $t.nodes | int64 | quote }}
@@ -154,6 +159,11 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: status.podIP
+        # The node a cordoned pod marks unschedulable (trainer.cordon.markNode).
+        - name: NODE_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: spec.nodeName
         {{- if .job }}
         # The same for every pod of the Job and its replacements, new for each Job.
         - name: JOB_UID
@@ -186,8 +196,8 @@ spec:
 {{- end }}
 
 {{/*
-A preempted or drained pod is replaced without counting as a failure; any other failure counts
-against the launcher's limit (trainer.maxRestarts).
+A preempted or drained pod, or one that cordoned itself, is replaced without counting as a
+failure; any other failure counts against the launcher's limit (trainer.maxRestarts).
 */}}
 {{- define "scaletrain.trainerPodFailurePolicy" -}}
 podFailurePolicy:
@@ -195,4 +205,11 @@ podFailurePolicy:
     - action: Ignore
       onPodConditions:
         - type: DisruptionTarget
+    # A pod that left because its ranks kept failing (trainer.cordon): its node failed, not the
+    # job; it is replaced (elsewhere, once its node is cordoned) without counting.
+    - action: Ignore
+      onExitCodes:
+        containerName: trainer
+        operator: In
+        values: [72]
 {{- end }}
