@@ -126,6 +126,15 @@ class Reporter:
                 },
             )
 
+    def resized(self, step: int, saved_world: int, world: int) -> None:
+        """The job resumed `step`, saved by `saved_world` ranks, on `world` ranks (elastic)."""
+        self._event(
+            telemetry_pb2.EVENT_KIND_ELASTIC,
+            step,
+            f"resumed step {step} on {world} ranks (saved by {saved_world})",
+            attributes={"world": str(world), "saved_world": str(saved_world)},
+        )
+
     def config_changed(self, step: int, changes: list[str]) -> None:
         """The run resumed at `step` with options that alter results changed, as allowed by
         --allow-config-change: an alert event that lists them."""

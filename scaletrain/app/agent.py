@@ -34,6 +34,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from scaletrain.cordon import (
     CORDONED_EXIT_CODE,
@@ -53,6 +54,7 @@ WARM_START = "forkserver"
 
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     args = run.parse_args(argv)
     if cordon_after:
         _watch_failures(cordon_after)
+    if elastic(args):
+        restart_on_lost_nodes()
     try:
         if warm(args, argv):
             _launch_warm(args)
@@ -72,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         if "is_failed" not in str(exc):
             raise
         print("[agent] the job ended while this machine waited as a spare", flush=True)
+    except RendezvousClosedError:
+        # A machine that came back (or was added) to an elastic job after it had ended.
+        print("[agent] the job had ended when this machine came to join it", flush=True)
     return 0
 
 
@@ -111,6 +118,49 @@ def _cordon(count: int, last: Failure) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     os._exit(CORDONED_EXIT_CODE)
+
+
+def elastic(args: argparse.Namespace) -> bool:
+    """Whether the job may run on fewer nodes than its most (`--nnodes MIN:MAX`, MIN < MAX)."""
+    low, _, high = str(args.nnodes).partition(":")
+    return bool(high) and int(low) < int(high)
+
+
+def restart_on_lost_nodes() -> None:
+    """Make torch's c10d rendezvous count a node lost from the running round as a membership
+    change, as it counts a node waiting to join: the agents then stop their workers and meet
+    again, on the nodes that remain, without spending one of their restarts.
+
+    What torch 2.13 lacks. Its agent restarts its workers on a membership change only when a
+    node waits to join (`num_nodes_waiting`). A node lost while the job runs is dropped from the
+    round's participants once its heartbeat is keep_alive_interval x keep_alive_max_attempt old,
+    but nothing acts on that: the survivors' ranks fail on their next collective, their keepers
+    wait out the generation's join time (trainer.keeper.JOIN_S, 10 s) and the agents restart
+    them as a failure, one of --max-restarts. Here the round remembers how many nodes formed it,
+    and fewer live participants in a round that is not closed (an agent that finished closes
+    it) read as nodes waiting: the agents re-form the job at once."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    handler = dynamic_rendezvous.DynamicRendezvousHandler
+    if getattr(handler, "_scaletrain_patched", False):
+        return
+    next_rendezvous, num_nodes_waiting = handler.next_rendezvous, handler.num_nodes_waiting
+
+    def formed(self: Any) -> Any:
+        info = next_rendezvous(self)
+        self._scaletrain_formed = info.world_size
+        return info
+
+    def waiting(self: Any) -> int:
+        count = num_nodes_waiting(self)  # syncs the state, dead nodes dropped
+        state = self._state_holder.state
+        lost = getattr(self, "_scaletrain_formed", 0) - len(state.participants)
+        if count or state.closed or not state.complete or lost <= 0:
+            return count
+        return lost
+
+    handler.next_rendezvous, handler.num_nodes_waiting = formed, waiting
+    handler._scaletrain_patched = True
 
 
 def warm(args: argparse.Namespace, argv: list[str]) -> bool:

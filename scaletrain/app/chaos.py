@@ -38,7 +38,7 @@ from typing import IO, TypeVar
 from sqlalchemy import Engine
 
 from ckptd.client import CkptdClient
-from scaletrain.app.embedded import check_layout, flag_value, new_run_id
+from scaletrain.app.embedded import check_sizes, flag_value, new_run_id
 from scaletrain.app.recovery import (
     ATTEMPT_LINE,
     IN_JOB_ATTEMPT,
@@ -139,6 +139,8 @@ class FaultKind:
     trainer_args: Callable[[Fault, int], list[str]] | None = None
     # It fills the SSD tier's disk, which must then be a small tmpfs.
     fills_disk: bool = False
+    # It resizes the job: an elastic one (--nodes MIN:MAX) only.
+    elastic: bool = False
     # The first sign that the job saw it: a regex searched in the job's output lines, telemetry's
     # events ("event KIND: MESSAGE") and ckptd's log ("ckptd: MESSAGE"), from the strike on.
     detected_by: str = _RANK_FAILED
@@ -205,6 +207,8 @@ class ChaosOptions:
     ranks: int = 4
     # Simulated nodes, each with its own ckptd and torchrun agent (scaletrain run --nodes).
     nodes: int = 1
+    # Elastic below `nodes` (scaletrain run --nodes MIN:MAX; 0: not): lose-node shrinks the job.
+    min_nodes: int = 0
     # Hot spares beside them (scaletrain run --spares): kill-node's lost node is replaced by one.
     spares: int = 0
     # With spares, a node whose ranks failed this many times is cordoned (0: never).
@@ -665,6 +669,43 @@ class Drill:
         return f"rank {rank}", f"a gradient bit flipped in step {fault.step} (--inject-sdc)"
 
     def _kill_node(self, fault: Fault) -> tuple[str, str]:
+        node, held, attempts, serving = self._freeze_and_kill(fault)
+        return self._lose_node(node, held, attempts, serving)
+
+    def _lose_node_for_good(self, fault: Fault) -> tuple[str, str]:
+        """kill-node with no machine in its place: a spare if one waits, else the elastic job
+        re-forms on the nodes that remain (`Job._shrink`)."""
+        assert self.job is not None
+        spare = bool(self.options.spares)
+        node, held, attempts, serving = self._freeze_and_kill(fault, replaced=spare)
+        if self.options.spares:
+            return self._lose_node(node, held, attempts, serving)
+        left = len(serving - {node})
+        return node_name(node), (
+            f"agent, ranks and ckptd SIGKILLed ({held}), data dir deleted; no machine takes its "
+            f"place: the job re-forms on {left} node(s)" + self._await_restart(attempts)
+        )
+
+    def _return_node(self, fault: Fault) -> tuple[str, str]:
+        """A machine lost for good comes back (a fresh one at its address): the elastic job
+        takes it in at its next rendezvous round and grows."""
+        assert self.job is not None
+        attempts = self.tap.attempts
+        if not self.job.left:
+            return "none", "no node had been lost for good: nothing came back"
+        node = min(self.job.left)
+        learned = self._fresh_machine(node)
+        grown = len(self.job.serving() | {node})
+        return node_name(node), (
+            f"a fresh machine at {self.stack.ckptd_addresses[node]} {learned}; the job grows to "
+            f"{grown} node(s)" + self._await_restart(attempts)
+        )
+
+    def _freeze_and_kill(
+        self, fault: Fault, replaced: bool = True
+    ) -> tuple[int, str, int, set[int]]:
+        """Kill a node (`_node_to_kill`) once no committed checkpoint needs it: (the node, what
+        held the checkpoints then, the attempts and the serving nodes before it)."""
         assert self.job is not None
         attempts, serving = self.tap.attempts, self.job.serving()
         node = self._node_to_kill(fault, serving)
@@ -709,8 +750,8 @@ class Drill:
             if on_s3
             else "a committed checkpoint was NEITHER on S3 NOR on 2 nodes"
         )
-        self._kill_machine(node)
-        return self._lose_node(node, held, attempts, serving)
+        self._kill_machine(node, replaced)
+        return node, held, attempts, serving
 
     def _kill_node_mid_save(self, fault: Fault) -> tuple[str, str]:
         """Lose a node in the instant after a save committed, before its part has its copies:
@@ -1049,6 +1090,23 @@ FAULTS: dict[str, FaultKind] = {
         restarts=True,
         min_nodes=2,
     ),
+    "lose-node": FaultKind(
+        "(--nodes MIN:MAX) a machine lost for good: kill-node, but no machine comes in its place "
+        "(with --spares a waiting spare still does): the job re-forms on the nodes that remain, "
+        "resharding its state, with the same global batch and data order.",
+        Drill._lose_node_for_good,
+        restarts=True,
+        min_nodes=2,
+        elastic=True,
+    ),
+    "return-node": FaultKind(
+        "(--nodes MIN:MAX) a machine lost for good comes back: a fresh ckptd and agent at its "
+        "address; the job takes it in at its next rendezvous round and grows, resharding again.",
+        Drill._return_node,
+        restarts=True,
+        min_nodes=2,
+        elastic=True,
+    ),
     "kill-node-mid-save": FaultKind(
         "(--nodes 2 or more) as kill-node, but in the instant after the next save commits, "
         "before its part is copied to a peer (the drill slows copies to 2 MB/s until then): that "
@@ -1097,6 +1155,8 @@ KINDS = tuple(FAULTS)
 # Faults that need another node to survive them, and those that need a spare.
 MULTI_NODE = frozenset(kind for kind, fault in FAULTS.items() if fault.min_nodes > 1)
 NEEDS_SPARES = frozenset(kind for kind, fault in FAULTS.items() if fault.min_spares > 0)
+# Faults that resize the job: an elastic one only (--nodes MIN:MAX).
+NEEDS_ELASTIC = frozenset(kind for kind, fault in FAULTS.items() if fault.elastic)
 
 
 def kinds_help() -> str:
@@ -1223,7 +1283,13 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
     """Run the drill; the job's output goes to `out`."""
     if options.ranks < 2:
         raise UserError(f"--ranks must be at least 2 for a drill, got {options.ranks}")
-    check_nodes(options.ranks, options.nodes, options.spares)
+    check_nodes(options.ranks, options.nodes, options.spares, min_nodes=options.min_nodes)
+    elastic = sorted({f.kind for f in options.schedule if FAULTS[f.kind].elastic})
+    if elastic and not options.min_nodes < options.nodes:
+        raise UserError(
+            f"--schedule: {', '.join(elastic)} needs an elastic job, --nodes MIN:MAX with MIN "
+            "below MAX"
+        )
     lonely = sorted({f.kind for f in options.schedule if FAULTS[f.kind].min_nodes > options.nodes})
     if lonely:
         raise UserError(f"--schedule: {', '.join(lonely)} needs --nodes 2 or more")
@@ -1245,7 +1311,7 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         "--log-every", "1", "--watchdog-min-s", str(DRILL_WATCHDOG_MIN_S),
         "--heartbeat-s", "2", *options.trainer_args,
     ]  # fmt: skip
-    check_layout(trainer_args, options.ranks)
+    check_sizes(trainer_args, options.ranks, options.nodes, options.min_nodes)
     started = time.monotonic()
     workdir.create()
     disk = (
@@ -1261,6 +1327,7 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         nodes=options.nodes,
         spares=options.spares,
         cordon_after=options.cordon_after,
+        min_nodes=options.min_nodes,
     )
     with disk, stack:
         workdir.remember_run(run_id)

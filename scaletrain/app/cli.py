@@ -450,13 +450,25 @@ def _ckpt_parser(
     return parser
 
 
+def _node_range(text: str) -> tuple[int, int]:
+    from scaletrain.app.stack import parse_nodes
+
+    try:
+        return parse_nodes(text)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _nodes_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nodes",
-        type=int,
-        default=1,
+        type=_node_range,
+        default=(1, 1),
+        metavar="N|MIN:MAX",
         help="simulated nodes on loopback, each with its own ckptd and torchrun agent; --ranks "
-        "is split evenly over them (default 1)",
+        "is split evenly over them (default 1). MIN:MAX is elastic: a node lost with no spare "
+        "left, the job re-forms on the survivors (at least MIN), resharded, with the same "
+        "global batch and data order, and grows back as nodes return",
     )
     parser.add_argument(
         "--spares",
@@ -561,7 +573,8 @@ def _run(args: argparse.Namespace) -> int:
     run_options = RunOptions(
         workdir=Workdir(args.workdir),
         ranks=args.ranks,
-        nodes=args.nodes,
+        min_nodes=args.nodes[0],
+        nodes=args.nodes[1],
         spares=args.spares,
         cordon_after=args.cordon_after,
         steps=int(job["steps"]),
@@ -650,9 +663,10 @@ def _chaos(args: argparse.Namespace) -> int:
         return 0
     chaos_options = ChaosOptions(
         workdir=Workdir(args.workdir),
-        schedule=parse_schedule(args.schedule or default_schedule(args.nodes)),
+        schedule=parse_schedule(args.schedule or default_schedule(args.nodes[1])),
         ranks=args.ranks,
-        nodes=args.nodes,
+        min_nodes=args.nodes[0],
+        nodes=args.nodes[1],
         spares=args.spares,
         cordon_after=args.cordon_after,
         steps=int(job["steps"]),

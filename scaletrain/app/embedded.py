@@ -32,6 +32,8 @@ class RunOptions:
     ranks: int = 4
     # Simulated nodes on loopback, each with its own ckptd and torchrun agent (ranks split evenly).
     nodes: int = 1
+    # Elastic below `nodes` (0: not): the job goes on with as few when no spare is left.
+    min_nodes: int = 0
     # Hot spare machines beside them, warm, each taking a lost node's place.
     spares: int = 0
     # With spares, a node whose ranks failed this many times is cordoned (0: never).
@@ -63,8 +65,8 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
     run_id = options.run_id or (workdir.last_run_id() if options.resume else None) or new_run_id()
     if options.resume and not workdir.last_run_id() and not options.run_id:
         raise UserError(f"--resume: no earlier run in {workdir.root}; start one without --resume")
-    check_nodes(options.ranks, options.nodes, options.spares)
-    check_layout(options.trainer_args, options.ranks)
+    check_nodes(options.ranks, options.nodes, options.spares, min_nodes=options.min_nodes)
+    check_sizes(options.trainer_args, options.ranks, options.nodes, options.min_nodes)
     started = time.monotonic()
     trainer_args = [
         "--steps", str(options.steps), "--ckpt-every", str(options.ckpt_every),
@@ -78,6 +80,7 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
         nodes=options.nodes,
         spares=options.spares,
         cordon_after=options.cordon_after,
+        min_nodes=options.min_nodes,
     ) as stack:
         workdir.remember_run(run_id)
         nodes = (
@@ -153,6 +156,21 @@ def check_layout(trainer_args: list[str], ranks: int) -> None:
         validate_layout(from_args(parser().parse_args(given)), ranks)
     except ValueError as exc:
         raise UserError(str(exc)) from exc
+
+
+def check_sizes(trainer_args: list[str], ranks: int, nodes: int, min_nodes: int) -> None:
+    """`check_layout` at every size the job may run at: `ranks` over `nodes` nodes, and as many
+    per node on each smaller number down to `min_nodes` (elastic)."""
+    per_node = ranks // nodes if nodes else ranks
+    for size in range(nodes, (min_nodes or nodes) - 1, -1):
+        try:
+            check_layout(trainer_args, per_node * size)
+        except UserError as exc:
+            if size == nodes:
+                raise
+            raise UserError(
+                f"--nodes {min_nodes}:{nodes}: on {size} node(s), {per_node * size} ranks: {exc}"
+            ) from None
 
 
 def flag_value(args: list[str], name: str) -> str | None:

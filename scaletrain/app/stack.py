@@ -65,12 +65,30 @@ IN_JOB_FAILURE = re.compile(
 _FIND_RANK_S = 10.0
 
 
-def check_nodes(ranks: int, nodes: int, spares: int = 0, memory_budget_mb: int = 512) -> None:
+def parse_nodes(text: str) -> tuple[int, int]:
+    """`--nodes N` or `--nodes MIN:MAX` (elastic: the job goes on with as few as MIN nodes when
+    nodes are lost and no spare is left, and grows back to MAX as they return) as (MIN, MAX)."""
+    low, _, high = text.partition(":")
+    try:
+        least, most = int(low), int(high or low)
+    except ValueError:
+        raise UserError(f"--nodes takes N or MIN:MAX, got {text!r}") from None
+    if least < 1 or most < least:
+        raise UserError(f"--nodes {text}: MIN must be at least 1 and at most MAX")
+    return least, most
+
+
+def check_nodes(
+    ranks: int, nodes: int, spares: int = 0, memory_budget_mb: int = 512, min_nodes: int = 0
+) -> None:
     """Refuse, before anything starts, a number of nodes that cannot split `ranks` evenly, and
     spares that cannot be started: one node has no peer to restore from, and every simulated
-    machine must fit in this machine's memory."""
+    machine must fit in this machine's memory. `ranks` are the ranks of `nodes` nodes; an
+    elastic job (`min_nodes` < `nodes`) runs as many per node at every size."""
     if nodes < 1:
         raise UserError(f"--nodes must be at least 1, got {nodes}")
+    if min_nodes and not 1 <= min_nodes <= nodes:
+        raise UserError(f"--nodes {min_nodes}:{nodes}: MIN must be at least 1 and at most MAX")
     if spares < 0:
         raise UserError(f"--spares must be 0 or more, got {spares}")
     if spares and nodes < 2:
@@ -256,6 +274,7 @@ class Stack:
         nodes: int = 1,
         spares: int = 0,
         cordon_after: int = CORDON_AFTER,
+        min_nodes: int = 0,
     ) -> None:
         if cordon_after < 0:
             raise UserError(f"--cordon-after must be 0 or more, got {cordon_after}")
@@ -267,6 +286,8 @@ class Stack:
         # More `scaletrain ckptd` options (retry backoff, retention, ...).
         self.ckptd_args = ckptd_args
         self.nodes = nodes
+        # Elastic (below `nodes`): the job goes on with as few nodes when no spare is left.
+        self.min_nodes = min_nodes or nodes
         self.spares = spares
         # With spares: a node whose ranks failed this many times is cordoned (0: never).
         self.cordon_after = cordon_after
@@ -437,7 +458,7 @@ class Stack:
         fails; the ranks then resume from the latest committed checkpoint. `on_start` is handed
         the job once its agents run.
         """
-        check_nodes(ranks, self.nodes, self.spares, self.memory_budget_mb)
+        check_nodes(ranks, self.nodes, self.spares, self.memory_budget_mb, self.min_nodes)
         env = dict(os.environ) | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         if self.credentials is not None:
             # The run's own token: it may write this run's checkpoints and telemetry only.
@@ -542,6 +563,8 @@ class Job:
         self._step = 0  # the last step the job's output showed
         self.cordoned: set[int] = set()
         self._claimed: set[int] = set()
+        # Nodes lost while the job went on without them (elastic), until one is started again.
+        self.left: set[int] = set()
 
     def agent_argv(self, node: int) -> list[str]:
         # No --node-rank: c10d assigns node ranks itself (by process id) and torchrun warns
@@ -551,9 +574,13 @@ class Job:
             f"is_host={str(hosts).lower()},keep_alive_interval={KEEP_ALIVE_S},"
             f"keep_alive_max_attempt={KEEP_ALIVE_ATTEMPTS}"
         )
+        nnodes = str(self.stack.nodes)
+        if self.stack.min_nodes < self.stack.nodes:
+            nnodes = f"{self.stack.min_nodes}:{self.stack.nodes}"
+            conf += f",last_call_timeout={ELASTIC_LAST_CALL_S}"
         return [
             sys.executable, "-m", "scaletrain.app.agent",
-            "--nnodes", str(self.stack.nodes), "--nproc-per-node", str(self.per_node),
+            "--nnodes", nnodes, "--nproc-per-node", str(self.per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", self._rendezvous,
             "--rdzv-id", self.run_id, "--rdzv-conf", conf, "--local-addr", "127.0.0.1",
             "--max-restarts", str(self.max_restarts),
@@ -583,6 +610,7 @@ class Job:
             )
             self.agents[node] = proc
             self._replacing.discard(node)
+            self.left.discard(node)
             self._streaks.pop(node, None)  # a new machine in its place
         reader = threading.Thread(target=self._pump, args=(node, proc), name=f"agent-{node}")
         reader.start()
@@ -732,7 +760,11 @@ class Job:
             if self.stack.spares and polls % 5 == 0:  # a scan of /proc: once a second
                 self.serving()
             with self._lock:
-                live = {n: a for n, a in enumerate(self.agents) if a and n not in self._replacing}
+                live = {
+                    n: a
+                    for n, a in enumerate(self.agents)
+                    if a and n not in self._replacing | self.left
+                }
                 codes = {node: agent.poll() for node, agent in live.items()}
                 served, replacing = set(self._served), bool(self._replacing)
             counts = {
@@ -740,6 +772,8 @@ class Job:
             }
             lost = sorted(n for n, code in counts.items() if code is not None and code < 0)
             if lost and self.stack.spares and self._take_places(lost, counts):
+                continue
+            if lost and self._shrink(lost, counts):
                 continue
             failed = [code for code in counts.values() if code not in (None, 0)]
             ended = all(code is not None for code in codes.values())
@@ -790,6 +824,33 @@ class Job:
             self._say(
                 f"{node_name(node)} was lost while it ran ranks (its agent ended by {how}); "
                 f"{instead} takes its place"
+            )
+        return True
+
+    def _shrink(self, lost: list[int], codes: dict[int, int | None]) -> bool:
+        """Machines lost while they ran ranks, and no spare took their place: an elastic job
+        (`--nodes MIN:MAX`) goes on without them while at least MIN nodes remain (torchrun's
+        agents re-form it on the survivors, and a machine that comes back is taken in again);
+        False when it cannot."""
+        if self.stack.min_nodes == self.stack.nodes:
+            return False
+        with self._lock:
+            running = {n for n, code in codes.items() if code is None} - self.left
+            if len(running) >= self.stack.min_nodes:
+                self.left |= set(lost)
+        if len(running) < self.stack.min_nodes:
+            self._say(
+                f"{', '.join(map(node_name, lost))} lost with no spare: {len(running)} node(s) "
+                f"left, fewer than --nodes {self.stack.min_nodes}:{self.stack.nodes} allows; "
+                "the job stops (it resumes from its newest checkpoint when started again)"
+            )
+            return False
+        for node in lost:
+            how = signal.Signals(-codes[node]).name  # type: ignore[operator]
+            self._say(
+                f"{node_name(node)} was lost while it ran ranks (its agent ended by {how}); no "
+                f"spare takes its place: the job goes on with {len(running)} node(s) "
+                f"(--nodes {self.stack.min_nodes}:{self.stack.nodes})"
             )
         return True
 
@@ -844,6 +905,9 @@ class Job:
 # anything is restarted; a live agent's heartbeat thread has nothing else to do.
 KEEP_ALIVE_S = 1
 KEEP_ALIVE_ATTEMPTS = 3
+# An elastic job's rendezvous round, once its MIN nodes have joined, waits this long (seconds)
+# for more before it starts: the survivors of a lost node re-form this soon after they meet.
+ELASTIC_LAST_CALL_S = 2
 # How long the spares wait for the job to form before they start anyway.
 SPARE_START_WAIT_S = 300.0
 

@@ -34,6 +34,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_FAULT: _ClassVar[EventKind]
     EVENT_KIND_EVAL: _ClassVar[EventKind]
     EVENT_KIND_RECOVERY: _ClassVar[EventKind]
+    EVENT_KIND_ELASTIC: _ClassVar[EventKind]
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_RUN_STARTED: EventKind
 EVENT_KIND_RUN_FINISHED: EventKind
@@ -55,6 +56,7 @@ EVENT_KIND_HANG: EventKind
 EVENT_KIND_FAULT: EventKind
 EVENT_KIND_EVAL: EventKind
 EVENT_KIND_RECOVERY: EventKind
+EVENT_KIND_ELASTIC: EventKind
 
 class RegisterRunRequest(_message.Message):
     __slots__ = ("run_id", "name", "config_json", "world_size", "layout", "model_params", "hardware", "started_at", "ranks", "precision", "peak_flops", "peak_flops_source", "recompute_fraction")

@@ -32,6 +32,7 @@ import yaml
 from torch.distributed.run import get_args_parser
 
 from scaletrain.app.agent import own_options
+from scaletrain.app.stack import ELASTIC_LAST_CALL_S
 from scaletrain.cordon import CORDONED_EXIT_CODE
 
 CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "scaletrain"
@@ -532,6 +533,23 @@ def test_a_pod_whose_ranks_keep_failing_leaves_the_job_by_default_without_api_ac
     assert spec["automountServiceAccountToken"] is False
     assert spec["serviceAccountName"] == NAME
     assert of_kind(docs, "ClusterRole") == of_kind(docs, "ClusterRoleBinding") == []
+
+
+@pytest.mark.parametrize("launcher", ["Job", "JobSet", "PyTorchJob"])
+def test_an_elastic_job_meets_in_rounds_of_min_to_max_pods_with_a_short_last_call(
+    chart, launcher: str
+) -> None:
+    values = {"trainer": {"launcher": launcher, "nodes": 4, "minNodes": 2}}
+    docs = parse(render_raw(chart, values))
+    torchrun, _ = torchrun_and_trainer_args(container(trainer(docs)))
+    args = get_args_parser().parse_args([*own_options(torchrun)[1], "-m", "trainer"])
+    assert args.nnodes == "2:4"
+    assert f"last_call_timeout={ELASTIC_LAST_CALL_S}" in args.rdzv_conf.split(",")
+    assert pods_of(trainer(docs)) == 4
+    # Not elastic: one size, torch's own last call.
+    fixed = parse(render_raw(chart, {"trainer": {"launcher": launcher, "nodes": 4}}))
+    torchrun, _ = torchrun_and_trainer_args(container(trainer(fixed)))
+    assert flag(torchrun, "--nnodes") == "4" and "last_call" not in flag(torchrun, "--rdzv-conf")
 
 
 def test_cordon_after_zero_keeps_a_failing_pod_in_the_job(chart) -> None:
@@ -1264,6 +1282,16 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
             helm.HelmValuesError,
             "/telemetry/retention/keepSteps",
         ),
+        (
+            {"trainer": {"nodes": 2, "minNodes": 3}},
+            helm.HelmRenderError,
+            "trainer.minNodes = 3 must be at most trainer.nodes = 2",
+        ),
+        (
+            {"trainer": {"nodes": 4, "minNodes": 2, "parallel": {"dpShard": 4}}},
+            helm.HelmRenderError,
+            "trainer.minNodes = 2 needs trainer.parallel.dpShard -1",
+        ),
     ],
     ids=[
         "negative-telemetry-replicas",
@@ -1292,6 +1320,8 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
         "two-databases",
         "trainer-without-ckptd",
         "telemetry-keeping-no-steps",
+        "elastic-minimum-above-the-nodes",
+        "elastic-with-a-fixed-shard-degree",
     ],
 )
 def test_bad_values_are_rejected_with_a_message_naming_them(

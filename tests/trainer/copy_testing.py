@@ -72,6 +72,9 @@ class NoRecords:
     def config_changed(self, step: int, changes: list[str]) -> None:
         raise AssertionError("the config did not change")
 
+    def resized(self, step: int, saved_world: int, world: int) -> None:
+        raise AssertionError("the job resumed at the size it saved at")
+
 
 def resume(saver: Checkpointer, run_id: str) -> int:
     """`saver.resume` as the trainer calls it, with a config that only names the run."""

@@ -19,6 +19,7 @@ from scaletrain.app.chaos import (
     DEFAULT_SCHEDULE,
     FAULTS,
     KINDS,
+    NEEDS_ELASTIC,
     NEEDS_SPARES,
     ChaosOptions,
     Drill,
@@ -193,10 +194,10 @@ def test_a_schedule_is_parsed_in_step_order_with_default_outages():
     ]
 
 
-def test_the_default_drill_has_at_least_ten_faults_of_every_kind_but_those_needing_spares():
+def test_the_default_drill_has_ten_faults_of_every_kind_but_those_needing_spares_or_elastic():
     faults = parse_schedule(DEFAULT_SCHEDULE)
     assert len(faults) >= 10
-    assert {f.kind for f in faults} == set(KINDS) - NEEDS_SPARES
+    assert {f.kind for f in faults} == set(KINDS) - NEEDS_SPARES - NEEDS_ELASTIC
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ def _rank(rank: int, port: int, address: str, out: str, loss: str) -> None:
     if rank == 1 and loss == "lost":
         remove_copies(RUN, "machine1")  # its machine was lost: a spare restores in its place
     if rank == 1 and loss == "damaged":
-        damage_copies(copy_dir(RUN, "machine1", rank))  # type: ignore[arg-type]
+        damage_copies(copy_dir(RUN, "machine1", rank, WORLD))  # type: ignore[arg-type]
     dist.barrier()
     assert saver.load(2)["step"] == 2
     restored = state_sha256(model.state_dict()), trainer.loader.offset().global_sample
@@ -45,7 +45,9 @@ def _rank(rank: int, port: int, address: str, out: str, loss: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.skipif(copy_dir(RUN, "machine0", 0) is None, reason="no /dev/shm for own copies")
+@pytest.mark.skipif(
+    copy_dir(RUN, "machine0", 0, WORLD) is None, reason="no /dev/shm for own copies"
+)
 @pytest.mark.parametrize("loss", ["lost", "damaged"])
 def test_only_the_ranks_without_an_intact_own_copy_read_ckptd(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], loss: str

@@ -52,7 +52,7 @@ def _rank(rank: int, port: int, address: str, out: str, loss: str) -> None:
     if rank == 1 and loss == "lost":
         remove_copies(RUN, "machine1")  # its own copies, and the peer copy of rank 0 it held
     if rank == 1 and loss == "damaged":
-        damage_copies(copy_dir(RUN, "machine1", rank))  # type: ignore[arg-type]
+        damage_copies(copy_dir(RUN, "machine1", rank, WORLD))  # type: ignore[arg-type]
     dist.barrier()
     restarted = checkpointer()
     report["resumed"] = resume(restarted, RUN)
@@ -73,7 +73,9 @@ def test_each_rank_mirrors_to_the_same_place_on_the_next_node():
     assert buddies(["a", "a", "b"], 1) == (None, None)  # node b has no second rank
 
 
-@pytest.mark.skipif(copy_dir(RUN, "machine0", 0) is None, reason="no /dev/shm for own copies")
+@pytest.mark.skipif(
+    copy_dir(RUN, "machine0", 0, WORLD) is None, reason="no /dev/shm for own copies"
+)
 @pytest.mark.parametrize("loss", ["lost", "damaged"])
 def test_a_memory_step_comes_back_from_the_peer_nodes_memory_when_the_own_copy_is_gone_or_damaged(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], loss: str
@@ -92,5 +94,5 @@ def test_a_memory_step_comes_back_from_the_peer_nodes_memory_when_the_own_copy_i
     assert set(restored_from) == {"own memory@machine0", "peer memory@machine0"}, restored_from
     assert restored_from["own memory@machine0"] == restored_from["peer memory@machine0"] > 0
     # The copies of a finished run are freed, the peer copies too.
-    assert not peer_dir(RUN, "machine0", 1).exists()
+    assert not peer_dir(RUN, "machine0", 1, WORLD).exists()
     assert "fails its CRC" not in capfd.readouterr().out  # a damaged copy was never loaded

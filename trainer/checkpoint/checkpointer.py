@@ -65,7 +65,13 @@ from trainer.checkpoint.own_copy import (
     sealed_step,
 )
 from trainer.checkpoint.peer_copy import PEER_MEMORY, PeerCopies
-from trainer.checkpoint.resume import ResumeRecords, check_config, check_offsets, latest_step
+from trainer.checkpoint.resume import (
+    ResumeRecords,
+    check_config,
+    check_offsets,
+    check_world,
+    latest_step,
+)
 from trainer.checkpoint.stager import HostStager, tensor_bytes
 from trainer.config import TrainConfig
 from trainer.data.loader import DeterministicLoader
@@ -174,7 +180,7 @@ class Checkpointer:
         # outlives this process (own_copy). On CPU two sets take turns, so that while a save
         # streams the copy of the step before it, likely the latest committed, stays whole; on
         # a GPU the buffers are pinned host memory, no copy: one set.
-        own_dir = copy_dir(run_id, rank_host(), self.rank)
+        own_dir = copy_dir(run_id, rank_host(), self.rank, dist.get_world_size())
         sets = 1 if own_dir is None or torch.cuda.is_available() else 2
         self._slots = [
             _Slot(OwnCopy(own_dir / f"slot{i}") if own_dir is not None else None)
@@ -207,6 +213,8 @@ class Checkpointer:
                 "loader": self.loader.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "config": self.config,
+                # The ranks it was saved by: a resume at another number (elastic) says so.
+                "world": dist.get_world_size(),
             },
             "rng": {rng.key(self.rank): rng.capture()},
         }
@@ -516,6 +524,8 @@ class Checkpointer:
                 del state["rng"]
             if "train.config" not in saved_keys:
                 del state["train"]["config"]  # saved before checkpoints kept their config
+            if "train.world" not in saved_keys:
+                del state["train"]["world"]  # saved before checkpoints kept their world size
             if "fp8" in state and not any(key.startswith("fp8.") for key in saved_keys):
                 # Saved without delayed scaling: the histories start empty, as in a new run.
                 del state["fp8"]
@@ -547,6 +557,12 @@ class Checkpointer:
             self.address, self.run_id, self.rank, cfg.resume_wait_s, required,
             in_memory.step if in_memory is not None else -1,
         )  # fmt: skip
+        if self._peers is not None and in_memory is None and step >= 0 and self.rank == 0:
+            print(
+                f"[trainer] no step every rank can restore from memory ({self._peers.missing}); "
+                f"restoring step {step} through ckptd",
+                flush=True,
+            )
         if in_memory is not None and step == in_memory.step:
             # The ranks without their own copy get it from the peer node that holds it, into
             # the slot a save of that step uses, whence `load` restores it as every rank's own
@@ -566,6 +582,7 @@ class Checkpointer:
         train_state = self.load(step)
         self._brought_from = ""
         check_config(cfg, step, train_state.get("config", ""), records, self.rank)
+        check_world(step, int(train_state.get("world", 0)), records, self.rank)
         expected = self.loader.offset()
         recorded = records.resume_offsets(step)
         if recorded is not None and (recorded or required):

@@ -70,11 +70,18 @@ class SealedBuffer:
         return mapped[self.offset : end].view(self.dtype).view(self.shape)
 
 
-def copy_dir(run_id: str, host: str, rank: int) -> Path | None:
-    """The directory of rank `rank`'s copies on `host` (None where no /dev/shm exists)."""
+def copy_dir(run_id: str, host: str, rank: int, world: int) -> Path | None:
+    """The directory of rank `rank`'s copies on `host` in a job of `world` ranks (None where no
+    /dev/shm exists). Under the world size: a job re-formed at another size (elastic) shards
+    its state otherwise, and never takes a copy of another size for its own."""
     if not SHM_ROOT.is_dir():
         return None
-    return SHM_ROOT / "scaletrain" / run_id / host / f"rank{rank}"
+    return world_dir(run_id, host, world) / f"rank{rank}"
+
+
+def world_dir(run_id: str, host: str, world: int) -> Path:
+    """The copies `host` holds of the ranks of a job of `world` ranks."""
+    return host_dir(run_id, host) / f"world{world}"
 
 
 def host_dir(run_id: str, host: str) -> Path:

@@ -30,16 +30,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint.own_copy import MANIFEST, files_of, host_dir, sealed_step
+from trainer.checkpoint.own_copy import MANIFEST, files_of, sealed_step, world_dir
 
 # What a restore from a peer's memory read, in `Checkpointer.restored_from` ("peer memory@node1").
 PEER_MEMORY = "peer memory"
 _PEER = "peer"
 
 
-def peer_dir(run_id: str, host: str, owner: int) -> Path:
-    """Where `host` keeps its peer copies of rank `owner`'s state (a slot directory each)."""
-    return host_dir(run_id, host) / f"rank{owner}" / _PEER
+def peer_dir(run_id: str, host: str, owner: int, world: int) -> Path:
+    """Where `host` keeps its peer copies of rank `owner`'s state in a job of `world` ranks (a
+    slot directory each)."""
+    return world_dir(run_id, host, world) / f"rank{owner}" / _PEER
 
 
 def buddies(hosts: list[str], rank: int) -> tuple[int | None, int | None]:
@@ -72,6 +73,14 @@ class MemoryRestore:
     hosts: dict[int, str]
 
 
+def _survey(owns: list[set[int]], holders: dict[tuple[int, int], int], hosts: list[str]) -> str:
+    """One line: the steps each rank's own copies hold and where peer copies of which ranks'
+    steps are, for a restart that found no step every rank can have from memory."""
+    own = "; ".join(f"rank {r}: {sorted(steps) or 'none'}" for r, steps in enumerate(owns))
+    peers = ", ".join(f"rank {r} step {s} on {hosts[h]}" for (r, s), h in sorted(holders.items()))
+    return f"own copies {own}; peer copies {peers or 'none'}"
+
+
 class PeerCopies:
     """This rank's side of the mirror: sends its own copy to its buddy, keeps its ward's, and
     serves the peer copies its node holds to a rank that needs one."""
@@ -82,11 +91,14 @@ class PeerCopies:
         hosts: list[str | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(hosts, host, group=group)
         self.hosts = [str(h) for h in hosts]
+        self.world = len(hosts)
         self.buddy, self.ward = buddies(self.hosts, self.rank)
         # The rank on each host that reports its node's peer copies and sends them.
         self._scanner = min(r for r, h in enumerate(self.hosts) if h == host) == self.rank
         # Peer copies this rank found on its node at the last `newest_in_memory`.
         self._held: dict[tuple[int, int], Path] = {}
+        # What every rank held in memory at the last `newest_in_memory`, when no step was whole.
+        self.missing = ""
         # Files mapped once and reused by every mirror (path -> tensor).
         self._maps: dict[Path, torch.Tensor] = {}
 
@@ -97,7 +109,7 @@ class PeerCopies:
         sends = [(self.buddy, own)] if self.buddy is not None else []
         recvs = []
         if self.ward is not None:
-            recvs = [(self.ward, peer_dir(self.run_id, self.host, self.ward) / slot)]
+            recvs = [(self.ward, peer_dir(self.run_id, self.host, self.ward, self.world) / slot)]
         return self._transfer(sends, recvs, reuse=True)
 
     def newest_in_memory(self, own_steps: set[int]) -> MemoryRestore | None:
@@ -105,14 +117,15 @@ class PeerCopies:
         or a peer copy on another node), or None; a collective of every rank."""
         held: dict[tuple[int, int], Path] = {}
         if self._scanner:
-            for slot in sorted(host_dir(self.run_id, self.host).glob(f"rank*/{_PEER}/slot*")):
+            here = world_dir(self.run_id, self.host, self.world)
+            for slot in sorted(here.glob(f"rank*/{_PEER}/slot*")):
                 owner = int(slot.parent.parent.name.removeprefix("rank"))
                 step = sealed_step(slot, verify=True)
                 if step is not None:
                     held.setdefault((owner, step), slot)
         self._held = held
         mine = (sorted(own_steps), sorted(held))
-        gathered: list[tuple[list[int], list[tuple[int, int]]] | None] = [None] * len(self.hosts)
+        gathered: list[tuple[list[int], list[tuple[int, int]]] | None] = [None] * self.world
         dist.all_gather_object(gathered, mine, group=self._group)
         owns = [set(g[0]) if g else set() for g in gathered]
         holders: dict[tuple[int, int], int] = {}
@@ -131,6 +144,7 @@ class PeerCopies:
                     break
             else:
                 return MemoryRestore(step, senders, hosts)
+        self.missing = _survey(owns, holders, self.hosts)
         return None
 
     def bring_back(self, plan: MemoryRestore, into: Path) -> int:
@@ -149,7 +163,7 @@ class PeerCopies:
         """Free the ward's peer copies (the run ended)."""
         if self.ward is not None:
             with contextlib.suppress(OSError):
-                shutil.rmtree(peer_dir(self.run_id, self.host, self.ward).parent)
+                shutil.rmtree(peer_dir(self.run_id, self.host, self.ward, self.world).parent)
 
     def _transfer(
         self, sends: list[tuple[int, Path | None]], recvs: list[tuple[int, Path]], reuse: bool

@@ -28,6 +28,8 @@ class ResumeRecords(Protocol):
 
     def config_changed(self, step: int, changes: list[str]) -> None: ...
 
+    def resized(self, step: int, saved_world: int, world: int) -> None: ...
+
 
 def latest_step(
     address: str, run_id: str, rank: int, wait_s: float, required: bool, in_memory: int = -1
@@ -113,6 +115,21 @@ def check_config(
     if rank == 0:
         print(f"[trainer] resuming with a changed config (--allow-config-change): {listed}")
         records.config_changed(step, changed)
+
+
+def check_world(step: int, saved_world: int, records: ResumeRecords, rank: int) -> None:
+    """A job that resumes at another number of ranks than `step` was saved by (elastic: a node
+    lost with no spare left, or one that joined) reshards it and goes on: not a config change
+    (the global batch, the data order and the schedule stay), but an event of its own."""
+    world = dist.get_world_size()
+    if not saved_world or saved_world == world or rank != 0:
+        return
+    print(
+        f"[trainer] elastic: resuming step {step}, saved by {saved_world} ranks, on {world} "
+        "ranks (resharded; the global batch and the data order stay)",
+        flush=True,
+    )
+    records.resized(step, saved_world, world)
 
 
 def check_offsets(

@@ -307,6 +307,12 @@ Checks of values that the schema cannot express; templates/validate.yaml runs th
 {{- if ne (mul $others $dpShard) $world }}
 {{- fail (printf "trainer: the world size nodes*nprocPerNode = %v*%v = %v does not match the layout trainer.parallel dpReplicate*dpShard*tp*pp*cp = %v*%v*%v*%v*%v" $t.nodes $t.nprocPerNode $world $p.dpReplicate $p.dpShard $p.tp $p.pp $p.cp) }}
 {{- end }}
+{{- if gt (int $t.minNodes) (int $t.nodes) }}
+{{- fail (printf "trainer.minNodes = %v must be at most trainer.nodes = %v" $t.minNodes $t.nodes) }}
+{{- end }}
+{{- if and (gt (int $t.minNodes) 0) (lt (int $t.minNodes) (int $t.nodes)) (ne (int $p.dpShard) -1) }}
+{{- fail (printf "trainer.minNodes = %v needs trainer.parallel.dpShard -1, which absorbs the ranks a smaller job has (got %v)" $t.minNodes $p.dpShard) }}
+{{- end }}
 {{- if ne (mod (mul $dpShard $p.cp) $p.ep) 0 }}
 {{- fail (printf "trainer.parallel.ep = %v must divide dpShard*cp = %v" $p.ep (mul $dpShard $p.cp)) }}
 {{- end }}

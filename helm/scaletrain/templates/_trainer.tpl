@@ -22,6 +22,7 @@ cannot lose, and the first trainer.nodes agents of a round train while the other
 {{- $t := $root.Values.trainer }}
 {{- $p := $t.parallel }}
 {{- $runId := $t.runId | default $root.Release.Name | toString }}
+{{- $elastic := and (gt (int $t.minNodes) 0) (lt (int $t.minNodes) (int $t.nodes)) }}
 {{- $resources := deepCopy $t.resources }}
 {{- if $t.gpu.enabled }}
 {{- $gpus := int $t.nprocPerNode }}
@@ -71,7 +72,12 @@ spec:
         {{- end }}
         # Spares or not, a round is trainer.nodes agents: the others wait in its redundancy list.
         - --nnodes
+        {{- if $elastic }}
+        # Elastic: a round forms with minNodes pods once its last call (2 s) found no more.
+        - {{ printf "%d:%d" (int $t.minNodes) (int $t.nodes) | quote }}
+        {{- else }}
         - {{ $t.nodes | int64 | quote }}
+        {{- end }}
         - --nproc-per-node
         - {{ $t.nprocPerNode | int64 | quote }}
         - --rdzv-backend
@@ -79,7 +85,7 @@ spec:
         - --rdzv-endpoint
         - {{ include "scaletrain.rendezvousEndpoint" $root | quote }}
         - --rdzv-conf
-        - {{ printf "is_host=false,keep_alive_interval=%d,keep_alive_max_attempt=3" ($t.keepAliveS | int) | quote }}
+        - {{ printf "is_host=false,keep_alive_interval=%d,keep_alive_max_attempt=3%s" ($t.keepAliveS | int) ($elastic | ternary ",last_call_timeout=2" "") | quote }}
         - --rdzv-id
         {{- if .job }}
         # One rendezvous per Job: the store outlives the Job, and torch closes a rendezvous for good
