@@ -16,6 +16,9 @@ Badput, by cause:
     attempt's first step, plus the steps an attempt computed and a later one had to compute again;
   - replay: time spent replaying suspicious steps, and steps whose batch was skipped;
   - data_wait: time steps waited for their batch;
+  - reduced_size: the share of each step's productive time the ranks it lacked would have done,
+    for steps an elastic job ran on fewer ranks than the most it had (a node lost and no spare:
+    `scaletrain run --nodes MIN:MAX`): productive x (most - ranks) / most;
   - other: whatever the above do not explain (logging, the end of the run, gaps without records).
 Per step, each cause counts the slowest rank's time in it, and the step's causes together never
 exceed its wall time.
@@ -42,7 +45,15 @@ from telemetry import mfu as flops
 from telemetry.models import Event, Run, StepRollup
 from telemetry.queries import Bind, connection_of
 
-BADPUT_CAUSES = ("startup", "checkpoint_stall", "restart", "replay", "data_wait", "other")
+BADPUT_CAUSES = (
+    "startup",
+    "checkpoint_stall",
+    "restart",
+    "replay",
+    "data_wait",
+    "reduced_size",
+    "other",
+)
 # The event whose attributes say the trainer threw a step's update away (its batch was skipped).
 SKIPPING_EVENT = "loss_spike"
 SKIPPED = "skipped"
@@ -189,6 +200,7 @@ def goodput(bind: Bind, run_id: str) -> Goodput:
                 )
             ).scalar()
         skipped = _skipped_steps_seconds(connection, run_id, latest)
+        reduced = _reduced_size_seconds(connection, run_id, latest)
         by_fault = _badput_by_fault(connection, run_id)
     if not attempts:
         return Goodput(
@@ -205,13 +217,14 @@ def goodput(bind: Bind, run_id: str) -> Goodput:
         max((first - previous_last).total_seconds(), 0.0)
         for (_, _, previous_last), (_, first, _) in itertools.pairwise(attempts)
     )
-    productive_s = max(sums["productive_s"] - skipped, 0.0)
+    productive_s = max(sums["productive_s"] - skipped - reduced, 0.0)
     badput = {
         "startup": startup,
         "checkpoint_stall": sums["checkpoint_s"],
         "restart": gaps + float(lost or 0.0),
         "replay": sums["replay_s"] + skipped,
         "data_wait": sums["data_s"],
+        "reduced_size": reduced,
     }
     accounted = productive_s + sum(badput.values())
     # Per-step time is measured on each rank; clocks and rounding can make the parts exceed the
@@ -279,6 +292,21 @@ def _skipped_steps_seconds(
         return 0.0
     seconds = connection.execute(
         select(func.sum(per_step()["productive_s"])).where(*latest, StepRollup.step.in_(skipped))
+    ).scalar()
+    return float(seconds or 0.0)
+
+
+def _reduced_size_seconds(connection: Any, run_id: str, latest: list[ColumnElement[bool]]) -> float:
+    """What the steps run on fewer ranks than the run's most would have gained from the ranks
+    they lacked: each one's productive time x (most - ranks) / most."""
+    most = connection.execute(
+        select(func.max(StepRollup.ranks)).where(StepRollup.run_id == run_id)
+    ).scalar()
+    if not most:
+        return 0.0
+    share = (most - StepRollup.ranks) * 1.0 / most
+    seconds = connection.execute(
+        select(func.sum(per_step()["productive_s"] * share)).where(*latest, StepRollup.ranks < most)
     ).scalar()
     return float(seconds or 0.0)
 

@@ -69,7 +69,7 @@ OVERVIEW_COLUMNS = [
     "run_id", "name", "status", "world_size", "attempt", "step", "loss", "tokens_per_s", "mfu",
     "last_checkpoint", "last_checkpoint_at", "open_alerts", "started_at",
 ]  # fmt: skip
-LOSS_POINT_COLUMNS = ["step", "loss", "loss_min", "loss_max", "tokens_per_s"]
+LOSS_POINT_COLUMNS = ["step", "loss", "loss_min", "loss_max", "tokens_per_s", "ranks"]
 EVAL_POINT_COLUMNS = ["step", "eval_loss"]
 RANK_STEP_COLUMNS = ["step", "rank", "step_s", "compute_s", *PHASE_COLUMNS]
 NODE_STEP_COLUMNS = ["step", "node", "relative", "worst_rank", "worst_compute_s", "ranks"]
@@ -238,8 +238,9 @@ def spread(first: int | None, last: int | None, max_steps: int) -> list[int]:
 
 
 def loss_points(bind: Bind, run_id: str, *, max_points: int = 1000) -> pd.DataFrame:
-    """Mean, min and max loss over ranks and tokens/s (all ranks' tokens over the slowest rank's
-    step time) at up to `max_points` sampled steps, from the rollups: LOSS_POINT_COLUMNS."""
+    """Mean, min and max loss over ranks, tokens/s (all ranks' tokens over the slowest rank's
+    step time) and the ranks that trained it (an elastic job's size changes) at up to
+    `max_points` sampled steps, from the rollups: LOSS_POINT_COLUMNS."""
     steps = sampled_steps(bind, run_id, max_points)
     rows = []
     with connection_of(bind) as connection:
@@ -252,13 +253,14 @@ def loss_points(bind: Bind, run_id: str, *, max_points: int = 1000) -> pd.DataFr
                     StepRollup.loss_min,
                     StepRollup.loss_max,
                     StepRollup.tokens / case((StepRollup.step_max > 0, StepRollup.step_max)),
+                    StepRollup.ranks,
                 ).where(
                     StepRollup.run_id == run_id, StepRollup.step.in_(steps[start : start + 500]),
                     *latest,
                 )
             ).all()  # fmt: skip
     frame = pd.DataFrame(rows, columns=LOSS_POINT_COLUMNS)
-    return frame.astype({column: float for column in LOSS_POINT_COLUMNS[1:]}).sort_values(
+    return frame.astype({column: float for column in LOSS_POINT_COLUMNS[1:-1]}).sort_values(
         "step", ignore_index=True
     )
 

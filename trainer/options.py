@@ -27,6 +27,9 @@ from pathlib import Path
 from trainer.health import POLICIES
 from trainer.model.presets import PRESETS, preset
 
+# The ranks an elastic job has at its full size (`--nodes MIN:MAX`: MAX's), set by its launcher
+# (the embedded stack, the Helm chart) in every rank's environment.
+FULL_WORLD_ENV = "SCALETRAIN_FULL_WORLD"
 # The version of the job config format; a file for another one is refused.
 FORMAT_VERSION = 1
 # TOML sections in the order --print-config writes them ("" is the top level).

@@ -10,6 +10,7 @@ record to telemetry.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -50,7 +51,13 @@ from trainer.health.watchdog import REPORT_WAIT_S, PeerBoard, Watchdog
 from trainer.interop.hf_import import load_hf_weights
 from trainer.model.llama import Transformer
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.parallel.dims import MESH_DIMS, ParallelDims, ParallelMesh, validate_layout
+from trainer.parallel.dims import (
+    MESH_DIMS,
+    ParallelDims,
+    ParallelMesh,
+    elastic_accumulation,
+    validate_layout,
+)
 from trainer.parallel.parallelize import ParallelModel, build_model
 from trainer.reporting import Reporter
 from trainer.step import StepResult, train_step
@@ -180,8 +187,20 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     resume where the run left off. What must stop on any exit is pushed on `cleanup`."""
     launched_at = Timestamp()
     launched_at.GetCurrentTime()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # An elastic job on fewer ranks than its full size keeps each rank's micro-batch.
+    accum = elastic_accumulation(cfg, world_size, int(os.environ.get(options.FULL_WORLD_ENV, "0")))
+    if accum != cfg.grad_accum_steps:
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                f"[trainer] elastic: {world_size} ranks of {os.environ[options.FULL_WORLD_ENV]}: "
+                f"{accum} micro-batches a step (configured {cfg.grad_accum_steps}) keep each "
+                "rank's micro-batch and the global batch",
+                flush=True,
+            )
+        cfg = dataclasses.replace(cfg, grad_accum_steps=accum)
     # The layout is checked against the model and data before any process group exists.
-    dims = validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    dims = validate_layout(cfg, world_size)
     timeout = timedelta(seconds=cfg.collective_timeout_s)
     rank, world, device = init_distributed(timeout)
     cfg.faults.check_world(world)

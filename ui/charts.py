@@ -145,18 +145,33 @@ def rank_heatmap(steps: pd.DataFrame, metric: str) -> alt.Chart:
     )  # fmt: skip
 
 
-def throughput_chart(points: pd.DataFrame) -> alt.Chart:
-    """Tokens/s of all ranks at each sampled step (`views.loss_points`)."""
-    return (
+def throughput_chart(points: pd.DataFrame) -> alt.Chart | alt.LayerChart:
+    """Tokens/s of all ranks at each sampled step (`views.loss_points`), and, where the job
+    changed size (elastic), the ranks that trained each step on an axis of their own."""
+    x = alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
+    tooltip = ["step", alt.Tooltip("tokens_per_s:Q", format=",.0f"), "ranks"]
+    tokens = (
         alt.Chart(points)
         .mark_line(color="#4c78a8")
         .encode(
-            x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1)),
+            x=x,
             y=alt.Y("tokens_per_s:Q", title="tokens/s", scale=alt.Scale(zero=False)),
-            tooltip=["step", alt.Tooltip("tokens_per_s:Q", format=",.0f")],
+            tooltip=tooltip,
         )
         .interactive(bind_y=False)
     )
+    if points["ranks"].nunique() < 2:
+        return tokens
+    ranks = (
+        alt.Chart(points)
+        .mark_line(color="#999999", interpolate="step-after", strokeDash=[4, 2])
+        .encode(
+            x=x,
+            y=alt.Y("ranks:Q", title="ranks", axis=alt.Axis(format="d", tickMinStep=1)),
+            tooltip=tooltip,
+        )
+    )
+    return alt.layer(tokens, ranks).resolve_scale(y="independent")
 
 
 def phase_chart(phases: pd.DataFrame) -> alt.Chart:

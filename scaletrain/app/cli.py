@@ -159,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument(
         "--tokens-per-s", type=float, help="the target throughput whose MFU to show"
     )
+    planner.add_argument(
+        "--min-nodes",
+        type=int,
+        help="also plan the job on every node count from its own down to this one, as an "
+        "elastic job (--nodes MIN:MAX) re-forms after losing nodes",
+    )
+    planner.add_argument(
+        "--gpus-per-node", type=int, default=8, help="ranks a node, for --min-nodes (default 8)"
+    )
     _launcher_args(planner, RUN_DEFAULTS)
     _trainer_options(planner)
 
@@ -606,14 +615,17 @@ def _check_init_from_hf(job: dict[str, options.Value]) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from scaletrain.app.plan import plan, render
+    from scaletrain.app.plan import elastic_sizes, plan, render, render_elastic
 
     job = _job(args, RUN_DEFAULTS)
     if args.print_config:
         print(options.to_toml(job), end="")
         return 0
-    print(render(plan(job | {"run_id": job["run_id"] or "plan"}, args.gpus, args.gpu,
-                      args.tokens_per_s)))  # fmt: skip
+    job = job | {"run_id": job["run_id"] or "plan"}
+    print(render(plan(job, args.gpus, args.gpu, args.tokens_per_s)))
+    if args.min_nodes is not None:
+        sizes = elastic_sizes(job, args.gpus, args.gpus_per_node, args.min_nodes, args.gpu)
+        print(render_elastic(sizes, args.gpus_per_node))
     return 0
 
 

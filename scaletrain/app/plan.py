@@ -33,7 +33,7 @@ from trainer import options
 from trainer.config import TrainConfig, from_values
 from trainer.model.llama import Transformer, next_token_loss
 from trainer.optim import build_optimizer
-from trainer.parallel.dims import ParallelDims, validate_layout
+from trainer.parallel.dims import ParallelDims, elastic_accumulation, validate_layout
 from trainer.parallel.pipeline import (
     ZERO_BUBBLE,
     resolve_microbatches,
@@ -112,6 +112,64 @@ def plan(
         target_tokens_s=tokens_s,
         device_memory=mfu.device_memory(gpu),
     )
+
+
+@dataclass(frozen=True)
+class ElasticSize:
+    """The job on fewer nodes (`scaletrain run --nodes MIN:MAX`), as an elastic job re-forms."""
+
+    nodes: int
+    ranks: int
+    # Why it cannot run at this size ("" where it can).
+    refused: str = ""
+    layout: dict[str, int] = dataclasses.field(default_factory=dict)
+    micro_batches: int = 0
+    memory: float = 0.0  # bytes on the busiest rank
+    # Tokens/s relative to the full size, data parallelism's ideal (its ranks over the full's).
+    throughput: float = 0.0
+
+
+def elastic_sizes(
+    job: dict[str, options.Value], world: int, per_node: int, min_nodes: int, gpu: str
+) -> list[ElasticSize]:
+    """The job of `world` ranks on every node count from the full one down to `min_nodes`
+    (`per_node` ranks each): whether its layout fits (the data-parallel degree absorbs the
+    change), the micro-batches each rank then runs (`elastic_accumulation`: its micro-batch
+    stays the full job's where it can) and its memory, so that a user knows MIN before the run."""
+    if per_node < 1 or world % per_node:
+        raise UserError(f"--gpus-per-node {per_node} must divide --gpus {world}")
+    full = world // per_node
+    if not 1 <= min_nodes <= full:
+        raise UserError(f"--min-nodes must be 1 to {full} (the job's nodes), got {min_nodes}")
+    sizes = []
+    for nodes in range(full, min_nodes - 1, -1):
+        ranks = nodes * per_node
+        accum = elastic_accumulation(from_values(job), ranks, world)
+        try:
+            sized = plan(job | {"grad_accum_steps": accum}, ranks, gpu)
+        except UserError as exc:
+            sizes.append(ElasticSize(nodes, ranks, refused=str(exc)))
+            continue
+        sizes.append(
+            ElasticSize(nodes, ranks, "", sized.layout, accum, sized.memory["total"], ranks / world)
+        )
+    return sizes
+
+
+def render_elastic(sizes: list[ElasticSize], per_node: int) -> str:
+    """The sizes as `scaletrain plan --min-nodes` prints them."""
+    lines = [f"elastic       on fewer nodes ({per_node} ranks a node), as --nodes MIN:MAX re-forms"]
+    for size in sizes:
+        head = f"  {size.nodes:>4} nodes {size.ranks:>6,} ranks  "
+        if size.refused:
+            lines.append(head + f"cannot run: {size.refused}")
+            continue
+        layout = " ".join(f"{k}={v}" for k, v in size.layout.items() if v != 1 or k == "dp_shard")
+        lines.append(
+            head + f"{layout}; {size.micro_batches} micro-batch(es) a step, "
+            f"{size.memory / (1 << 30):,.2f} GiB a rank, throughput ~{size.throughput:.2f} of full"
+        )
+    return "\n".join(lines)
 
 
 def _bubble(cfg: TrainConfig, dims: ParallelDims) -> tuple[float, str]:

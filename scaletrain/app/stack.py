@@ -41,6 +41,7 @@ from scaletrain.process import PEER_LOST, children_by_parent, descendants, rank_
 from scaletrain.security import ClientSecurity, EmbeddedCredentials, Role
 from scaletrain.transport import wait_until_healthy
 from telemetry.client import HOST_ENV
+from trainer.options import FULL_WORLD_ENV
 
 S3_BUCKET = "scaletrain"
 
@@ -460,6 +461,8 @@ class Stack:
         """
         check_nodes(ranks, self.nodes, self.spares, self.memory_budget_mb, self.min_nodes)
         env = dict(os.environ) | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        if self.min_nodes < self.nodes:  # each rank knows the full size (its micro-batch)
+            env[FULL_WORLD_ENV] = str(ranks)
         if self.credentials is not None:
             # The run's own token: it may write this run's checkpoints and telemetry only.
             token = self.credentials.mint(Role.TRAINER, run_id, f"trainer of {run_id}")

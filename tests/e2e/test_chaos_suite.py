@@ -202,7 +202,13 @@ def test_each_fault_has_a_recovery_record_in_the_report_and_in_telemetry(drill: 
             # the previous one, so on a loaded machine the late ones slip to the end of the run.
             assert not record["restarted"] and fault["ended_at"] > last_step_at - 1, record
             continue
-        assert record["injected_at"] <= record["detected_at"] <= record["first_step_at"], record
+        if record["detected_at"] is None:
+            # Nothing showed it (a 2 s S3 outage that no upload met: ckptd logged no failure);
+            # the job rode through, and the record still says what the fault cost.
+            assert not record["restarted"], record
+            assert record["injected_at"] <= record["first_step_at"], record
+        else:
+            assert record["injected_at"] <= record["detected_at"] <= record["first_step_at"]
         assert (
             record["mttr_s"] > 0 and record["steps_lost"] >= 0 and record["spare"] is False
         )  # no spares on one node

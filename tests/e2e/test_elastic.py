@@ -4,7 +4,7 @@ ckptds and ranks on simulated nodes (`scaletrain chaos`), against a fault-free r
 job: the global batch, the data order and the schedule never change with the size.
 
 Two drills: 3 nodes of 2 ranks down to 2 and back to 3 (lose-node, return-node), and 4 nodes of
-one rank down to 2 (lose-node twice)."""
+one rank down to 2 and back to 3 (lose-node twice, return-node)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ pytestmark = pytest.mark.e2e
 # Enough steps that a machine coming back (its ckptd and agent start in seconds) finds the job
 # still training.
 STEPS, EVERY, BATCH = 80, 10, 24
+# A machine that comes back takes seconds to start (its ckptd learns the checkpoints, its agent
+# imports the trainer) while the tiny model trains a step in a few milliseconds: rank 0 sleeps
+# this long in every step (a straggler, which changes no number) so that the job still trains
+# when it joins. Over 80 steps at least 12 s.
+PACED = ["--inject-straggler", "rank=0,delay=0.15"]
 # A global batch that 6, 4, 3 and 2 ranks all divide.
 MODEL = [*TINY, "--global-batch", str(BATCH)]
 COMMON = ["--steps", str(STEPS), "--ckpt-every", str(EVERY), *MODEL]
@@ -35,7 +40,7 @@ def _drill(factory: pytest.TempPathFactory, ranks: int, nodes: str, schedule: st
     workdir = factory.mktemp(f"elastic-{nodes.replace(':', '-')}")
     report = scaletrain_json(
         "chaos", "--workdir", str(workdir), "--ranks", str(ranks), "--nodes", nodes, *COMMON,
-        "--schedule", schedule,
+        "--schedule", schedule, *PACED,
     )  # fmt: skip
     return report | {"workdir": workdir}
 
@@ -47,7 +52,7 @@ def shrink_and_grow(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="module")
 def shrink_twice(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _drill(tmp_path_factory, 4, "2:4", "lose-node@5,lose-node@11")
+    return _drill(tmp_path_factory, 4, "2:4", "lose-node@5,lose-node@11,return-node@17")
 
 
 def kept_steps(run: dict) -> dict[int, list[tuple[int, int, float, float]]]:
@@ -102,14 +107,17 @@ def test_a_node_lost_with_no_spare_shrinks_the_job_and_a_node_back_grows_it(shri
         assert record["mttr_s"] > 0 and not record["spare"], record
 
 
-def test_a_job_shrinks_twice_from_four_nodes_to_two(shrink_twice):
+def test_a_job_shrinks_twice_from_four_nodes_to_two_and_grows_once(shrink_twice):
     drill = shrink_twice
-    assert drill["completed"] and drill["faults_survived"] == 2
+    assert drill["completed"] and drill["faults_survived"] == 3
     # Each resume reshards the checkpoint it restores, saved at 4 ranks or, later, at 3.
     resized = [(attrs["saved_world"], attrs["world"]) for *_, attrs in events(drill, "elastic")]
-    assert [world for _, world in resized] == ["3", "2"]
+    assert [world for _, world in resized] == ["3", "2", "3"]
     assert resized[0][0] == "4" and resized[1][0] in ("4", "3")
-    assert world_sizes(drill)[STEPS] == 2
+    assert world_sizes(drill)[STEPS] == 3
+    # On 2 of its 4 ranks each runs 2 micro-batches a step: its micro-batch stays the full
+    # job's (on 3, 4/3 is no whole number: each rank's batch grows instead).
+    assert "[trainer] elastic: 2 ranks of 4: 2 micro-batches a step (configured 1)" in drill["_log"]
 
 
 @pytest.mark.parametrize("drill", ["shrink_and_grow", "shrink_twice"])

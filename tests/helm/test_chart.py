@@ -34,6 +34,7 @@ from torch.distributed.run import get_args_parser
 from scaletrain.app.agent import own_options
 from scaletrain.app.stack import ELASTIC_LAST_CALL_S
 from scaletrain.cordon import CORDONED_EXIT_CODE
+from trainer.options import FULL_WORLD_ENV
 
 CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "scaletrain"
 # The two newest Kubernetes versions kubernetes-validate knows.
@@ -546,6 +547,8 @@ def test_an_elastic_job_meets_in_rounds_of_min_to_max_pods_with_a_short_last_cal
     assert args.nnodes == "2:4"
     assert f"last_call_timeout={ELASTIC_LAST_CALL_S}" in args.rdzv_conf.split(",")
     assert pods_of(trainer(docs)) == 4
+    # Each rank knows the full size: on fewer pods it keeps its micro-batch.
+    assert env_of(container(trainer(docs)))[FULL_WORLD_ENV]["value"] == "4"
     # Not elastic: one size, torch's own last call.
     fixed = parse(render_raw(chart, {"trainer": {"launcher": launcher, "nodes": 4}}))
     torchrun, _ = torchrun_and_trainer_args(container(trainer(fixed)))

@@ -54,6 +54,16 @@ def stamped(built: telemetry_pb2.Event, seconds: float) -> telemetry_pb2.Event:
     return built
 
 
+def registered_at_t0(
+    store: TelemetryStore, run_request: RegisterRun
+) -> telemetry_pb2.RegisterRunRequest:
+    """Run "run-1" of 2 ranks, registered as started at T0; its request (to register again)."""
+    request = run_request(world_size=2)
+    request.started_at.FromDatetime(T0)
+    store.register_run(request)
+    return request
+
+
 @pytest.fixture
 def run(store: TelemetryStore, run_request: RegisterRun) -> TelemetryStore:
     request = run_request(world_size=2)  # 10^6 parameters
@@ -120,6 +130,23 @@ def test_mfu_is_six_n_times_tokens_per_second_over_devices_times_peak(
     assert mfu(engine, "run-1", last_steps=1).mfu == pytest.approx(6e6 * 500 / 2e12)
 
 
+def test_steps_an_elastic_job_ran_on_fewer_ranks_cost_the_share_the_lost_ranks_had(
+    store: TelemetryStore, engine: Engine, run_request: RegisterRun
+) -> None:
+    # Two ranks for steps 1-2, then one (a node lost, no spare) for steps 3-4, in attempt 1;
+    # every step 2 s on its slowest rank, one after the other from 0 s.
+    request = registered_at_t0(store, run_request)
+    records = [record(step, rank, 0, 2 * step, step=2.0) for step in (1, 2) for rank in (0, 1)]
+    store.register_run(request)
+    records += [record(step, 0, 1, 2 * step, step=2.0) for step in (3, 4)]
+    store.add_steps(records)
+    store.roll_up()
+    result = goodput(engine, "run-1")
+    # Steps 3 and 4 ran at half the size: half of each one's 2 s is the lost node's share.
+    assert result.badput_s["reduced_size"] == pytest.approx(2.0)
+    assert result.productive_s == pytest.approx(8.0 - 2.0)
+
+
 def test_mfu_is_unknown_without_a_peak_and_the_label_says_so(
     store: TelemetryStore, engine: Engine, run_request: RegisterRun
 ) -> None:
@@ -148,6 +175,7 @@ def test_goodput_splits_the_wall_time_by_cause(run: TelemetryStore, engine: Engi
         "restart": 16.0,
         "replay": 3.7,
         "data_wait": 1.5,
+        "reduced_size": 0.0,
         "other": 2.0,
     }
     assert result.badput_s == pytest.approx(expected)
@@ -182,9 +210,7 @@ def test_goodput_of_a_run_without_records_is_empty(
 def test_goodput_of_a_running_never_restarted_run_ends_at_its_latest_record(
     store: TelemetryStore, engine: Engine, run_request: RegisterRun
 ) -> None:
-    request = run_request(world_size=2)
-    request.started_at.FromDatetime(T0)
-    store.register_run(request)
+    registered_at_t0(store, run_request)
     # Steps of 2 s on rank 1 (0.5 s of it waiting for data) ending at 12, 14 and 19 s: the first
     # starts at 10 s; step 2 saved a checkpoint for 0.5 s; nothing explains 14-17 s.
     ends = {1: 12, 2: 14, 3: 19}
@@ -207,6 +233,7 @@ def test_goodput_of_a_running_never_restarted_run_ends_at_its_latest_record(
         "restart": 0.0,
         "replay": 0.0,
         "data_wait": 1.5,
+        "reduced_size": 0.0,
         "other": 3.0,
     }
     assert result.badput_s == pytest.approx(expected)

@@ -71,6 +71,7 @@ def test_the_loss_of_a_long_run_is_read_at_a_bounded_number_of_steps(
     last = points.iloc[-1]
     assert last["loss"] == pytest.approx(100 / 300 + 0.015)
     assert (last["loss_min"], last["loss_max"]) == pytest.approx((100 / 300, 100 / 300 + 0.03))
+    assert set(points["ranks"]) == {4}  # every step trained by the run's 4 ranks
 
 
 def test_a_replayed_step_is_shown_as_its_latest_attempt_recorded_it(

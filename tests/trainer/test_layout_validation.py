@@ -12,7 +12,7 @@ import pytest
 from trainer.config import ParallelConfig, TrainConfig
 from trainer.model.llama import ModelArgs
 from trainer.model.moe import MoEArgs
-from trainer.parallel.dims import LayoutError, ParallelDims, validate_layout
+from trainer.parallel.dims import LayoutError, ParallelDims, elastic_accumulation, validate_layout
 
 MODEL = ModelArgs(dim=64, n_layers=4, n_heads=8, n_kv_heads=4)
 
@@ -154,3 +154,22 @@ def test_document_masking_needs_prepared_data_and_evaluation_needs_held_out_data
         TrainConfig(run_id="r", document_masking=True)
     with pytest.raises(ValueError, match="--eval-every needs --eval-data"):
         TrainConfig(run_id="r", eval_every=5)
+
+
+@pytest.mark.parametrize(
+    ("world", "full", "parallel", "accum", "expected"),
+    [
+        (2, 4, {}, 1, 2),  # half the ranks: twice the micro-batches, the same micro-batch
+        (4, 8, {"tp": 2}, 2, 4),  # dp 2 of 4: the tp pairs stay, dp absorbs the change
+        (3, 4, {}, 1, 1),  # 4/3 is no whole number: each rank's batch grows instead
+        (4, 4, {}, 2, 2),  # the full size: as configured
+        (2, 4, {}, 4, 4),  # 8 would not divide the local batch of 12: as configured
+        (2, 4, {"pp": 2}, 1, 1),  # the pipeline runs its own micro-batches
+    ],
+)
+def test_an_elastic_job_on_fewer_ranks_keeps_each_ranks_micro_batch_where_it_can(
+    world: int, full: int, parallel: dict, accum: int, expected: int
+):
+    cfg = dataclasses.replace(_cfg(global_batch=24, **parallel), grad_accum_steps=accum)
+    assert elastic_accumulation(cfg, world, full) == expected
+    assert elastic_accumulation(cfg, world, 0) == accum  # not elastic

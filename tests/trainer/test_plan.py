@@ -97,3 +97,33 @@ def test_plan_refuses_a_layout_in_one_line_as_run_does(capsys: pytest.CaptureFix
     assert cli.main(argv) == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert "n_layers 126 does not split into 16 equal stages" in line
+
+
+def test_plan_tells_which_smaller_node_counts_an_elastic_job_can_continue_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 4 nodes of 2 ranks, tp 2 within each: 3 nodes leave 6 ranks, and a global batch of 8 does
+    # not split over 3 data-parallel ranks; 2 nodes halve it, each rank running 2 micro-batches
+    # of the full job's size; 1 node, 4 micro-batches.
+    argv = ["plan", "--gpus", "8", "--gpus-per-node", "2", "--min-nodes", "1", "--model",
+            "debug", "--tp", "2", "--global-batch", "8"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("elastic       on fewer nodes (2 ranks a node)") :].splitlines()[1:]
+    assert [line.split()[0] for line in table] == ["4", "3", "2", "1"]
+    assert "dp_shard=4 tp=2; 1 micro-batch(es) a step" in table[0]
+    assert "throughput ~1.00 of full" in table[0]
+    assert "cannot run: global_batch 8 is not divisible by the data-parallel degree" in table[1]
+    assert "dp_shard=2 tp=2; 2 micro-batch(es) a step" in table[2]
+    assert "throughput ~0.50 of full" in table[2]
+    assert "dp_shard=1 tp=2; 4 micro-batch(es) a step" in table[3]
+    # The busiest rank's memory is that of the full job's micro-batch at every size (within the
+    # optimizer state, which the fewer shards grow).
+    gib = [float(line.split(" GiB a rank")[0].split()[-1]) for line in (table[0], table[3])]
+    assert gib[1] >= gib[0]
+
+
+def test_plan_refuses_a_min_nodes_the_job_cannot_have(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--gpus", "8", "--gpus-per-node", "2", "--min-nodes", "5"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "--min-nodes must be 1 to 4 (the job's nodes), got 5" in line

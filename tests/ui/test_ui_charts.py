@@ -56,3 +56,18 @@ def test_the_loss_chart_draws_the_validation_loss_beside_the_training_loss() -> 
     ]  # fmt: skip
     without = charts.loss_chart(points, markers, evals.iloc[:0]).to_dict()
     assert len(without["layer"]) == 4
+
+
+def test_the_throughput_chart_shows_the_ranks_only_where_an_elastic_job_changed_size() -> None:
+    points = pd.DataFrame(
+        {"step": [1, 2, 3, 4], "tokens_per_s": [900.0, 910.0, 700.0, 905.0], "ranks": [6, 6, 4, 6]}
+    )
+    spec = charts.throughput_chart(points).to_dict()
+    tokens, ranks = spec["layer"]
+    assert tokens["encoding"]["y"]["field"] == "tokens_per_s"
+    assert spec["resolve"] == {"scale": {"y": "independent"}}
+    assert ranks["encoding"]["y"]["field"] == "ranks"
+    assert ranks["mark"]["interpolate"] == "step-after"
+    assert [row["ranks"] for row in rows(spec, spec)] == [6, 6, 4, 6]  # the layers share it
+    fixed = charts.throughput_chart(points.assign(ranks=6)).to_dict()
+    assert "layer" not in fixed and fixed["encoding"]["y"]["field"] == "tokens_per_s"

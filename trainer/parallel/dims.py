@@ -256,6 +256,28 @@ class ParallelDims:
         )
 
 
+def elastic_accumulation(cfg: TrainConfig, world_size: int, full_world: int) -> int:
+    """The micro-batches each rank runs per step when an elastic job of `full_world` ranks runs
+    on `world_size`: the configured accumulation times the full data-parallel degree over the
+    live one, so that the per-rank micro-batch (and so each rank's activation memory) stays the
+    full job's while the global batch does not change. The configured accumulation where that
+    is not a whole number, or the pipeline runs the micro-batches (then each rank's batch grows
+    instead)."""
+    accum = cfg.grad_accum_steps
+    if not full_world or full_world <= world_size or full_world % world_size:
+        return accum
+    live = ParallelDims(world_size, **{name: getattr(cfg.parallel, name) for name in DEGREES})
+    others = world_size // live.dp_size
+    if full_world % others or live.pp > 1:
+        return accum
+    full_dp = full_world // others
+    if (accum * full_dp) % live.dp_size:
+        return accum
+    scaled = accum * full_dp // live.dp_size
+    local = cfg.global_batch // live.dp_size
+    return scaled if cfg.global_batch % live.dp_size == 0 and local % scaled == 0 else accum
+
+
 def validate_layout(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """The job's degrees for `world_size` ranks, checked against the model and data."""
     dims = ParallelDims(world_size, **{name: getattr(cfg.parallel, name) for name in DEGREES})

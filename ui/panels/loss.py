@@ -31,7 +31,13 @@ def render(engine: Engine, run_id: str) -> None:
     st.altair_chart(charts.throughput_chart(points), width="stretch")
     st.caption(
         "From the step rollups. Mean loss over ranks, the band spans the ranks' minimum to "
-        "maximum; tokens/s is all ranks' tokens over the slowest rank's step time. "
+        "maximum; tokens/s is all ranks' tokens over the slowest rank's step time"
+        + (
+            " (dashed grey, on the right: the ranks that trained each step, where an elastic "
+            "job changed size). "
+            if points["ranks"].nunique() > 1
+            else ". "
+        )
         + (
             f"{len(points):,} of the {last - first + 1:,} steps are drawn, spread evenly; "
             "loss spikes the detector found are marked whether drawn or not. "

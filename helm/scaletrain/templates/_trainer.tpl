@@ -165,6 +165,11 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: status.podIP
+        {{- if $elastic }}
+        # The ranks at the full size: on fewer pods each rank keeps its micro-batch.
+        - name: SCALETRAIN_FULL_WORLD
+          value: {{ mul $t.nodes $t.nprocPerNode | int64 | quote }}
+        {{- end }}
         # The node a cordoned pod marks unschedulable (trainer.cordon.markNode).
         - name: NODE_NAME
           valueFrom:
