@@ -83,6 +83,9 @@ DEFAULT_SCHEDULE = (
 DRILL_WATCHDOG_MIN_S = 10.0
 # How long the drill waits for what a fault must cause (a restart, a watchdog, a save).
 _WAIT_S = 180.0
+# How long kill-node waits, the node frozen, for every committed part to be copied to a peer
+# before it settles for S3 holding what is not.
+_COPIES_WAIT_S = 10.0
 # How long a node's ckptd, frozen, leaves a commit that its vote already reached to land.
 _COMMIT_SETTLE_S = 1.0
 # How fast every ckptd copies parts to peers while kill-node-mid-save waits for its strike (MB/s);
@@ -715,21 +718,26 @@ class Drill:
         # on a loaded machine a copy can take longer than the steps between two saves, and the
         # newest is then never safe while the job trains; frozen, it catches up (below).
         self._wait_committed(bool, time.monotonic() + _WAIT_S)
-        if flag_value(self.options.trainer_args, "--replicas") != "1":
+        copies = flag_value(self.options.trainer_args, "--replicas") != "1"
+        if copies:
             self._wait_committed(_some_node_loss_safe, time.monotonic() + _WAIT_S)
         if self._done.is_set():
             raise _JobEnded
         # Frozen, the node's ranks can complete no save, so no checkpoint commits with a part
         # that only this machine holds; its ckptd goes on uploading to S3, and copying its part
-        # to its peers, until every committed checkpoint is on S3 or on 2 nodes.
+        # to its peers, until every committed checkpoint is on 2 nodes (or, after a while, S3).
         frozen = self.job.machine_pids(node)
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):  # it ended: nothing to freeze
                 os.kill(pid, signal.SIGSTOP)
         deadline = time.monotonic() + _WAIT_S
         while True:
-            # Checked while the node's ckptd answers: node0 asks it for its part's copies.
-            on_s3 = self._wait_committed(_all_safe, deadline)
+            # Checked while the node's ckptd answers: node0 asks it for its part's copies. Copies
+            # on a peer first (what a spare restores from without S3: its ckptd goes on copying
+            # while its ranks are frozen), then S3 will do.
+            copied = time.monotonic() + (_COPIES_WAIT_S if copies else 0.0)
+            on_s3 = self._wait_committed(_all_node_loss_safe, copied)
+            on_s3 = on_s3 or self._wait_committed(_all_safe, deadline)
             before = self._committed_steps()
             ckptd.signal(signal.SIGSTOP)  # a commit in flight needs its vote: none from now on
             if self._done.is_set():
@@ -1197,6 +1205,11 @@ def _committed(checkpoints: list[_Copies], tier: int | None = None) -> list[_Cop
 def _some_node_loss_safe(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
     """Whether one of the `committed` checkpoints has every part on 2 nodes."""
     return any(c.node_loss_safe for c in committed)
+
+
+def _all_node_loss_safe(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
+    """Whether each of the `committed` checkpoints (there is one) has every part on 2 nodes."""
+    return bool(committed) and all(c.node_loss_safe for c in committed)
 
 
 def _all_safe(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
