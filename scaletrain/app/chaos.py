@@ -85,7 +85,7 @@ DRILL_WATCHDOG_MIN_S = 10.0
 _WAIT_S = 180.0
 # How long kill-node waits, the node frozen, for every committed part to be copied to a peer
 # before it settles for S3 holding what is not.
-_COPIES_WAIT_S = 10.0
+_COPIES_WAIT_S = 3.0
 # How long a node's ckptd, frozen, leaves a commit that its vote already reached to land.
 _COMMIT_SETTLE_S = 1.0
 # How fast every ckptd copies parts to peers while kill-node-mid-save waits for its strike (MB/s);
@@ -710,6 +710,8 @@ class Drill:
         """Kill a node (`_node_to_kill`) once no committed checkpoint needs it: (the node, what
         held the checkpoints then, the attempts and the serving nodes before it)."""
         assert self.job is not None
+        if self.options.spares:
+            self._wait_for_spare()
         attempts, serving = self.tap.attempts, self.job.serving()
         node = self._node_to_kill(fault, serving)
         ckptd = self.stack.service(ckptd_service(node))
@@ -766,6 +768,8 @@ class Drill:
         the step may go with it, and the job must resume from the newest step it can restore
         (never start over). A step lost so was never node-loss safe (`lost_with_node`)."""
         assert self.job is not None
+        if self.options.spares:
+            self._wait_for_spare()
         attempts, serving = self.tap.attempts, self.job.serving()
         node = self._node_to_kill(fault, serving)
         # Copies slow enough that "committed, its part not yet on a peer" lasts seconds, until
@@ -812,16 +816,22 @@ class Drill:
                 with contextlib.suppress(ScaletrainError), CkptdClient(address) as client:
                     client.set_replica_rate(rate)
 
+    def _wait_for_spare(self) -> set[int]:
+        """The spares waiting in the rendezvous, once there is one (a machine lost earlier comes
+        back as one in seconds): a node fault of a drill with --spares strikes the spare path."""
+        assert self.job is not None
+        deadline = time.monotonic() + _WAIT_S
+        while not (waiting := set(self.job.waiting_spares())):
+            if self._done.is_set() or time.monotonic() > deadline:
+                raise _JobEnded
+            time.sleep(0.2)
+        return waiting
+
     def _kill_spare_taking_over(self, fault: Fault) -> tuple[str, str]:
         """kill-node, and the spare that takes the lost node's place too, as soon as it runs
         ranks, before the job trains on it: the job must find it lost and go on with the next
         machine (the first lost one, coming back)."""
-        assert self.job is not None
-        deadline = time.monotonic() + _WAIT_S
-        while not (waiting := set(self.job.waiting_spares())):  # a spare must be there to lose
-            if self._done.is_set() or time.monotonic() > deadline:
-                raise _JobEnded
-            time.sleep(0.2)
+        waiting = self._wait_for_spare()  # a spare must be there to lose
         struck: list[str] = []
 
         def strike_the_spare() -> None:
