@@ -83,9 +83,6 @@ DEFAULT_SCHEDULE = (
 DRILL_WATCHDOG_MIN_S = 10.0
 # How long the drill waits for what a fault must cause (a restart, a watchdog, a save).
 _WAIT_S = 180.0
-# How long kill-node waits, the node frozen, for every committed part to be copied to a peer
-# before it settles for S3 holding what is not.
-_COPIES_WAIT_S = 3.0
 # How long a node's ckptd, frozen, leaves a commit that its vote already reached to land.
 _COMMIT_SETTLE_S = 1.0
 # How fast every ckptd copies parts to peers while kill-node-mid-save waits for its strike (MB/s);
@@ -727,19 +724,15 @@ class Drill:
             raise _JobEnded
         # Frozen, the node's ranks can complete no save, so no checkpoint commits with a part
         # that only this machine holds; its ckptd goes on uploading to S3, and copying its part
-        # to its peers, until every committed checkpoint is on 2 nodes (or, after a while, S3).
+        # to its peers, until every committed checkpoint is on S3 or on 2 nodes.
         frozen = self.job.machine_pids(node)
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):  # it ended: nothing to freeze
                 os.kill(pid, signal.SIGSTOP)
         deadline = time.monotonic() + _WAIT_S
         while True:
-            # Checked while the node's ckptd answers: node0 asks it for its part's copies. Copies
-            # on a peer first (what a spare restores from without S3: its ckptd goes on copying
-            # while its ranks are frozen), then S3 will do.
-            copied = time.monotonic() + (_COPIES_WAIT_S if copies else 0.0)
-            on_s3 = self._wait_committed(_all_node_loss_safe, copied)
-            on_s3 = on_s3 or self._wait_committed(_all_safe, deadline)
+            # Checked while the node's ckptd answers: node0 asks it for its part's copies.
+            on_s3 = self._wait_committed(_all_safe, deadline)
             before = self._committed_steps()
             ckptd.signal(signal.SIGSTOP)  # a commit in flight needs its vote: none from now on
             if self._done.is_set():
@@ -1215,11 +1208,6 @@ def _committed(checkpoints: list[_Copies], tier: int | None = None) -> list[_Cop
 def _some_node_loss_safe(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
     """Whether one of the `committed` checkpoints has every part on 2 nodes."""
     return any(c.node_loss_safe for c in committed)
-
-
-def _all_node_loss_safe(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
-    """Whether each of the `committed` checkpoints (there is one) has every part on 2 nodes."""
-    return bool(committed) and all(c.node_loss_safe for c in committed)
 
 
 def _all_safe(committed: list[checkpoint_pb2.CheckpointInfo]) -> bool:
