@@ -678,7 +678,7 @@ class Drill:
         assert self.job is not None
         spare = bool(self.options.spares)
         node, held, attempts, serving = self._freeze_and_kill(fault, replaced=spare)
-        if self.options.spares:
+        if spare:
             return self._lose_node(node, held, attempts, serving)
         left = len(serving - {node})
         return node_name(node), (
@@ -717,8 +717,7 @@ class Drill:
         # on a loaded machine a copy can take longer than the steps between two saves, and the
         # newest is then never safe while the job trains; frozen, it catches up (below).
         self._wait_committed(bool, time.monotonic() + _WAIT_S)
-        copies = flag_value(self.options.trainer_args, "--replicas") != "1"
-        if copies:
+        if flag_value(self.options.trainer_args, "--replicas") != "1":
             self._wait_committed(_some_node_loss_safe, time.monotonic() + _WAIT_S)
         if self._done.is_set():
             raise _JobEnded

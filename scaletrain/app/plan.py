@@ -141,10 +141,10 @@ def elastic_sizes(
     full = world // per_node
     if not 1 <= min_nodes <= full:
         raise UserError(f"--min-nodes must be 1 to {full} (the job's nodes), got {min_nodes}")
-    sizes = []
+    sizes, cfg = [], from_values(job)
     for nodes in range(full, min_nodes - 1, -1):
         ranks = nodes * per_node
-        accum = elastic_accumulation(from_values(job), ranks, world)
+        accum = elastic_accumulation(cfg, ranks, world)
         try:
             sized = plan(job | {"grad_accum_steps": accum}, ranks, gpu)
         except UserError as exc:

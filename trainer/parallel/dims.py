@@ -266,7 +266,7 @@ def elastic_accumulation(cfg: TrainConfig, world_size: int, full_world: int) -> 
     accum = cfg.grad_accum_steps
     if not full_world or full_world <= world_size or full_world % world_size:
         return accum
-    live = ParallelDims(world_size, **{name: getattr(cfg.parallel, name) for name in DEGREES})
+    live = dims_of(cfg, world_size)
     others = world_size // live.dp_size
     if full_world % others or live.pp > 1:
         return accum
@@ -278,9 +278,15 @@ def elastic_accumulation(cfg: TrainConfig, world_size: int, full_world: int) -> 
     return scaled if cfg.global_batch % live.dp_size == 0 and local % scaled == 0 else accum
 
 
+def dims_of(cfg: TrainConfig, world_size: int) -> ParallelDims:
+    """The job's degrees for `world_size` ranks (the data-parallel shard degree absorbing what
+    the others leave), unchecked."""
+    return ParallelDims(world_size, **{name: getattr(cfg.parallel, name) for name in DEGREES})
+
+
 def validate_layout(cfg: TrainConfig, world_size: int) -> ParallelDims:
     """The job's degrees for `world_size` ranks, checked against the model and data."""
-    dims = ParallelDims(world_size, **{name: getattr(cfg.parallel, name) for name in DEGREES})
+    dims = dims_of(cfg, world_size)
     dims.check(cfg)
     return dims
 
