@@ -33,9 +33,11 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+from scaletrain.app.growth import FLAP_WINDOW_S, GrowthRecord
 from scaletrain.cordon import (
     CORDONED_EXIT_CODE,
     FAILURES_ENV,
@@ -54,7 +56,10 @@ WARM_START = "forkserver"
 
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run
-    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousTimeoutError,
+    )
 
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -77,9 +82,33 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print("[agent] the job ended while this machine waited as a spare", flush=True)
     except RendezvousClosedError:
-        # A machine that came back (or was added) to an elastic job after it had ended.
-        print("[agent] the job had ended when this machine came to join it", flush=True)
+        # A machine that came back (or was added) to an elastic job after it had ended, or one
+        # waiting for capacity beside a machine that stopped waiting first.
+        print(
+            "[agent] the job had ended (its rendezvous closed) as this machine met it", flush=True
+        )
+    except RendezvousTimeoutError:
+        low = str(args.nnodes).partition(":")[0]
+        print(
+            f"[agent] no round of at least {low} machine(s) formed within the rendezvous' "
+            f"join_timeout ({join_timeout(args.rdzv_conf):g}s; scaletrain's --capacity-wait-s): "
+            "this machine stops; the job resumes from its newest committed checkpoint when "
+            "started again",
+            flush=True,
+        )
+        return 1
     return 0
+
+
+def join_timeout(rdzv_conf: str) -> float:
+    """The rendezvous' join_timeout in `--rdzv-conf` (torchrun's default where not given)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+    for item in filter(None, rdzv_conf.split(",")):
+        key, _, value = item.partition("=")
+        if key.strip() == "join_timeout":
+            return float(value)
+    return RendezvousTimeout().join.total_seconds()
 
 
 def own_options(argv: list[str]) -> tuple[int, list[str]]:
@@ -129,7 +158,8 @@ def elastic(args: argparse.Namespace) -> bool:
 def restart_on_lost_nodes() -> None:
     """Make torch's c10d rendezvous count a node lost from the running round as a membership
     change, as it counts a node waiting to join: the agents then stop their workers and meet
-    again, on the nodes that remain, without spending one of their restarts.
+    again, on the nodes that remain, without spending one of their restarts; and hold a node
+    waiting to join back while the job is flapping (`scaletrain.app.growth`).
 
     What torch 2.13 lacks. Its agent restarts its workers on a membership change only when a
     node waits to join (`num_nodes_waiting`). A node lost while the job runs is dropped from the
@@ -149,18 +179,48 @@ def restart_on_lost_nodes() -> None:
     def formed(self: Any) -> Any:
         info = next_rendezvous(self)
         self._scaletrain_formed = info.world_size
+        self._scaletrain_growth = GrowthRecord(self._store, self._settings.run_id)
+        growth = self._scaletrain_growth.formed(self._state_holder.state.round, info.world_size)
+        self._scaletrain_growth_now, self._scaletrain_read_at = growth, time.time()
+        self._scaletrain_held = 0.0
         return info
 
     def waiting(self: Any) -> int:
         count = num_nodes_waiting(self)  # syncs the state, dead nodes dropped
         state = self._state_holder.state
-        lost = getattr(self, "_scaletrain_formed", 0) - len(state.participants)
-        if count or state.closed or not state.complete or lost <= 0:
+        if state.closed or not state.complete:
             return count
-        return lost
+        lost = getattr(self, "_scaletrain_formed", 0) - len(state.participants)
+        if lost > 0:
+            return lost  # never held back: the job cannot train on without re-forming
+        if count and _held_back(self, count):
+            return 0
+        return count
 
     handler.next_rendezvous, handler.num_nodes_waiting = formed, waiting
     handler._scaletrain_patched = True
+
+
+def _held_back(handler: Any, waiting: int) -> bool:
+    """Whether the machines waiting to join are held back (the job flapping), saying so once
+    per hold; the record is read at most once a second (the agent asks ten times a second)."""
+    now = time.time()
+    if now - handler._scaletrain_read_at >= 1.0:
+        handler._scaletrain_read_at = now
+        handler._scaletrain_growth_now = handler._scaletrain_growth.read()[0]
+    growth = handler._scaletrain_growth_now
+    grows_in = growth.grows_in(now)
+    if grows_in <= 0:
+        return False
+    if handler._scaletrain_held != growth.hold_s:
+        handler._scaletrain_held = growth.hold_s
+        print(
+            f"[agent] {waiting} machine(s) wait to join; the job lost a machine within "
+            f"{FLAP_WINDOW_S:g}s of its last grow (flapping): it grows in {grows_in:.0f}s, "
+            f"{growth.hold_s:g}s after it last re-formed, not at once",
+            flush=True,
+        )
+    return True
 
 
 def warm(args: argparse.Namespace, argv: list[str]) -> bool:

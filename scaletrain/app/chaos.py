@@ -48,6 +48,7 @@ from scaletrain.app.recovery import (
     recovery_record,
     signs,
 )
+from scaletrain.app.rendezvous import CAPACITY_WAIT_S
 from scaletrain.app.stack import (
     RENDEZVOUS,
     Job,
@@ -209,6 +210,8 @@ class ChaosOptions:
     nodes: int = 1
     # Elastic below `nodes` (scaletrain run --nodes MIN:MAX; 0: not): lose-node shrinks the job.
     min_nodes: int = 0
+    # Elastic, fewer than `min_nodes` left: how long the job waits for a machine to join.
+    capacity_wait_s: float = CAPACITY_WAIT_S
     # Hot spares beside them (scaletrain run --spares): kill-node's lost node is replaced by one.
     spares: int = 0
     # With spares, a node whose ranks failed this many times is cordoned (0: never).
@@ -447,6 +450,8 @@ class Drill:
         left."""
 
         def step_due() -> bool:
+            if once and once[0].kind == "return-node" and self.job and self.job.short_of_nodes:
+                return True  # the job waits for a machine: it would never reach the step
             return bool(once) and self.tap.step >= once[0].step and self._stepped(mark)
 
         while not self._done.is_set():
@@ -681,9 +686,20 @@ class Drill:
         if spare:
             return self._lose_node(node, held, attempts, serving)
         left = len(serving - {node})
-        return node_name(node), (
+        lost = (
             f"agent, ranks and ckptd SIGKILLed ({held}), data dir deleted; no machine takes its "
-            f"place: the job re-forms on {left} node(s)" + self._await_restart(attempts)
+            "place"
+        )
+        if left < self.options.min_nodes:
+            # The job cannot train until a machine joins: the next fault (a return-node) strikes
+            # as soon as the stack has taken the loss in, not at its step.
+            self.tap.wait(lambda: self._done.is_set() or node in self.job.left)  # type: ignore[union-attr]
+            return node_name(node), (
+                f"{lost}: {left} node(s) left, fewer than {self.options.min_nodes}; the job waits "
+                f"up to {self.options.capacity_wait_s:g}s for a machine to join"
+            )
+        return node_name(node), f"{lost}: the job re-forms on {left} node(s)" + (
+            self._await_restart(attempts)
         )
 
     def _return_node(self, fault: Fault) -> tuple[str, str]:
@@ -887,8 +903,12 @@ class Drill:
         """A node picked by the seed: never node0 (whose ckptd the drill and the summary ask);
         with spares, one that runs ranks now (a spare may have taken a node's place). The
         machine an earlier kill lost may still be coming back: until it is, the job waits for
-        it as for a replaced machine."""
+        it as for a replaced machine. An elastic job's machine lost for good is never picked
+        again."""
+        assert self.job is not None
         nodes = sorted(serving - {0}) if self.options.spares else []
+        if self.job.left:
+            nodes = sorted((set(nodes) or set(range(1, self.options.nodes))) - self.job.left)
         if not nodes:
             return self._node_for(fault, first=1)
         return nodes[self._random(fault).randrange(len(nodes))]
@@ -1338,6 +1358,7 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         spares=options.spares,
         cordon_after=options.cordon_after,
         min_nodes=options.min_nodes,
+        capacity_wait_s=options.capacity_wait_s,
     )
     with disk, stack:
         workdir.remember_run(run_id)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 # GRPC_VERBOSITY=debug to see them. This must happen before grpc is first imported.
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
+from scaletrain.app.rendezvous import CAPACITY_WAIT_S
 from scaletrain.cordon import CORDON_AFTER
 from scaletrain.errors import ScaletrainError, UserError
 from trainer import options
@@ -480,6 +481,15 @@ def _nodes_arg(parser: argparse.ArgumentParser) -> None:
         "global batch and data order, and grows back as nodes return",
     )
     parser.add_argument(
+        "--capacity-wait-s",
+        type=float,
+        default=CAPACITY_WAIT_S,
+        metavar="S",
+        help="with --nodes MIN:MAX: fewer than MIN nodes left, the job waits this long for a "
+        "machine to join, then stops; its newest checkpoint stays for --resume (default "
+        f"{CAPACITY_WAIT_S:g}, torchrun's join timeout)",
+    )
+    parser.add_argument(
         "--spares",
         type=int,
         default=0,
@@ -583,6 +593,7 @@ def _run(args: argparse.Namespace) -> int:
         workdir=Workdir(args.workdir),
         ranks=args.ranks,
         min_nodes=args.nodes[0],
+        capacity_wait_s=args.capacity_wait_s,
         nodes=args.nodes[1],
         spares=args.spares,
         cordon_after=args.cordon_after,
@@ -678,6 +689,7 @@ def _chaos(args: argparse.Namespace) -> int:
         schedule=parse_schedule(args.schedule or default_schedule(args.nodes[1])),
         ranks=args.ranks,
         min_nodes=args.nodes[0],
+        capacity_wait_s=args.capacity_wait_s,
         nodes=args.nodes[1],
         spares=args.spares,
         cordon_after=args.cordon_after,

@@ -17,6 +17,7 @@ from typing import IO
 
 from ckptd.client import CkptdClient
 from ckptd.datadir import list_offline
+from scaletrain.app.rendezvous import CAPACITY_WAIT_S
 from scaletrain.app.stack import Stack, Workdir, check_nodes
 from scaletrain.app.summary import RunSummary, checkpoint_row, summarize, whole_tiers
 from scaletrain.cordon import CORDON_AFTER
@@ -34,6 +35,8 @@ class RunOptions:
     nodes: int = 1
     # Elastic below `nodes` (0: not): the job goes on with as few when no spare is left.
     min_nodes: int = 0
+    # Elastic, fewer than `min_nodes` left: how long the job waits for a machine to join.
+    capacity_wait_s: float = CAPACITY_WAIT_S
     # Hot spare machines beside them, warm, each taking a lost node's place.
     spares: int = 0
     # With spares, a node whose ranks failed this many times is cordoned (0: never).
@@ -81,6 +84,7 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
         spares=options.spares,
         cordon_after=options.cordon_after,
         min_nodes=options.min_nodes,
+        capacity_wait_s=options.capacity_wait_s,
     ) as stack:
         workdir.remember_run(run_id)
         nodes = (

@@ -16,6 +16,10 @@ import time
 
 from scaletrain.errors import UserError
 
+# An elastic job with fewer than MIN nodes left waits this long (seconds) for machines to join
+# before it stops (--capacity-wait-s; torchrun's own join_timeout default).
+CAPACITY_WAIT_S = 600.0
+
 
 def split_address(listen: str) -> tuple[str, int]:
     """HOST:PORT as (host, port); UserError names a malformed one."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import IO
 
 from scaletrain.app.recovery import STEP_LINE
-from scaletrain.app.rendezvous import wait_listening
+from scaletrain.app.rendezvous import CAPACITY_WAIT_S, wait_listening
 from scaletrain.app.seaweed import SeaweedS3, free_ports
 from scaletrain.cordon import CORDON_AFTER, FailureStreak
 from scaletrain.errors import UserError
@@ -276,6 +277,7 @@ class Stack:
         spares: int = 0,
         cordon_after: int = CORDON_AFTER,
         min_nodes: int = 0,
+        capacity_wait_s: float = CAPACITY_WAIT_S,
     ) -> None:
         if cordon_after < 0:
             raise UserError(f"--cordon-after must be 0 or more, got {cordon_after}")
@@ -289,6 +291,10 @@ class Stack:
         self.nodes = nodes
         # Elastic (below `nodes`): the job goes on with as few nodes when no spare is left.
         self.min_nodes = min_nodes or nodes
+        if capacity_wait_s <= 0:
+            raise UserError(f"--capacity-wait-s must be more than 0, got {capacity_wait_s:g}")
+        # Elastic, fewer than `min_nodes` left: how long the job waits for one to join.
+        self.capacity_wait_s = capacity_wait_s
         self.spares = spares
         # With spares: a node whose ranks failed this many times is cordoned (0: never).
         self.cordon_after = cordon_after
@@ -568,6 +574,8 @@ class Job:
         self._claimed: set[int] = set()
         # Nodes lost while the job went on without them (elastic), until one is started again.
         self.left: set[int] = set()
+        # Elastic, fewer than MIN nodes left: the job waits for one to join (`_shrink`).
+        self.short_of_nodes = False
 
     def agent_argv(self, node: int) -> list[str]:
         # No --node-rank: c10d assigns node ranks itself (by process id) and torchrun warns
@@ -580,7 +588,10 @@ class Job:
         nnodes = str(self.stack.nodes)
         if self.stack.min_nodes < self.stack.nodes:
             nnodes = f"{self.stack.min_nodes}:{self.stack.nodes}"
-            conf += f",last_call_timeout={ELASTIC_LAST_CALL_S}"
+            conf += (
+                f",last_call_timeout={ELASTIC_LAST_CALL_S}"
+                f",join_timeout={math.ceil(self.stack.capacity_wait_s)}"
+            )
         return [
             sys.executable, "-m", "scaletrain.app.agent",
             "--nnodes", nnodes, "--nproc-per-node", str(self.per_node),
@@ -614,6 +625,7 @@ class Job:
             self.agents[node] = proc
             self._replacing.discard(node)
             self.left.discard(node)
+            self.short_of_nodes = False  # a machine comes: the job meets again with it
             self._streaks.pop(node, None)  # a new machine in its place
         reader = threading.Thread(target=self._pump, args=(node, proc), name=f"agent-{node}")
         reader.start()
@@ -833,27 +845,29 @@ class Job:
     def _shrink(self, lost: list[int], codes: dict[int, int | None]) -> bool:
         """Machines lost while they ran ranks, and no spare took their place: an elastic job
         (`--nodes MIN:MAX`) goes on without them while at least MIN nodes remain (torchrun's
-        agents re-form it on the survivors, and a machine that comes back is taken in again);
-        False when it cannot."""
+        agents re-form it on the survivors, and a machine that comes back is taken in again).
+        With fewer, the survivors' agents wait in the rendezvous for machines to join, up to
+        --capacity-wait-s (their join_timeout), then stop with one line and the job ends; a
+        machine started again in time lets the job go on. False for a job that is not elastic."""
         if self.stack.min_nodes == self.stack.nodes:
             return False
         with self._lock:
             running = {n for n, code in codes.items() if code is None} - self.left
-            if len(running) >= self.stack.min_nodes:
-                self.left |= set(lost)
-        if len(running) < self.stack.min_nodes:
-            self._say(
-                f"{', '.join(map(node_name, lost))} lost with no spare: {len(running)} node(s) "
-                f"left, fewer than --nodes {self.stack.min_nodes}:{self.stack.nodes} allows; "
-                "the job stops (it resumes from its newest checkpoint when started again)"
-            )
-            return False
+            self.left |= set(lost)
+            self.short_of_nodes = len(running) < self.stack.min_nodes
+        sizes = f"--nodes {self.stack.min_nodes}:{self.stack.nodes}"
         for node in lost:
             how = signal.Signals(-codes[node]).name  # type: ignore[operator]
+            then = (
+                f"the job goes on with {len(running)} node(s) ({sizes})"
+                if not self.short_of_nodes
+                else f"{len(running)} node(s) left, fewer than {sizes} allows: the job waits up "
+                f"to {self.stack.capacity_wait_s:g}s (--capacity-wait-s) for a machine to join, "
+                "then stops (it resumes from its newest checkpoint when started again)"
+            )
             self._say(
                 f"{node_name(node)} was lost while it ran ranks (its agent ended by {how}); no "
-                f"spare takes its place: the job goes on with {len(running)} node(s) "
-                f"(--nodes {self.stack.min_nodes}:{self.stack.nodes})"
+                f"spare takes its place: {then}"
             )
         return True
 

@@ -3,16 +3,21 @@ that remain and trains on, resharded; a node that comes back is taken in again. 
 ckptds and ranks on simulated nodes (`scaletrain chaos`), against a fault-free run of the same
 job: the global batch, the data order and the schedule never change with the size.
 
-Two drills: 3 nodes of 2 ranks down to 2 and back to 3 (lose-node, return-node), and 4 nodes of
-one rank down to 2 and back to 3 (lose-node twice, return-node)."""
+Two drills: 3 nodes of 2 ranks down to 2 and back to 3, twice (the second loss, soon after the
+grow, is a flap: the second grow is held back), and 4 nodes of
+one rank with MIN 2 losing three (the third leaves one: the job waits for a machine) and taking
+two back. And a job left with fewer than MIN nodes for longer than --capacity-wait-s stops."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
 import pytest
-from e2e_runs import TINY, events, injected, scaletrain, scaletrain_json
+from e2e_runs import TINY, events, scaletrain, scaletrain_json
+
+from scaletrain.app.growth import GROW_HOLD_BASE_S
 
 pytestmark = pytest.mark.e2e
 
@@ -24,6 +29,9 @@ STEPS, EVERY, BATCH = 80, 10, 24
 # this long in every step (a straggler, which changes no number) so that the job still trains
 # when it joins. Over 80 steps at least 12 s.
 PACED = ["--inject-straggler", "rank=0,delay=0.15"]
+# The flapping drill also waits out a held-back grow (growth.GROW_HOLD_BASE_S, 10 s) while
+# training: over 80 steps at least 24 s.
+SLOW = ["--inject-straggler", "rank=0,delay=0.3"]
 # A global batch that 6, 4, 3 and 2 ranks all divide.
 MODEL = [*TINY, "--global-batch", str(BATCH)]
 COMMON = ["--steps", str(STEPS), "--ckpt-every", str(EVERY), *MODEL]
@@ -36,23 +44,29 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run | {"workdir": workdir}
 
 
-def _drill(factory: pytest.TempPathFactory, ranks: int, nodes: str, schedule: str) -> dict:
+def _drill(
+    factory: pytest.TempPathFactory, ranks: int, nodes: str, schedule: str, paced: list[str]
+) -> dict:
     workdir = factory.mktemp(f"elastic-{nodes.replace(':', '-')}")
     report = scaletrain_json(
         "chaos", "--workdir", str(workdir), "--ranks", str(ranks), "--nodes", nodes, *COMMON,
-        "--schedule", schedule, *PACED,
+        "--schedule", schedule, *paced,
     )  # fmt: skip
     return report | {"workdir": workdir}
 
 
 @pytest.fixture(scope="module")
 def shrink_and_grow(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _drill(tmp_path_factory, 6, "2:3", "lose-node@6,return-node@12")
+    # The second machine comes back at once: within the hold its loss set off.
+    schedule = "lose-node@6,return-node@12,lose-node@18,return-node@19"
+    return _drill(tmp_path_factory, 6, "2:3", schedule, SLOW)
 
 
 @pytest.fixture(scope="module")
 def shrink_twice(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _drill(tmp_path_factory, 4, "2:4", "lose-node@5,lose-node@11,return-node@17")
+    # The third loss leaves 1 node of MIN 2: the first return-node strikes at once.
+    schedule = "lose-node@5,lose-node@11,lose-node@17,return-node@23,return-node@29"
+    return _drill(tmp_path_factory, 4, "2:4", schedule, PACED)
 
 
 def kept_steps(run: dict) -> dict[int, list[tuple[int, int, float, float]]]:
@@ -91,30 +105,61 @@ def world_sizes(run: dict) -> dict[int, int]:
 
 def test_a_node_lost_with_no_spare_shrinks_the_job_and_a_node_back_grows_it(shrink_and_grow):
     drill = shrink_and_grow
-    assert drill["completed"] and drill["faults_survived"] == 2
+    assert drill["completed"] and drill["faults_survived"] == 4
     assert drill["checkpoints_lost"] == []
-    lost, back = injected(drill, "lose-node"), injected(drill, "return-node")
-    assert "no machine takes its place: the job re-forms on 2 node(s)" in lost["detail"]
-    assert "the job grows to 3 node(s)" in back["detail"]
-    # The job trained at 6 ranks, then 4, then 6 again: telemetry's elastic events say so.
+    lost = [f for f in drill["faults"] if f["kind"] == "lose-node"]
+    back = [f for f in drill["faults"] if f["kind"] == "return-node"]
+    assert all(
+        "no machine takes its place: the job re-forms on 2 node(s)" in f["detail"] for f in lost
+    )
+    assert all("the job grows to 3 node(s)" in f["detail"] for f in back)
+    # The job trained at 6 ranks, then 4, then 6 again, twice: telemetry's elastic events say
+    # so. A resume that restores a step saved at its own size is no resize: a grow that
+    # restores a step saved before the loss, or a loss one saved before the grow.
     resized = [(attrs["saved_world"], attrs["world"]) for *_, attrs in events(drill, "elastic")]
-    assert resized == [("6", "4"), ("4", "6")]
+    assert resized[0] == ("6", "4") and resized[-1] == ("4", "6")
+    assert set(resized) == {("6", "4"), ("4", "6")}
+    # A lost node is detected by the rendezvous as a membership change: no restart is spent.
+    assert drill["_log"].count("the job goes on with 2 node(s) (--nodes 2:3)") == 2
     sizes = world_sizes(drill)
     assert sizes[1] == 6 and sizes[STEPS] == 6 and 4 in sizes.values()
-    # A lost node is detected by the rendezvous as a membership change: no restart is spent.
-    assert "the job goes on with 2 node(s) (--nodes 2:3)" in drill["_log"]
     for record in drill["fault_recoveries"]:
         assert record["mttr_s"] > 0 and not record["spare"], record
 
 
-def test_a_job_shrinks_twice_from_four_nodes_to_two_and_grows_once(shrink_twice):
+def test_a_node_lost_soon_after_a_grow_holds_the_next_grow_back(shrink_and_grow):
+    """Flapping: the second loss came within FLAP_WINDOW_S of the first grow, so the machine
+    that returned after it waited GROW_HOLD_BASE_S from the job's re-form before it was taken
+    in; the first grow was taken at once."""
+    log = shrink_and_grow["_log"]
+    held = [line for line in log.splitlines() if "wait to join; the job lost a machine" in line]
+    assert held, log[-3000:]
+    assert f"{GROW_HOLD_BASE_S:g}s after it last re-formed, not at once" in held[0]
+    first_grow, second_grow = [
+        r for r in shrink_and_grow["fault_recoveries"] if r["kind"] == "return-node"
+    ]
+    assert first_grow["mttr_s"] < second_grow["mttr_s"]
+
+
+def test_a_job_shrinks_to_min_waits_below_it_for_a_machine_and_grows_back(shrink_twice):
     drill = shrink_twice
-    assert drill["completed"] and drill["faults_survived"] == 3
-    # Each resume reshards the checkpoint it restores, saved at 4 ranks or, later, at 3.
+    assert drill["completed"] and drill["faults_survived"] == 5
+    assert drill["checkpoints_lost"] == []
+    # Each resume reshards the checkpoint it restores, saved at 4 ranks or, later, at 3 or 2.
     resized = [(attrs["saved_world"], attrs["world"]) for *_, attrs in events(drill, "elastic")]
-    assert [world for _, world in resized] == ["3", "2", "3"]
+    worlds = [world for _, world in resized]
+    assert [w for i, w in enumerate(worlds) if worlds[i - 1 : i] != [w]] == ["3", "2", "3"]
     assert resized[0][0] == "4" and resized[1][0] in ("4", "3")
     assert world_sizes(drill)[STEPS] == 3
+    # One node left of MIN 2: the survivor waited in the rendezvous until a machine came back.
+    assert (
+        "1 node(s) left, fewer than --nodes 2:4 allows: the job waits up to 600s" in drill["_log"]
+    )
+    third = [f for f in drill["faults"] if f["kind"] == "lose-node"][2]
+    assert "fewer than 2; the job waits up to 600s for a machine to join" in third["detail"]
+    # The first return struck at once (the job trained no step without it), not at step 23.
+    returned = [f for f in drill["faults"] if f["kind"] == "return-node"]
+    assert returned[0]["step"] < 23 and all("the job grows to" in f["detail"] for f in returned)
     # On 2 of its 4 ranks each runs 2 micro-batches a step: its micro-batch stays the full
     # job's (on 3, 4/3 is no whole number: each rank's batch grows instead).
     assert "[trainer] elastic: 2 ranks of 4: 2 micro-batches a step (configured 1)" in drill["_log"]
@@ -173,3 +218,28 @@ def test_resizing_faults_need_an_elastic_job(tmp_path):
     )  # fmt: skip
     assert result.returncode == 1
     assert "lose-node needs an elastic job, --nodes MIN:MAX with MIN below MAX" in result.stderr
+
+
+def test_a_job_left_below_min_for_longer_than_its_capacity_wait_stops_and_keeps_its_checkpoints(
+    tmp_path,
+):
+    result = scaletrain(
+        "chaos", "--workdir", str(tmp_path), "--ranks", "3", "--nodes", "2:3", *COMMON,
+        "--schedule", "lose-node@5,lose-node@12", "--capacity-wait-s", "8", *PACED, "--json",
+    )  # fmt: skip
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert not report["completed"] and report["checkpoints_lost"] == []
+    assert "the run did not survive the drill" in result.stderr.strip().splitlines()[-1]
+    # The survivor's agent says in one line why it stopped, with no traceback.
+    assert (
+        "[agent] no round of at least 2 machine(s) formed within the rendezvous' join_timeout "
+        "(8s; scaletrain's --capacity-wait-s): this machine stops" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+    # What was committed before is still there to resume from.
+    listed = scaletrain(
+        "ckpt", "ls", "--workdir", str(tmp_path), "--run", report["run_id"], "--json", timeout=120
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert 10 in [c["step"] for c in json.loads(listed.stdout)], listed.stdout

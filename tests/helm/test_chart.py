@@ -31,7 +31,7 @@ import sqlalchemy as sa
 import yaml
 from torch.distributed.run import get_args_parser
 
-from scaletrain.app.agent import own_options
+from scaletrain.app.agent import join_timeout, own_options
 from scaletrain.app.stack import ELASTIC_LAST_CALL_S
 from scaletrain.cordon import CORDONED_EXIT_CODE
 from trainer.options import FULL_WORLD_ENV
@@ -540,12 +540,14 @@ def test_a_pod_whose_ranks_keep_failing_leaves_the_job_by_default_without_api_ac
 def test_an_elastic_job_meets_in_rounds_of_min_to_max_pods_with_a_short_last_call(
     chart, launcher: str
 ) -> None:
-    values = {"trainer": {"launcher": launcher, "nodes": 4, "minNodes": 2}}
+    values = {"trainer": {"launcher": launcher, "nodes": 4, "minNodes": 2, "capacityWaitS": 90}}
     docs = parse(render_raw(chart, values))
     torchrun, _ = torchrun_and_trainer_args(container(trainer(docs)))
     args = get_args_parser().parse_args([*own_options(torchrun)[1], "-m", "trainer"])
     assert args.nnodes == "2:4"
     assert f"last_call_timeout={ELASTIC_LAST_CALL_S}" in args.rdzv_conf.split(",")
+    # Fewer than minNodes pods left, the others wait this long for pods to join, then stop.
+    assert join_timeout(args.rdzv_conf) == 90
     assert pods_of(trainer(docs)) == 4
     # Each rank knows the full size: on fewer pods it keeps its micro-batch.
     assert env_of(container(trainer(docs)))[FULL_WORLD_ENV]["value"] == "4"

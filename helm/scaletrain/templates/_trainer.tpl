@@ -85,7 +85,8 @@ spec:
         - --rdzv-endpoint
         - {{ include "scaletrain.rendezvousEndpoint" $root | quote }}
         - --rdzv-conf
-        - {{ printf "is_host=false,keep_alive_interval=%d,keep_alive_max_attempt=3%s" ($t.keepAliveS | int) ($elastic | ternary ",last_call_timeout=2" "") | quote }}
+        # Elastic: fewer than minNodes pods left, the others wait capacityWaitS for pods to join.
+        - {{ printf "is_host=false,keep_alive_interval=%d,keep_alive_max_attempt=3%s" ($t.keepAliveS | int) ($elastic | ternary (printf ",last_call_timeout=2,join_timeout=%d" ($t.capacityWaitS | int)) "") | quote }}
         - --rdzv-id
         {{- if .job }}
         # One rendezvous per Job: the store outlives the Job, and torch closes a rendezvous for good
