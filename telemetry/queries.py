@@ -233,6 +233,63 @@ def replays(bind: Bind, run_id: str) -> Replays:
     return Replays(counts.get("restart", 0), rows - steps, counts.get("replay", 0))
 
 
+def job_config(bind: Bind, run_id: str) -> dict[str, object] | None:
+    """The resolved job config (trainer.options, by dest) `run_id` last registered with, as
+    its rank 0 recorded it; None for a run telemetry never saw, or one registered without."""
+    with connection_of(bind) as connection:
+        text = connection.execute(select(Run.config_json).where(Run.run_id == run_id)).scalar()
+    if not text:
+        return None
+    job = json.loads(text).get("job")
+    return job if isinstance(job, dict) and job else None
+
+
+@dataclass(frozen=True)
+class KeptRankStep:
+    """One rank's record of a step the run kept (`kept_steps`)."""
+
+    rank: int
+    # Where the rank's slice of the next step starts in the global sample order.
+    rank_sample: int
+    loss: float
+    lr: float
+
+
+def kept_steps(bind: Bind, run_id: str) -> dict[int, list[KeptRankStep]]:
+    """Step -> every rank's record of it, by rank, from the latest attempt that trained the
+    step: an attempt that failed may have trained steps a later one trained again, and only the
+    later one's count (its state is the one the run went on from)."""
+    with connection_of(bind) as connection:
+        rows = connection.execute(
+            select(
+                RankStep.step, RankStep.attempt, RankStep.rank, RankStep.rank_sample,
+                RankStep.loss, RankStep.lr,
+            ).where(RankStep.run_id == run_id)
+        ).all()  # fmt: skip
+    latest: dict[int, int] = {}
+    for step, attempt, *_ in rows:
+        latest[step] = max(latest.get(step, attempt), attempt)
+    kept: dict[int, list[KeptRankStep]] = {}
+    for step, attempt, rank, sample, loss, lr in rows:
+        if attempt == latest[step]:
+            kept.setdefault(step, []).append(KeptRankStep(rank, sample, _float(loss), _float(lr)))
+    return {step: sorted(ranks, key=lambda r: r.rank) for step, ranks in sorted(kept.items())}
+
+
+def consumed_samples(kept: dict[int, list[KeptRankStep]], global_batch: int) -> list[int]:
+    """Every index of the global sample order the kept steps read, in order: each rank's slice
+    of a step is its share of the global batch, and its `rank_sample` after the step is where
+    its slice of the next one starts, one global batch on. A run that resized (elastic) reads
+    each sample once only if this is `range(steps x global_batch)`."""
+    consumed: list[int] = []
+    for ranks in kept.values():
+        share = global_batch // len(ranks)
+        for record in ranks:
+            start = record.rank_sample - global_batch
+            consumed += range(start, start + share)
+    return consumed
+
+
 @contextmanager
 def connection_of(bind: Bind) -> Iterator[Connection | Session]:
     """A connection from an engine (closed afterwards), or the caller's connection or session."""

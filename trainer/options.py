@@ -797,16 +797,20 @@ def resolve(
     command_line: Mapping[str, Value],
     config: Path | None = None,
     defaults: Mapping[str, Value] | None = None,
+    stored: Mapping[str, object] | None = None,
 ) -> dict[str, Value]:
-    """Every option's value: default (or a launcher's own, `defaults`), then the preset's, then
+    """Every option's value: default (or a launcher's own, `defaults`), then the preset's (or,
+    resuming, the run's own stored job, `stored`: its resolved values, its shape included), then
     the file's, then the command line's. ValueError in one line for a bad value, key, file or
     preset."""
     from_file = read_config(config) if config is not None else {}
     explicit = {**from_file, **{d: BY_DEST[d].check(v) for d, v in command_line.items()}}
-    name = explicit.get("model", BY_DEST["model"].default)
-    shape = preset(str(name))
     values = {o.dest: o.default for o in OPTIONS} | dict(defaults or {})
-    values.update({d: BY_DEST[d].check(v) for d, v in shape.items()})
+    if stored:
+        values.update({d: BY_DEST[d].check(v) for d, v in stored.items()})
+    else:
+        shape = preset(str(explicit.get("model", BY_DEST["model"].default)))
+        values.update({d: BY_DEST[d].check(v) for d, v in shape.items()})
     if explicit.get("data"):
         values["vocab_size"] = _data_vocab(str(explicit["data"]), explicit.get("vocab_size"))
     values.update(explicit)

@@ -572,11 +572,53 @@ def _data_prepare(args: argparse.Namespace) -> int:
 
 
 def _job(args: argparse.Namespace, defaults: dict[str, options.Value]) -> dict[str, options.Value]:
-    """The trainer options of this command line and its --config file, resolved and checked now,
-    in one line, rather than after the whole stack has started."""
-    job = options.resolve(options.given(args), args.config, defaults)
+    """The trainer options of this command line and its --config file (resuming, over the run's
+    own stored job), resolved and checked now, in one line, rather than after the whole stack
+    has started."""
+    given = options.given(args)
+    resuming = given.get("resume") and hasattr(args, "workdir")  # not for `plan`
+    stored = _stored_job(args.workdir, given, defaults) if resuming else None
+    job = options.resolve(given, args.config, defaults, stored)
     FaultPlan.parse(*(job[d] for d in options.FAULT_METAVARS))
     return job
+
+
+def _stored_job(
+    workdir: Path, given: dict[str, options.Value], defaults: dict[str, options.Value]
+) -> dict[str, object] | None:
+    """The job a run being resumed (`--run-id`, else the work directory's last run) was started
+    with, as telemetry recorded it: every option of it but those of one launch (addresses, the
+    faults it injected, the Hugging Face weights it started from; its steps and checkpoint
+    interval stay). None when there is no earlier run to resume (the launch says so)."""
+    from sqlalchemy import create_engine
+
+    from scaletrain.app.stack import Workdir
+    from telemetry.queries import job_config
+
+    work = Workdir(workdir)
+    run_id = str(given.get("run_id") or "") or work.last_run_id()
+    if not run_id:
+        return None
+    job = None
+    if work.telemetry_db.exists():
+        engine = create_engine(work.db_url)
+        try:
+            job = job_config(engine, run_id)
+        finally:
+            engine.dispose()
+    if job is None:
+        raise UserError(
+            f"--resume: telemetry in {work.root} has no job config of run {run_id} to resume "
+            "with; give the run's options again (or its --config file)"
+        )
+    once = {*options.FAULT_METAVARS, "init_from_hf"}
+    return {
+        dest: value
+        for dest, value in job.items()
+        if dest in options.BY_DEST
+        and dest not in once
+        and (not options.BY_DEST[dest].launcher or dest in defaults)
+    }
 
 
 def _run(args: argparse.Namespace) -> int:

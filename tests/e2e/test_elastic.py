@@ -11,13 +11,15 @@ two back. And a job left with fewer than MIN nodes for longer than --capacity-wa
 from __future__ import annotations
 
 import json
-import sqlite3
 from pathlib import Path
 
 import pytest
 from e2e_runs import TINY, events, scaletrain, scaletrain_json
+from sqlalchemy import create_engine
 
 from scaletrain.app.growth import GROW_HOLD_BASE_S
+from telemetry import queries
+from telemetry.queries import KeptRankStep, consumed_samples
 
 pytestmark = pytest.mark.e2e
 
@@ -69,34 +71,13 @@ def shrink_twice(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return _drill(tmp_path_factory, 4, "2:4", schedule, PACED)
 
 
-def kept_steps(run: dict) -> dict[int, list[tuple[int, int, float, float]]]:
-    """Step -> (rank, rank_sample, loss, lr) of every rank, from the latest attempt that trained
-    the step (an attempt that failed may have trained steps a later one trained again)."""
-    with sqlite3.connect(Path(run["workdir"]) / "telemetry.db") as db:
-        rows = db.execute(
-            "SELECT step, attempt, rank, rank_sample, loss, lr FROM rank_steps WHERE run_id = ?",
-            (run["run_id"],),
-        ).fetchall()
-    latest: dict[int, int] = {}
-    for step, attempt, *_ in rows:
-        latest[step] = max(latest.get(step, attempt), attempt)
-    kept: dict[int, list[tuple[int, int, float, float]]] = {}
-    for step, attempt, rank, sample, loss, lr in rows:
-        if attempt == latest[step]:
-            kept.setdefault(step, []).append((rank, sample, loss, lr))
-    return {step: sorted(ranks) for step, ranks in sorted(kept.items())}
-
-
-def samples_consumed(run: dict) -> list[int]:
-    """Every sample index the kept steps read, in order. A rank's `rank_sample` after a step is
-    where its slice of the next step starts: its slice of this one is the `BATCH / ranks`
-    samples one global batch before."""
-    consumed: list[int] = []
-    for ranks in kept_steps(run).values():
-        share = BATCH // len(ranks)
-        for _, sample, _, _ in ranks:
-            consumed += range(sample - BATCH, sample - BATCH + share)
-    return consumed
+def kept_steps(run: dict) -> dict[int, list[KeptRankStep]]:
+    """Step -> every rank's record of it, from the attempt that kept it (telemetry's)."""
+    engine = create_engine(f"sqlite:///{Path(run['workdir']) / 'telemetry.db'}")
+    try:
+        return queries.kept_steps(engine, run["run_id"])
+    finally:
+        engine.dispose()
 
 
 def world_sizes(run: dict) -> dict[int, int]:
@@ -170,7 +151,7 @@ def test_every_sample_is_consumed_exactly_once_across_every_resize(
     drill: str, request: pytest.FixtureRequest
 ):
     run = request.getfixturevalue(drill)
-    assert samples_consumed(run) == list(range(STEPS * BATCH))
+    assert consumed_samples(kept_steps(run), BATCH) == list(range(STEPS * BATCH))
 
 
 @pytest.mark.parametrize("drill", ["shrink_and_grow", "shrink_twice"])
@@ -181,15 +162,15 @@ def test_a_resized_run_trains_as_the_uninterrupted_one_within_fp32_noise(
     ours, theirs = kept_steps(run), kept_steps(reference)
     assert list(ours) == list(theirs) == list(range(1, STEPS + 1))
     # The schedule counts the same steps: the learning rate of each step is the reference's.
-    assert [ranks[0][3] for ranks in ours.values()] == [ranks[0][3] for ranks in theirs.values()]
+    assert [ranks[0].lr for ranks in ours.values()] == [ranks[0].lr for ranks in theirs.values()]
     # Losses: each rank's is the mean over its own slice; the global batch's is their mean.
     gaps = [abs(_mean_loss(ours[s]) - _mean_loss(theirs[s])) for s in ours]
     assert max(gaps) < 1e-4, gaps
     assert abs(run["last_loss"] - reference["last_loss"]) < 1e-4
 
 
-def _mean_loss(ranks: list[tuple[int, int, float, float]]) -> float:
-    return sum(loss for _, _, loss, _ in ranks) / len(ranks)
+def _mean_loss(ranks: list[KeptRankStep]) -> float:
+    return sum(r.loss for r in ranks) / len(ranks)
 
 
 @pytest.mark.parametrize(

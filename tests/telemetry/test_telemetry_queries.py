@@ -95,3 +95,30 @@ def test_run_summary_of_a_run_without_records_or_of_no_run(
     assert math.isnan(summary.last_loss) and math.isnan(summary.tokens_per_s)
     with pytest.raises(NotFound, match="run 'ghost' is not registered"):
         queries.run_summary(engine, "ghost")
+
+
+def test_kept_steps_take_each_step_from_the_latest_attempt_that_trained_it(
+    store: TelemetryStore, run_request: RegisterRun, engine: Engine
+) -> None:
+    """A global batch of 4: steps 1-2 on 2 ranks (attempt 0), step 2 again and step 3 on 4
+    ranks (attempt 1, resized); every sample read once, by the steps the run kept."""
+    store.register_run(run_request(world_size=4))
+
+    def record(step: int, ranks: int, attempt: int) -> list[telemetry_pb2.RankStep]:
+        share = 4 // ranks
+        return [
+            rank_step(
+                "run-1", step, rank, loss=float(step), lr=step / 8, attempt=attempt,
+                offset=(4 * step, 4 * step + rank * share, 0),
+            )
+            for rank in range(ranks)
+        ]  # fmt: skip
+
+    store.add_steps(record(1, 2, 0) + record(2, 2, 0) + record(2, 4, 1) + record(3, 4, 1))
+    kept = queries.kept_steps(engine, "run-1")
+    assert {step: len(ranks) for step, ranks in kept.items()} == {1: 2, 2: 4, 3: 4}
+    assert kept[3][1] == queries.KeptRankStep(rank=1, rank_sample=13, loss=3.0, lr=0.375)
+    assert queries.consumed_samples(kept, 4) == list(range(12))
+    # A step whose slice was read twice, and one never read, show in the order.
+    kept[2] = kept[1]
+    assert queries.consumed_samples(kept, 4) == [0, 1, 2, 3, 0, 1, 2, 3, 8, 9, 10, 11]
