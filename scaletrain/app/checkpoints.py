@@ -9,6 +9,7 @@ when S3 holds a copy. Long transfers report their progress on stderr (`Progress`
 from __future__ import annotations
 
 import contextlib
+import difflib
 import shutil
 import sys
 import tempfile
@@ -30,6 +31,8 @@ from scaletrain.v1 import checkpoint_pb2, common_pb2
 from trainer.interop.hf import DEFAULT_SHARD_BYTES
 
 TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
+# What a run or a step may be called to mean the newest: the last run, the run's newest step.
+NEWEST = ("latest", "last")
 
 if TYPE_CHECKING:
     from trainer.interop.hf_export import Exported
@@ -75,7 +78,7 @@ def _row(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
         "step": info.ref.step,
         "world_size": info.world_size,
         "bytes": info.total_bytes,
-        "tiers": [TIER_NAMES[t] for t in _tiers_of(info)],
+        "tiers": tier_names(info),
         "node_loss_safe": info.node_loss_safe if info.parts else None,
         "copies": {
             p.node: sorted(
@@ -88,23 +91,73 @@ def _row(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
     }
 
 
+def tier_names(info: checkpoint_pb2.CheckpointInfo) -> list[str]:
+    """The tiers holding a committed copy of the checkpoint, by name."""
+    return [TIER_NAMES[t] for t in _tiers_of(info)]
+
+
 def _committed(tiers: list[checkpoint_pb2.TierStatus]) -> bool:
     return any(t.tier != common_pb2.TIER_S3 and t.state == TIER_COMMITTED for t in tiers)
 
 
 def list_checkpoints(workdir: Path, ckptd: str | None, run: str | None) -> list[dict[str, object]]:
     """Committed checkpoints with the tiers holding them, oldest first."""
-    if ckptd:
-        with CkptdClient(ckptd) as client:
-            infos = client.list(run or "", nodes=True)
-    else:
-        data_dir = Workdir(workdir).ckptd
-        infos = list_offline(data_dir, run or "") if (data_dir / "catalog.db").exists() else []
+    if run:
+        run = resolve_run(workdir, ckptd, run)
+    infos = _infos(workdir, ckptd, run or "", nodes=True)
     return [_row(i) for i in sorted(infos, key=lambda i: (i.ref.run, i.ref.step))]
 
 
+def _infos(
+    workdir: Path, ckptd: str | None, run: str, nodes: bool = False
+) -> list[checkpoint_pb2.CheckpointInfo]:
+    """The committed checkpoints of `run` (every run's if empty), from a running ckptd or the
+    work directory's catalog; a work directory that does not exist is an error, not an empty
+    list (a mistyped --workdir)."""
+    if ckptd:
+        with CkptdClient(ckptd) as client:
+            return list(client.list(run, nodes=nodes))
+    work = Workdir(workdir)
+    if not work.root.is_dir():
+        raise UserError(f"no work directory {work.root} (--workdir)")
+    data_dir = work.ckptd
+    return list_offline(data_dir, run) if (data_dir / "catalog.db").exists() else []
+
+
+def resolve_run(workdir: Path, ckptd: str | None, run: str | None) -> str:
+    """The run `run` names: itself, or for none (or NEWEST) the work directory's last run, else
+    the run of the checkpoint committed last."""
+    if run and run not in NEWEST:
+        return run
+    infos = _infos(workdir, ckptd, "")
+    last = None if ckptd else Workdir(workdir).last_run_id()
+    if last:
+        return last
+    if not infos:
+        raise NotFound(f"no checkpoint of any run in {_where(workdir, ckptd)}")
+    newest = max(infos, key=lambda i: (i.committed_at.seconds, i.committed_at.nanos))
+    return newest.ref.run
+
+
+def parse_step(text: str) -> int | None:
+    """A step as given on a command line: a number, or NEWEST (None: the run's newest)."""
+    if text in NEWEST:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"a step is a whole number or one of {', '.join(NEWEST)}, got {text!r}")
+    return int(text)
+
+
+def _where(workdir: Path, ckptd: str | None) -> str:
+    return f"ckptd {ckptd}" if ckptd else str(Workdir(workdir).root)
+
+
 def show(
-    workdir: Path, ckptd: str | None, run: str, step: int | None, node_loss_safe: bool = False
+    workdir: Path,
+    ckptd: str | None,
+    run: str | None,
+    step: int | None,
+    node_loss_safe: bool = False,
 ) -> dict[str, object]:
     """Everything known of one checkpoint (`step` None: the run's latest, or with
     `node_loss_safe` its newest node-loss-safe one): files, tiers, policy."""
@@ -115,8 +168,8 @@ def show(
                 "step, and --ckptd HOST:PORT (only a running ckptd can ask its peers)"
             )
         with CkptdClient(ckptd) as client:
-            return _shown(client.get(run, None, node_loss_safe=True))
-    return _shown(_info(workdir, ckptd, run, step))
+            return _shown(client.get(resolve_run(workdir, ckptd, run), None, node_loss_safe=True))
+    return _shown(checkpoint(workdir, ckptd, run, step))
 
 
 def _shown(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
@@ -147,21 +200,35 @@ def _shown(info: checkpoint_pb2.CheckpointInfo) -> dict[str, object]:
     }
 
 
-def _info(
-    workdir: Path, ckptd: str | None, run: str, step: int | None
+def checkpoint(
+    workdir: Path, ckptd: str | None, run: str | None, step: int | None
 ) -> checkpoint_pb2.CheckpointInfo:
+    """The committed checkpoint `run` and `step` name (either None or NEWEST: the last run, the
+    run's newest step). NotFound names the nearest that exist: the runs with checkpoints, or
+    the run's steps closest to the one asked for."""
+    run = resolve_run(workdir, ckptd, run)
     if ckptd:
-        with CkptdClient(ckptd) as client:
+        with contextlib.suppress(NotFound), CkptdClient(ckptd) as client:
             return client.get(run, step)
-    data_dir = Workdir(workdir).ckptd
-    infos = list_offline(data_dir, run) if (data_dir / "catalog.db").exists() else []
-    if step is None and infos:
-        return max(infos, key=lambda i: i.ref.step)
+    infos = _infos(workdir, ckptd, run)
     for info in infos:
-        if info.ref.step == step:
+        if info.ref.step == step or (step is None and info.ref.step == _newest(infos)):
             return info
-    what = f"{run}@{step}" if step is not None else f"of run {run}"
-    raise NotFound(f"no committed checkpoint {what} in {Workdir(workdir).root}")
+    if not infos:
+        runs = sorted({i.ref.run for i in _infos(workdir, ckptd, "")})
+        near = difflib.get_close_matches(run, runs, n=3, cutoff=0.5) or runs[-3:]
+        listed = f"; runs with checkpoints: {', '.join(near)}" if runs else "; there are none"
+        raise NotFound(f"no committed checkpoint of run {run} in {_where(workdir, ckptd)}{listed}")
+    steps = sorted(i.ref.step for i in infos)
+    near = sorted(sorted(steps, key=lambda s: abs(s - (step or 0)))[:3])
+    raise NotFound(
+        f"no committed checkpoint {run}@{step} in {_where(workdir, ckptd)}; the nearest steps: "
+        f"{', '.join(map(str, near))} (newest {steps[-1]})"
+    )
+
+
+def _newest(infos: list[checkpoint_pb2.CheckpointInfo]) -> int:
+    return max(i.ref.step for i in infos)
 
 
 @contextlib.contextmanager
@@ -209,7 +276,7 @@ def verify(
     Returns {tier: "ok" | what is wrong}. ckptd checks every block's CRC-32C as it reads and
     marks a damaged copy FAILED, so a later read falls through to a good tier.
     """
-    info = _info(workdir, ckptd, run, step)
+    info = checkpoint(workdir, ckptd, run, step)
     tiers = _tiers_of(info)
     if not tiers:
         raise NotFound(f"{run}@{step} has no committed copy on any tier")
@@ -264,7 +331,7 @@ def export(
     overwrite: bool = False,
 ) -> list[Path]:
     """Write checkpoint (run, step) as a plain DCP directory at `dest`, checksums verified."""
-    info = _info(workdir, ckptd, run, step)
+    info = checkpoint(workdir, ckptd, run, step)
     progress = Progress(f"export {run}@{step}", info.total_bytes, out)
     with _staged(dest, overwrite) as staging:
         if ckptd:
@@ -292,7 +359,7 @@ def export_hf(
     from ckptd.dcp import CkptdStorageReader
     from trainer.interop.hf_export import export_hf as write_hf
 
-    info = _info(workdir, ckptd, run, step)
+    info = checkpoint(workdir, ckptd, run, step)
     with contextlib.ExitStack() as stack:
         if ckptd:
             reader = CkptdStorageReader(ckptd, run, step)
@@ -367,13 +434,27 @@ def _export_from_client(
     return written
 
 
+def guard_removal(workdir: Path, ckptd: str | None, info: checkpoint_pb2.CheckpointInfo) -> None:
+    """Refuse to remove the run's newest checkpoint, where `--resume` goes on from (`ckpt rm
+    --force` skips this)."""
+    infos = _infos(workdir, ckptd, info.ref.run)
+    if info.ref.step != _newest(infos):
+        return
+    older = len(infos) - 1
+    raise UserError(
+        f"refusing to remove {info.ref.run}@{info.ref.step}: it is the run's newest checkpoint, "
+        f"where --resume goes on from ({older} older one(s) left); --dry-run shows what would "
+        "go, --force removes it"
+    )
+
+
 def remove(workdir: Path, ckptd: str | None, run: str, step: int) -> tuple[list[str], list[str]]:
     """Delete a checkpoint from every tier: (tiers it left, tiers it is still leaving)."""
     if ckptd:
         with CkptdClient(ckptd) as client:
             removed, pending = client.delete(run, step)
     else:
-        info = _info(workdir, ckptd, run, step)
+        info = checkpoint(workdir, ckptd, run, step)
         with _offline_store(workdir, common_pb2.TIER_S3 in _tiers_of(info)) as store:
             removed, pending = store.delete(info.ref)
             if pending and store.wait_background(timeout_s=120):

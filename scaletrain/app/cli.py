@@ -308,8 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--run", help="only this run")
     ls.add_argument("--json", action="store_true")
     show = _ckpt_parser(ckpt_sub, "show", "one checkpoint: files, tiers, retention", _ckpt_show)
-    show.add_argument("run")
-    show.add_argument("step", type=int, nargs="?", help="default: the run's latest")
+    _checkpoint_args(show, required=False)
     show.add_argument(
         "--node-loss-safe",
         action="store_true",
@@ -320,8 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = _ckpt_parser(
         ckpt_sub, "verify", "read every copy and check its checksums", _ckpt_verify
     )
-    verify.add_argument("run")
-    verify.add_argument("step", type=int)
+    _checkpoint_args(verify, required=False)
     verify.add_argument("--json", action="store_true")
     export = _ckpt_parser(
         ckpt_sub,
@@ -329,8 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         "write a standard DCP checkpoint directory, or a Hugging Face model",
         _ckpt_export,
     )
-    export.add_argument("run")
-    export.add_argument("step", type=int)
+    _checkpoint_args(export, required=True)
     export.add_argument("dest", type=Path)
     export.add_argument(
         "--format",
@@ -349,8 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="--format hf: largest safetensors shard in MB (default 5000, as transformers)",
     )
     rm = _ckpt_parser(ckpt_sub, "rm", "delete a checkpoint from every tier", _ckpt_rm)
-    rm.add_argument("run")
-    rm.add_argument("step", type=int)
+    _checkpoint_args(rm, required=True)
+    rm.add_argument(
+        "--dry-run", action="store_true", help="list what would be removed, and remove nothing"
+    )
+    rm.add_argument(
+        "--force",
+        action="store_true",
+        help="remove the run's newest checkpoint too (where --resume goes on from)",
+    )
 
     certs = sub.add_parser("certs", help="write a development CA and certificates signed by it")
     certs.set_defaults(handler=_certs)
@@ -458,6 +462,31 @@ def _ckpt_parser(
     _workdir_arg(parser)
     parser.add_argument("--ckptd", help="HOST:PORT of a running ckptd (instead of --workdir)")
     return parser
+
+
+def _checkpoint_args(parser: argparse.ArgumentParser, required: bool) -> None:
+    """RUN and STEP naming a checkpoint; "latest" or "last" for either names the newest (the
+    work directory's last run, the run's newest step), as leaving them out does where they may
+    be."""
+    optional = {} if required else {"nargs": "?"}
+    parser.add_argument(
+        "run", help="a run id, or latest/last" + ("" if required else " (default)"), **optional
+    )
+    parser.add_argument(
+        "step",
+        type=_step,
+        help="a step, or latest/last" + ("" if required else " (default)"),
+        **optional,
+    )
+
+
+def _step(text: str) -> int | None:
+    from scaletrain.app.checkpoints import parse_step
+
+    try:
+        return parse_step(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _node_range(text: str) -> tuple[int, int]:
@@ -982,26 +1011,47 @@ def _ckpt_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _named(args: argparse.Namespace) -> tuple[str, int]:
+    """The (run, step) of the checkpoint the command line names (see `_checkpoint_args`)."""
+    from scaletrain.app import checkpoints
+
+    info = checkpoints.checkpoint(args.workdir, args.ckptd, args.run, args.step)
+    return info.ref.run, info.ref.step
+
+
 def _ckpt_verify(args: argparse.Namespace) -> int:
     from scaletrain.app import checkpoints
 
-    results = checkpoints.verify(args.workdir, args.ckptd, args.run, args.step)
+    run, step = _named(args)
+    results = checkpoints.verify(args.workdir, args.ckptd, run, step)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
+        print(f"{run}@{step}")
         for tier, verdict in results.items():
             print(f"{tier:<7} {verdict}")
     bad = [tier for tier, verdict in results.items() if verdict != "ok"]
     if bad:
-        raise UserError(f"{args.run}@{args.step}: damaged copy on {', '.join(bad)}")
+        raise UserError(f"{run}@{step}: damaged copy on {', '.join(bad)}")
     return 0
 
 
 def _ckpt_rm(args: argparse.Namespace) -> int:
     from scaletrain.app import checkpoints
 
-    removed, pending = checkpoints.remove(args.workdir, args.ckptd, args.run, args.step)
-    line = f"removed {args.run}@{args.step} from {', '.join(removed) or 'no tier'}"
+    info = checkpoints.checkpoint(args.workdir, args.ckptd, args.run, args.step)
+    run, step = info.ref.run, info.ref.step
+    if args.dry_run:
+        tiers = ", ".join(checkpoints.tier_names(info)) or "no tier"
+        print(
+            f"would remove {run}@{step}: {len(info.files)} files, {info.total_bytes / 1e6:.2f} "
+            f"MB, from {tiers} (nothing removed: --dry-run)"
+        )
+        return 0
+    if not args.force:
+        checkpoints.guard_removal(args.workdir, args.ckptd, info)
+    removed, pending = checkpoints.remove(args.workdir, args.ckptd, run, step)
+    line = f"removed {run}@{step} from {', '.join(removed) or 'no tier'}"
     if pending:
         line += f"; removal from {', '.join(pending)} continues in the background"
     print(line)
@@ -1011,20 +1061,20 @@ def _ckpt_rm(args: argparse.Namespace) -> int:
 def _ckpt_export(args: argparse.Namespace) -> int:
     from scaletrain.app import checkpoints
 
+    run, step = _named(args)
     if args.format == "hf":
         hf = checkpoints.export_hf(
-            args.workdir, args.ckptd, args.run, args.step, args.dest, args.overwrite,
-            args.shard_mb * 10**6,
-        )  # fmt: skip
+            args.workdir, args.ckptd, run, step, args.dest, args.overwrite, args.shard_mb * 10**6
+        )
         print(
-            f"exported {args.run}@{args.step} for Hugging Face: {len(hf.shards)} safetensors "
+            f"exported {run}@{step} for Hugging Face: {len(hf.shards)} safetensors "
             f"shards ({hf.weight_bytes / 1e6:,.1f} MB) and {', '.join(hf.files)} to {args.dest}"
         )
         return 0
     files = checkpoints.export(
-        args.workdir, args.ckptd, args.run, args.step, args.dest, overwrite=args.overwrite
+        args.workdir, args.ckptd, run, step, args.dest, overwrite=args.overwrite
     )
-    print(f"exported {args.run}@{args.step}: {len(files)} files to {args.dest}")
+    print(f"exported {run}@{step}: {len(files)} files to {args.dest}")
     return 0
 
 

@@ -66,7 +66,12 @@ def test_against_a_running_ckptd_every_command_works_and_verify_names_a_damaged_
     for path, (_, _, data) in files.items():
         assert (tmp_path / "out" / path).read_bytes() == data
 
-    removed = ckpt("rm", *at, "run", "10")
+    # The run's newest checkpoint, where --resume goes on from, goes only with --force.
+    kept = ckpt("rm", *at, "run", "10")
+    assert kept.returncode == 1 and "refusing to remove run@10: it is the run's newest" in (
+        kept.stderr
+    )
+    removed = ckpt("rm", *at, "run", "latest", "--force")
     assert removed.stdout.strip() == (
         "removed run@10 from memory, ssd; removal from s3 continues in the background"
     )
@@ -85,10 +90,50 @@ def test_on_a_work_directory_with_no_ckptd_running_every_command_works(
 
     assert "run" in ckpt("ls", *at).stdout
     assert "ssd      COMMITTED" in ckpt("show", *at, "run", "3").stdout
-    assert ckpt("verify", *at, "run", "3").stdout.strip() == "ssd     ok"
+    assert ckpt("verify", *at, "run", "3").stdout.strip() == "run@3\nssd     ok"
     assert ckpt("export", *at, "run", "3", str(tmp_path / "out")).returncode == 0
     assert (tmp_path / "out" / "__0_0.distcp").read_bytes() == files["__0_0.distcp"][2]
-    assert ckpt("rm", *at, "run", "3").stdout.strip() == "removed run@3 from ssd"
+    assert ckpt("rm", *at, "run", "3", "--force").stdout.strip() == "removed run@3 from ssd"
     unknown = ckpt("verify", *at, "run", "3")
-    assert unknown.returncode == 1 and "no committed checkpoint run@3" in unknown.stderr
+    assert unknown.returncode == 1 and "no committed checkpoint of run run in" in unknown.stderr
     assert len(unknown.stderr.strip().splitlines()) == 1 and "Traceback" not in unknown.stderr
+
+
+def test_latest_names_the_newest_and_a_wrong_name_lists_the_nearest_that_exist(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    workdir = tmp_path / "wd"
+    store = open_store(data_dir=workdir / "ckptd")
+    for run, step in (("other", 1), ("run", 3), ("run", 6)):
+        store_save(store, run, step, checkpoint_files(world_size=1, shard_bytes=1 << 16))
+    store.close()
+    at = ("--workdir", str(workdir))
+
+    # The run committed last, its newest step: by name, or with nothing named.
+    assert json.loads(ckpt("show", *at, "latest", "last", "--json").stdout)["step"] == 6
+    assert ckpt("verify", *at).stdout.splitlines()[0] == "run@6"
+    step = ckpt("show", *at, "run", "5")
+    assert step.returncode == 1 and step.stderr.strip().endswith(
+        "no committed checkpoint run@5 in " + str(workdir) + "; the nearest steps: 3, 6 (newest 6)"
+    )
+    run = ckpt("show", *at, "runn")
+    assert run.returncode == 1 and "runs with checkpoints: run" in run.stderr
+    bad = ckpt("show", *at, "run", "six")
+    assert bad.returncode == 2 and "a step is a whole number or one of latest, last" in bad.stderr
+
+    # What rm would remove, and nothing removed; the newest stays without --force.
+    dry = ckpt("rm", *at, "run", "6", "--dry-run")
+    assert dry.stdout.strip() == (
+        "would remove run@6: 2 files, 0.07 MB, from ssd (nothing removed: --dry-run)"
+    )
+    newest = ckpt("rm", *at, "run", "6")
+    assert newest.returncode == 1 and newest.stderr.strip().endswith(
+        "--dry-run shows what would go, --force removes it"
+    )
+    assert "1 older one(s) left" in newest.stderr
+    assert ckpt("rm", *at, "run", "3").stdout.strip() == "removed run@3 from ssd"
+    assert [c["step"] for c in json.loads(ckpt("ls", *at, "--run", "run", "--json").stdout)] == [6]
+
+    # A mistyped work directory is an error, not an empty one.
+    missing = ckpt("ls", "--workdir", str(tmp_path / "typo"))
+    assert missing.returncode == 1 and "no work directory" in missing.stderr
