@@ -717,7 +717,7 @@ def add_arguments(
         common = {
             "dest": o.dest,
             "default": argparse.SUPPRESS,
-            "help": f"{o.help} (default {shown!s})",
+            "help": f"{o.help} (default {shown!s})" if shown != "" else f"{o.help} (default: none)",
         }
         if o.kind is bool:
             group.add_argument(o.flag, action=argparse.BooleanOptionalAction, **common)

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -62,8 +63,19 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help()
 
 
+DESCRIPTION = (
+    "Train Llama-style models (dense and MoE, five parallelisms, FP8) on an embedded stack of "
+    "services where checkpoints, run health and recovery are one system: ckptd tiers "
+    "checkpoints from memory to SSD to S3, telemetry keeps every rank's statistics, and a "
+    "failed rank, node or service is recovered from. `scaletrain COMMAND --help` for each."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    root = _Parser(prog="scaletrain", description=__doc__.split("\n\n")[0])
+    root = _Parser(prog="scaletrain", description=DESCRIPTION)
+    root.add_argument(
+        "--version", action="version", version=f"scaletrain {metadata.version('scaletrain')}"
+    )
     sub = root.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run the embedded stack and a training job")
@@ -180,14 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-budget-mb", type=int, default=1024, help="memory tier plus data in flight"
     )
     ckptd.add_argument("--s3-endpoint", help="S3 endpoint URL; without it the S3 tier is off")
-    ckptd.add_argument("--s3-bucket", default="scaletrain")
-    ckptd.add_argument("--s3-region", default="us-east-1")
+    ckptd.add_argument("--s3-bucket", default="scaletrain", help="S3 bucket (default scaletrain)")
+    ckptd.add_argument(
+        "--s3-region", default="us-east-1", help="S3 region to sign for (default us-east-1)"
+    )
     ckptd.add_argument("--s3-part-mb", type=int, default=16, help="multipart part size")
-    ckptd.add_argument("--s3-parallel-parts", type=int, default=4)
+    ckptd.add_argument(
+        "--s3-parallel-parts", type=int, default=4, help="parts uploaded at once per file (4)"
+    )
     ckptd.add_argument("--s3-backoff-max-s", type=float, default=30.0, help="longest retry wait")
     ckptd.add_argument("--telemetry", help="HOST:PORT of telemetry, to record tier commits")
     ckptd.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    ckptd.add_argument("--metrics-host", default="127.0.0.1")
+    ckptd.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address the metrics listen on (127.0.0.1)"
+    )
     ckptd.add_argument("--keep-memory", type=int, default=2, help="newest N in memory, per run")
     ckptd.add_argument("--keep-ssd", type=int, default=5, help="newest N on SSD, per run")
     ckptd.add_argument(
@@ -196,7 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     ckptd.add_argument(
         "--abandon-after-s", type=float, default=600.0, help="abort a save idle this long"
     )
-    ckptd.add_argument("--log-format", choices=("json", "text"), default="json")
+    ckptd.add_argument(
+        "--log-format",
+        choices=("json", "text"),
+        default="json",
+        help="json lines with run, step, tier and bytes as fields, or text for people (json)",
+    )
     ckptd.add_argument(
         "--node",
         help="this node's name, unique in the cluster (default: the name its data dir was "
@@ -282,8 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     ui.set_defaults(handler=_ui)
     _workdir_arg(ui)
     ui.add_argument("--db", help="database URL (overrides --workdir)")
-    ui.add_argument("--host", default="127.0.0.1")
-    ui.add_argument("--port", type=int, default=8501)
+    ui.add_argument("--host", default="127.0.0.1", help="address to serve on (127.0.0.1)")
+    ui.add_argument("--port", type=int, default=8501, help="port to serve on (8501)")
 
     data = sub.add_parser("data", help="prepare a corpus as token shards for --data")
     data_sub = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
@@ -306,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
     ls = _ckpt_parser(ckpt_sub, "ls", "list checkpoints and the tiers that hold them", _ckpt_ls)
     ls.add_argument("--run", help="only this run")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="print the list as JSON")
     show = _ckpt_parser(ckpt_sub, "show", "one checkpoint: files, tiers, retention", _ckpt_show)
     _checkpoint_args(show, required=False)
     show.add_argument(
@@ -315,12 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the run's newest node-loss-safe checkpoint: each part with its R copies "
         "(asks --ckptd)",
     )
-    show.add_argument("--json", action="store_true")
+    show.add_argument("--json", action="store_true", help="print the checkpoint as JSON")
     verify = _ckpt_parser(
         ckpt_sub, "verify", "read every copy and check its checksums", _ckpt_verify
     )
     _checkpoint_args(verify, required=False)
-    verify.add_argument("--json", action="store_true")
+    verify.add_argument("--json", action="store_true", help="print each tier's verdict as JSON")
     export = _ckpt_parser(
         ckpt_sub,
         "export",
@@ -365,7 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
     token = sub.add_parser("token", help="mint a token; only its hash is kept in the tokens file")
     token.set_defaults(handler=_token)
     token.add_argument("--tokens", type=Path, required=True, help="the tokens file (JSON)")
-    token.add_argument("--role", choices=("reader", "trainer", "admin"), required=True)
+    token.add_argument(
+        "--role",
+        choices=("reader", "trainer", "admin"),
+        required=True,
+        help="reader reads checkpoints, trainer also writes checkpoints and telemetry, admin "
+        "also deletes; each within --run",
+    )
     token.add_argument("--run", default="*", help="the run it is good for (default: every run)")
     token.add_argument("--name", default="", help="a label for audit lines")
     return root

@@ -305,8 +305,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train a byte-level BPE of this vocabulary on the inputs (saved in --out)",
     )  # fmt: skip
     parser.add_argument("--field", default="text", help="the .jsonl field or Parquet column")
-    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
-    parser.add_argument("--utf8-errors", choices=("strict", "replace"), default="strict")
+    parser.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        help=f"tokens a shard file holds (default {DEFAULT_SHARD_TOKENS})",
+    )
+    parser.add_argument(
+        "--utf8-errors",
+        choices=("strict", "replace"),
+        default="strict",
+        help="text that is not UTF-8: strict refuses it, replace substitutes U+FFFD (strict)",
+    )
     parser.add_argument("--eos", help="the end-of-sequence token, if not a usual name")
 
 
