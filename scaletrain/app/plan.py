@@ -64,6 +64,10 @@ class Plan:
     target_tokens_s: float | None
     # Bytes of one `gpu` (None: not in telemetry.mfu's table).
     device_memory: float | None = None
+    # What the numbers depend on that the user may not have chosen (sequence, batch, precision).
+    assumed: str = ""
+    # A large model planned with the debug model's defaults: its memory is not a real run's.
+    warning: str = ""
 
     @property
     def mfu(self) -> float | None:
@@ -86,8 +90,10 @@ def plan(
         raise UserError(str(exc)) from None
     if cfg.model.moe is not None:
         # Routing is data-dependent (bincount, per-expert splits): FakeTensorMode cannot run it.
-        raise UserError("plan measures dense models only: an MoE's routing cannot run on fake "
-                        "tensors yet; the layout above is valid")  # fmt: skip
+        raise UserError(
+            "plan measures dense models only: an MoE's routing cannot run on fake tensors yet; "
+            f"its layout on {world} ranks ({_layout(dims.layout())}) is valid"
+        )
     with torch.device("meta"):
         whole = Transformer(cfg.model)
     params = whole.num_params(exclude_embedding=False)
@@ -111,7 +117,52 @@ def plan(
         peak_flops=mfu.dense_peak(gpu, precision),
         target_tokens_s=tokens_s,
         device_memory=mfu.device_memory(gpu),
+        assumed=_assumed(cfg, dims),
+        warning=_debug_defaults(cfg, params),
     )
+
+
+def _assumed(cfg: TrainConfig, dims: ParallelDims) -> str:
+    """The sequence, batch, micro-batches, precision and recomputation the plan measured."""
+    dp = dims.dp_size
+    micro = (
+        f"{resolve_microbatches(cfg.parallel.pp_microbatches, cfg.global_batch // dp)} pipeline "
+        "micro-batches"
+        if dims.pp > 1
+        else f"{cfg.grad_accum_steps} micro-batch(es)"
+    )
+    precision = (
+        "bf16 mixed precision" if cfg.parallel.mixed_precision else "fp32 (no --mixed-precision)"
+    )
+    recompute = "on" if cfg.parallel.activation_checkpointing else "off"
+    return (
+        f"seq_len {cfg.seq_len}, global batch {cfg.global_batch} ({cfg.global_batch // dp} a "
+        f"data-parallel rank, {micro} a step), {precision}, activation checkpointing {recompute}"
+    )
+
+
+# Above this many parameters, the debug model's sequence and batch say nothing of a real run.
+_LARGE = 10**9
+
+
+def _debug_defaults(cfg: TrainConfig, params: int) -> str:
+    """A warning when a large model meets the debug model's sequence, batch and precision."""
+    debug = (
+        cfg.seq_len == options.BY_DEST["seq_len"].default
+        and cfg.global_batch == options.BY_DEST["global_batch"].default
+        and not cfg.parallel.mixed_precision
+    )
+    if params < _LARGE or not debug:
+        return ""
+    return (
+        f"a {params / 1e9:.2f}B model with the debug model's seq_len {cfg.seq_len}, global batch "
+        f"{cfg.global_batch} and fp32: give --seq-len, --global-batch and --mixed-precision "
+        "for a real run's memory"
+    )
+
+
+def _layout(layout: dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items() if v != 1 or k == "dp_shard")
 
 
 @dataclass(frozen=True)
@@ -164,9 +215,8 @@ def render_elastic(sizes: list[ElasticSize], per_node: int) -> str:
         if size.refused:
             lines.append(head + f"cannot run: {size.refused}")
             continue
-        layout = " ".join(f"{k}={v}" for k, v in size.layout.items() if v != 1 or k == "dp_shard")
         lines.append(
-            head + f"{layout}; {size.micro_batches} micro-batch(es) a step, "
+            head + f"{_layout(size.layout)}; {size.micro_batches} micro-batch(es) a step, "
             f"{size.memory / (1 << 30):,.2f} GiB a rank, throughput ~{size.throughput:.2f} of full"
         )
     return "\n".join(lines)
@@ -256,9 +306,9 @@ def _by_name(snapshot: dict) -> dict[str, int]:
 def render(p: Plan) -> str:
     """The plan as `scaletrain plan` prints it."""
     gib = 1 << 30
-    layout = " ".join(f"{k}={v}" for k, v in p.layout.items() if v != 1 or k == "dp_shard")
     lines = [
-        f"layout        {p.world:,} ranks: {layout}",
+        f"layout        {p.world:,} ranks: {_layout(p.layout)}",
+        f"assumed       {p.assumed}",
         f"parameters    {p.params:,} ({p.params / 1e9:.2f}B; embedding {p.embedding_params:,})",
         "memory/rank   (FakeTensorMode + MemTracker, busiest rank)",
         *(f"  {name:<24}{b / gib:10.2f} GiB" for name, b in p.memory.items()),
@@ -277,6 +327,8 @@ def render(p: Plan) -> str:
                 f"x {p.gpu} ({p.peak_flops / 1e12:,.0f} TFLOP/s dense each); "
                 f"{step_s:.2f} s a step"
             )
+    if p.warning:
+        lines.append(f"warning       {p.warning}")
     return "\n".join(lines)
 
 

@@ -91,6 +91,27 @@ def test_plan_says_whether_the_busiest_rank_fits_one_device() -> None:
     )
 
 
+def test_plan_states_what_it_assumed_and_warns_of_a_large_model_with_debug_defaults() -> None:
+    shown = render(plan(job(model="llama3-8b"), world=8))
+    assert (
+        "assumed       seq_len 128, global batch 16 (2 a data-parallel rank, 1 micro-batch(es) "
+        "a step), fp32 (no --mixed-precision), activation checkpointing off"
+    ) in shown
+    assert "warning       a 8.03B model with the debug model's seq_len 128" in shown
+    real = job(model="llama3-8b", seq_len=8192, global_batch=8, mixed_precision=True)
+    shown = render(plan(real | {"activation_checkpointing": True}, world=8))
+    assert "seq_len 8192, global batch 8 (1 a data-parallel rank" in shown
+    assert "bf16 mixed precision, activation checkpointing on" in shown
+    assert "warning" not in shown
+    assert "warning" not in render(plan(job(), world=2))  # the debug model itself
+
+
+def test_an_moe_plan_names_the_layout_it_found_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["plan", "--model", "moe-small", "--gpus", "4", "--ep", "2"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "above" not in line and "its layout on 4 ranks (dp_shard=4 ep=2) is valid" in line
+
+
 def test_plan_refuses_a_layout_in_one_line_as_run_does(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--gpus", "16384", "--model", "llama3-405b", "--tp", "8", "--pp", "16",
             "--global-batch", "2048"]  # fmt: skip
