@@ -19,7 +19,11 @@ Badput, by cause:
   - reduced_size: the share of each step's productive time the ranks it lacked would have done,
     for steps an elastic job ran on fewer ranks than the most it had (a node lost and no spare:
     `scaletrain run --nodes MIN:MAX`): productive x (most - ranks) / most;
-  - other: whatever the above do not explain (logging, the end of the run, gaps without records).
+  - evaluation: time spent on the held-out validation loss between steps (the trainer's eval
+    events' seconds, every attempt's);
+  - other: whatever the above do not explain: mostly the end of the run after its last step
+    (waiting for the final checkpoint, the digests of the final parameters), then logging and
+    gaps without records.
 Per step, each cause counts the slowest rank's time in it, and the step's causes together never
 exceed its wall time.
 
@@ -52,6 +56,7 @@ BADPUT_CAUSES = (
     "replay",
     "data_wait",
     "reduced_size",
+    "evaluation",
     "other",
 )
 # The event whose attributes say the trainer threw a step's update away (its batch was skipped).
@@ -59,6 +64,8 @@ SKIPPING_EVENT = "loss_spike"
 SKIPPED = "skipped"
 # A fault's recovery record (attributes: kind, badput_s, ...), one per fault a drill injected.
 RECOVERY_EVENT = "recovery"
+# The trainer's validation loss after a step, with the seconds it took (`Reporter.evaluated`).
+EVAL_EVENT = "eval"
 
 
 @dataclass(frozen=True)
@@ -202,6 +209,7 @@ def goodput(bind: Bind, run_id: str) -> Goodput:
         skipped = _skipped_steps_seconds(connection, run_id, latest)
         reduced = _reduced_size_seconds(connection, run_id, latest)
         by_fault = _badput_by_fault(connection, run_id)
+        evaluation = _evaluation_seconds(connection, run_id)
     if not attempts:
         return Goodput(
             wall_s=0.0,
@@ -225,6 +233,7 @@ def goodput(bind: Bind, run_id: str) -> Goodput:
         "replay": sums["replay_s"] + skipped,
         "data_wait": sums["data_s"],
         "reduced_size": reduced,
+        "evaluation": evaluation,
     }
     accounted = productive_s + sum(badput.values())
     # Per-step time is measured on each rank; clocks and rounding can make the parts exceed the
@@ -309,6 +318,19 @@ def _reduced_size_seconds(connection: Any, run_id: str, latest: list[ColumnEleme
         select(func.sum(per_step()["productive_s"] * share)).where(*latest, StepRollup.ranks < most)
     ).scalar()
     return float(seconds or 0.0)
+
+
+def _evaluation_seconds(connection: Any, run_id: str) -> float:
+    """The seconds the run's validation losses took (its "eval" events)."""
+    return sum(
+        (
+            float((attributes or {}).get("seconds") or 0.0)
+            for (attributes,) in connection.execute(
+                select(Event.attributes).where(Event.run_id == run_id, Event.kind == EVAL_EVENT)
+            )
+        ),
+        0.0,
+    )
 
 
 def _badput_by_fault(connection: Any, run_id: str) -> dict[str, float]:

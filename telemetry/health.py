@@ -106,3 +106,45 @@ def run_health(bind: Bind, run_id: str, *, max_findings: int = 200) -> RunHealth
         findings=findings,
         dropped_records=int(dropped),
     )
+
+
+def render(health: RunHealth) -> str:
+    """A run's health as `telemetry health` prints it: one line a subject, the detectors'
+    findings last."""
+    g, m = health.goodput, health.mfu
+    badput = sorted(((s, c) for c, s in g.badput_s.items() if s >= 0.05), reverse=True)
+    lines = [
+        f"run          {health.run_id}: {health.status}, attempt {health.attempt}, last step "
+        f"{health.last_step if health.last_step is not None else '-'}",
+        f"mfu          {m.label}; {m.tokens_per_s:,.0f} tokens/s over {m.steps} steps",
+        f"goodput      {g.goodput:.1%} of {g.wall_s:,.1f} s wall ({g.productive_s:,.1f} s "
+        "productive)",
+        "badput       "
+        + (", ".join(f"{cause} {seconds:,.1f} s" for seconds, cause in badput) or "none"),
+    ]
+    if g.badput_s.get("other", 0.0) > 0:
+        lines.append(
+            "  other      the end of the run after its last step (the final checkpoint, the "
+            "digests), logging, gaps without records"
+        )
+    if g.badput_by_fault_s:
+        lines.append(
+            "faults       "
+            + ", ".join(f"{k} {v:,.1f} s" for k, v in sorted(g.badput_by_fault_s.items()))
+        )
+    counts = health.event_counts
+    lines += [
+        f"stragglers   {counts['straggler']} event(s); ranks {health.straggler_ranks or 'none'}"
+        f", slow nodes {health.slow_nodes or 'none'}",
+        f"sdc          {counts['sdc']} event(s); loss spikes {counts['loss_spike']}, replays "
+        f"{counts['replay']}, alerts {counts['alert']}",
+        f"recoveries   {counts['restart']} restart(s)"
+        + (f"; {len(g.badput_by_fault_s)} fault kind(s) drilled" if g.badput_by_fault_s else ""),
+        f"telemetry    {health.dropped_records} record(s) dropped by the ranks' clients",
+    ]
+    lines += [
+        f"  step {f.step:>6} {'rank ' + str(f.rank) if f.rank >= 0 else 'run':>8}  {f.kind}: "
+        f"{f.message}"
+        for f in health.findings
+    ]
+    return "\n".join(lines)

@@ -41,7 +41,7 @@ from sqlalchemy.orm import aliased
 from scaletrain.names import TIER_NAMES
 from scaletrain.v1 import common_pb2
 from telemetry import partitions
-from telemetry.efficiency import LATEST_ROLLUP, RECOVERY_EVENT, mfu
+from telemetry.efficiency import EVAL_EVENT, LATEST_ROLLUP, RECOVERY_EVENT, mfu
 from telemetry.models import (
     TRAINER_TIER,
     WHOLE_TIER,
@@ -271,7 +271,7 @@ def eval_points(bind: Bind, run_id: str, *, limit: int | None = 1000) -> pd.Data
     steps (None: every one)."""
     query = (
         select(Event.step, Event.attributes)
-        .where(Event.run_id == run_id, Event.kind == "eval")
+        .where(Event.run_id == run_id, Event.kind == EVAL_EVENT)
         .order_by(Event.time.desc())
     )
     latest: dict[int, float] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import socket
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,9 @@ class Reporter:
         self.client = TelemetryClient(address) if address else None
         # Restart generation of this job, stamped on every record (see RegisterRunResponse).
         self.attempt = 0
+        # One device's dense peak FLOP/s in the training precision, as rank 0 registered it
+        # (0: not known here), for the MFU of its log lines.
+        self.peak_flops = 0.0
 
     def register_run(
         self,
@@ -73,6 +77,7 @@ class Reporter:
         if self.rank == 0:
             precision = training_precision(param_dtype, device)
             peak, source = resolve_peak(device, precision, cfg.peak_flops)
+            self.peak_flops = peak
             # The resolved job config (trainer.options) under "job", beside the dataclass.
             # and the data it trains on (`trainer.data.loader.source_identity`) under "dataset".
             config = cfg.to_json_dict() | {"dataset": dataset}
@@ -346,3 +351,11 @@ def rank_host() -> str:
     """The host this rank reports (telemetry groups ranks into nodes by it): the machine's
     name, or the simulated node's ($SCALETRAIN_HOST) when several share one machine."""
     return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+def peak_memory(device: torch.device) -> int:
+    """The most memory this rank has held: the device's allocations on an accelerator, the
+    process's resident set on CPU (where tensors live in it)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB

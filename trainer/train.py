@@ -28,6 +28,7 @@ import torch.distributed as dist
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from scaletrain.errors import ScaletrainError, UserError
+from telemetry.mfu import model_flops_per_token, utilization
 from trainer import keeper, options
 from trainer.checkpoint.checkpointer import (
     Checkpointer,
@@ -59,7 +60,7 @@ from trainer.parallel.dims import (
     validate_layout,
 )
 from trainer.parallel.parallelize import ParallelModel, build_model
-from trainer.reporting import Reporter
+from trainer.reporting import Reporter, peak_memory
 from trainer.step import StepResult, train_step
 
 # Global batches the loader reads ahead in a background thread while a step trains.
@@ -168,6 +169,8 @@ class Run:
     started: float = 0.0
     # The mean loss over ranks of the latest step.
     global_loss: float = math.nan
+    # FLOPs a token costs the model (6 N), for the MFU of the log lines.
+    flops_per_token: float = 0.0
 
 
 def train(cfg: TrainConfig) -> None:
@@ -279,7 +282,7 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
         cfg=cfg, rank=rank, world=world, device=device, dims=dims, parallel=parallel, fp8=fp8,
         optimizer=optimizer, scheduler=scheduler, loader=loader, held_out=held_out,
         reporter=reporter, faults=faults, guard=guard, checkpointer=checkpointer,
-        watchdog=watchdog, start_step=start_step,
+        watchdog=watchdog, start_step=start_step, flops_per_token=model_flops_per_token(n_params),
     )  # fmt: skip
 
 
@@ -367,7 +370,9 @@ def _evaluate(run: Run, step: int) -> None:
 
 
 def _log_step(run: Run, step: int, result: StepResult, saved: SaveStarted | None) -> None:
-    """Rank 0's log line of `step`: the loss, throughput since the loop began, and the notes."""
+    """Rank 0's log line of `step`: the loss, throughput since the loop began, its MFU (against
+    the peak rank 0 registered) and rank 0's peak memory, as TorchTitan's line has them, and the
+    notes."""
     elapsed = time.perf_counter() - run.started
     tokens = (step - run.start_step) * run.cfg.global_batch * run.cfg.seq_len
     note = f" | checkpoint staged in {saved.blocking_s:.3f}s" if saved else ""
@@ -376,8 +381,13 @@ def _log_step(run: Run, step: int, result: StepResult, saved: SaveStarted | None
     if run.parallel.pipeline is not None:
         note += f" | pipeline bubble {run.parallel.pipeline.bubble_report()}"
     note += f" | fp8 on rank 0: {run.fp8.summary()}" if run.fp8 is not None else ""
+    tokens_s = tokens / elapsed
+    used = utilization(run.flops_per_token, tokens_s, run.world, run.reporter.peak_flops)
+    mfu = f" mfu {used:.1%}" if math.isfinite(used) else ""
+    memory = f" mem {peak_memory(run.device) / 2**30:.2f} GiB"
     print(
-        f"[trainer] step {step} loss {result.global_loss:.4f} tok/s {tokens / elapsed:,.0f}{note}",
+        f"[trainer] step {step} loss {result.global_loss:.4f} tok/s {tokens_s:,.0f}{mfu}{memory}"
+        f"{note}",
         flush=True,
     )
 

@@ -16,6 +16,7 @@ Every error is one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -38,6 +39,8 @@ from trainer.data.prepare import add_arguments as prepare_args
 from trainer.health.faults import FaultPlan
 
 if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
     from ckptd.config import DataLimits
 
 DEFAULT_WORKDIR = Path(".scaletrain")
@@ -273,12 +276,20 @@ def build_parser() -> argparse.ArgumentParser:
     tel.add_argument(
         "action",
         nargs="?",
-        choices=("serve", "export"),
+        choices=("serve", "export", "health"),
         default="serve",
-        help="serve (default), or export: write --run's scalars as TensorBoard event files",
+        help="serve (default); export: write --run's scalars as TensorBoard event files; "
+        "health: a run's MFU, goodput and badput by cause, stragglers, SDC and recoveries",
+    )
+    tel.add_argument(
+        "health_run",
+        nargs="?",
+        metavar="RUN",
+        help="health: the run (default, or latest/last: the work directory's last run)",
     )
     tel.add_argument("--tensorboard", type=Path, metavar="DIR", help="export: write under DIR/RUN")
     tel.add_argument("--run", help="export: the run")
+    tel.add_argument("--json", action="store_true", help="health: print it as JSON")
     _workdir_arg(tel)
     tel.add_argument("--listen", default="127.0.0.1:50052", help="HOST:PORT")
     tel.add_argument(
@@ -925,6 +936,8 @@ def _ckptd(args: argparse.Namespace) -> int:
 def _telemetry(args: argparse.Namespace) -> int:
     if args.action == "export":
         return _telemetry_export(args)
+    if args.action == "health":
+        return _telemetry_health(args)
     from scaletrain.security import ServerSecurity, database_url
     from telemetry.config import TelemetryConfig, retention_policy
     from telemetry.server import serve
@@ -954,18 +967,48 @@ def _telemetry_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_tensorboard(db: str | None, args: argparse.Namespace, run_id: str) -> None:
-    """Write `run_id`'s scalars under --tensorboard and say where."""
+def _telemetry_health(args: argparse.Namespace) -> int:
+    """`telemetry health [RUN] [--json]`: the run's health from --db, $SCALETRAIN_DB_URL or the
+    work directory's database."""
+    from scaletrain.app.checkpoints import NEWEST
+    from scaletrain.app.stack import Workdir
+    from telemetry.health import render, run_health
+
+    run_id = args.health_run
+    if not run_id or run_id in NEWEST:
+        run_id = Workdir(args.workdir).last_run_id()
+        if not run_id:
+            raise UserError(f"no run in {Workdir(args.workdir).root}: name one (health RUN)")
+    engine = _read_engine(args.db or os.environ.get("SCALETRAIN_DB_URL"), args)
+    try:
+        health = run_health(engine, run_id, max_findings=10)
+    finally:
+        engine.dispose()
+    if args.json:
+        print(json.dumps(dataclasses.asdict(health), indent=2, default=str))
+    else:
+        print(render(health))
+    return 0
+
+
+def _read_engine(db: str | None, args: argparse.Namespace) -> Engine:
+    """A read-only engine on `db`, else the work directory's telemetry database."""
     from scaletrain.app.stack import Workdir
     from telemetry.db import connect
-    from telemetry.tensorboard import write_tensorboard
 
     if db is None:
         workdir = Workdir(args.workdir)
         if not workdir.telemetry_db.exists():
             raise UserError(f"no telemetry database in {workdir.root}; run `scaletrain run` first")
         db = workdir.db_url
-    engine = connect(db, read_only=True)
+    return connect(db, read_only=True)
+
+
+def _print_tensorboard(db: str | None, args: argparse.Namespace, run_id: str) -> None:
+    """Write `run_id`'s scalars under --tensorboard and say where."""
+    from telemetry.tensorboard import write_tensorboard
+
+    engine = _read_engine(db, args)
     try:
         logdir, count = write_tensorboard(engine, run_id, args.tensorboard)
     finally:

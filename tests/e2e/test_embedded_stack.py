@@ -168,6 +168,21 @@ def test_the_run_writes_its_curves_with_the_validation_loss_for_tensorboard(refe
     )
 
 
+def test_the_runs_health_on_the_command_line_gives_evaluation_a_cause_of_its_own(
+    reference: dict,
+):
+    at = ("--workdir", str(reference["workdir"]))
+    result = scaletrain("telemetry", "health", reference["run_id"], *at, "--json")
+    assert result.returncode == 0, result.stderr
+    health = json.loads(result.stdout)
+    assert (health["run_id"], health["last_step"]) == (reference["run_id"], STEPS)
+    assert health["goodput"]["badput_s"]["evaluation"] > 0
+    assert health["mfu"]["mfu"] > 0
+    shown = scaletrain("telemetry", "health", "latest", *at).stdout.splitlines()
+    assert shown[0].startswith(f"run          {reference['run_id']}: finished")
+    assert shown[3].startswith("badput       ") and "evaluation" in shown[3]
+
+
 def test_a_checkpoint_held_only_on_s3_exports_to_hugging_face_as_from_ssd(
     reference: dict, tmp_path: Path
 ):

@@ -132,3 +132,8 @@ def test_the_rendezvous_refuses_a_bad_or_taken_address_in_one_line():
         port = taken.getsockname()[1]
         result = scaletrain("rendezvous", "--listen", f"127.0.0.1:{port}")
     assert_one_line_error(result, f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_health_with_no_run_to_show_says_so(tmp_path: Path):
+    result = scaletrain("telemetry", "health", "--workdir", str(tmp_path))
+    assert_one_line_error(result, "no run in", "health RUN")

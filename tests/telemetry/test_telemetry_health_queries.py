@@ -19,7 +19,7 @@ from scaletrain.v1 import telemetry_pb2
 from telemetry import queries
 from telemetry.client import event, rank_step
 from telemetry.efficiency import BADPUT_CAUSES, goodput, mfu
-from telemetry.health import run_health
+from telemetry.health import render, run_health
 from telemetry.models import Run
 from telemetry.store import TelemetryStore
 
@@ -176,9 +176,21 @@ def test_goodput_splits_the_wall_time_by_cause(run: TelemetryStore, engine: Engi
         "replay": 3.7,
         "data_wait": 1.5,
         "reduced_size": 0.0,
+        "evaluation": 0.0,
         "other": 2.0,
     }
     assert result.badput_s == pytest.approx(expected)
+
+
+def test_time_spent_evaluating_is_a_cause_of_its_own_not_other(
+    run: TelemetryStore, engine: Engine
+) -> None:
+    evaluated = event("run-1", "eval", step=4, message="validation loss 3.1 after step 4")
+    evaluated.attributes.update({"loss": "3.1", "seconds": "1.250"})
+    run.add_events([stamped(evaluated, 36)])
+    result = goodput(engine, "run-1")
+    assert result.badput_s["evaluation"] == pytest.approx(1.25)
+    assert result.badput_s["other"] == pytest.approx(0.75)
 
 
 def test_goodput_counts_what_each_kind_of_fault_cost_from_its_recovery_records(
@@ -234,6 +246,7 @@ def test_goodput_of_a_running_never_restarted_run_ends_at_its_latest_record(
         "replay": 0.0,
         "data_wait": 1.5,
         "reduced_size": 0.0,
+        "evaluation": 0.0,
         "other": 3.0,
     }
     assert result.badput_s == pytest.approx(expected)
@@ -276,6 +289,19 @@ def test_run_health_counts_findings_stragglers_and_dropped_records(
     assert health.goodput.productive_s == pytest.approx(6.3)
     with pytest.raises(NotFound):
         run_health(engine, "ghost")
+
+
+def test_a_runs_health_reads_as_lines_a_subject(run: TelemetryStore, engine: Engine) -> None:
+    shown = render(run_health(engine, "run-1")).splitlines()
+    assert shown[0] == "run          run-1: finished, attempt 1, last step 5"
+    assert "goodput      15.8% of 40.0 s wall (6.3 s productive)" in shown
+    # Badput by cause, largest first, and what "other" is made of.
+    assert shown[3].startswith("badput       restart 16.0 s, startup 10.0 s, replay 3.7 s")
+    assert shown[4].startswith("  other      the end of the run after its last step")
+    assert "stragglers   1 event(s); ranks [1], slow nodes none" in shown
+    assert "recoveries   1 restart(s)" in shown
+    assert "telemetry    8 record(s) dropped by the ranks' clients" in shown
+    assert shown[-1].startswith("  step      5      run  loss_spike: ")
 
 
 def test_checkpoint_events_fill_one_row_per_tier_with_the_trainers_stall(
