@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import os
 import shutil
 import sys
 import tempfile
@@ -400,6 +401,10 @@ def _staged(dest: Path, overwrite: bool) -> Iterator[Path]:
         raise UserError(f"export target {dest} is not empty (--overwrite replaces it)")
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
+    # mkdtemp makes it 0700; the export is made with the user's umask, as any directory.
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
     try:
         yield staging
         if dest.exists():

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -142,7 +143,13 @@ def test_the_export_reads_the_ssd_tier_offline_with_the_same_result(
 ) -> None:
     values = job()
     save_to_ckptd(ckptd.address, "run", 1, trained(from_values(values), steps=1), values)
-    checkpoints.export_hf(workdir, ckptd.address, "run", 1, tmp_path / "from-memory")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an export warns of nothing
+        checkpoints.export_hf(workdir, ckptd.address, "run", 1, tmp_path / "from-memory")
+    # Made with the user's umask, as any directory (not mkdtemp's 0700).
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "from-memory").stat().st_mode & 0o777 == 0o777 & ~umask
     ckptd.stop()
     checkpoints.export_hf(workdir, None, "run", 1, tmp_path / "from-ssd")
     memory = load_file(tmp_path / "from-memory" / "model-00001-of-00001.safetensors")

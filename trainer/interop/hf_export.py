@@ -9,7 +9,10 @@ The model's shape comes from the job config every checkpoint keeps (`train.confi
 
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +55,8 @@ def saved_job(reader: StorageReader) -> TrainConfig:
         raise UserError("the checkpoint keeps no job config (saved before checkpoints did), so "
                         "its model's shape is unknown")  # fmt: skip
     state = {"train": {"config": ""}}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with _one_process():
+        dcp.load(state, storage_reader=reader, no_dist=True)
     # Options added since the checkpoint was saved take their defaults.
     defaults = {o.dest: o.default for o in options.OPTIONS}
     return from_values(defaults | options.from_toml(state["train"]["config"]))
@@ -99,7 +103,8 @@ def export_hf(
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) != 1:
         raise UserError(f"the checkpoint's model mixes dtypes ({', '.join(map(str, dtypes))})")
-    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    with _one_process():
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
     hf_state = {}
     for key, tensor in tensors.items():
         name = key.removeprefix(MODEL_PREFIX)
@@ -113,7 +118,8 @@ def export_hf(
     # No fsync per shard (FileSystemWriter's default), as the stock DCP export: an export is
     # a copy that can be made again, and the fsync cost a fifth of its time here.
     writer.sync_files = False
-    dcp.save(hf_state, storage_writer=writer, no_dist=True)
+    with _one_process():
+        dcp.save(hf_state, storage_writer=writer, no_dist=True)
     dtype = str(dtypes.pop()).removeprefix("torch.")
     config = hf_config(args, dtype, tokens)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -134,3 +140,14 @@ def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> dict[str, int]:
         shard_of[name] = index
         filled += size
     return shard_of
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP in this one process (no_dist=True), without the UserWarning torch 2.13 gives for it
+    even when asked: an export is one process by design, and the warning is noise to a user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
+        yield
