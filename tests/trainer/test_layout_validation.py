@@ -53,15 +53,21 @@ def test_every_composition_of_the_issue_is_a_valid_layout():
 
 def test_degrees_that_do_not_fill_the_world_say_which_dp_shard_fits():
     with pytest.raises(
-        LayoutError, match=r"dp_replicate 2 x dp_shard 3 .* world size 4; dp_shard 2 \(or -1\) fits"
+        LayoutError,
+        match=r"unchanged: dp_shard 2 \(or -1\) \(dp_replicate 2 x dp_shard 3 .* world size 4\)",
     ):
         ParallelDims(4, dp_replicate=2, dp_shard=3)
 
 
 def test_degrees_that_do_not_divide_the_world_name_the_values_that_would():
-    with pytest.raises(LayoutError, match=r"world size 4; .*tp in \[1, 2, 4\]"):
+    # The valid choices lead; the arithmetic follows.
+    with pytest.raises(
+        LayoutError,
+        match=r"^the layout does not fit 4 ranks; valid with the others unchanged: tp in "
+        r"\[1, 2, 4\] \(.*tp 3 x pp 1 must equal the world size 4\)$",
+    ):
         ParallelDims(4, tp=3)
-    with pytest.raises(LayoutError, match=r"world size 8; .*: tp in \[1, 2, 4\]$"):
+    with pytest.raises(LayoutError, match=r"unchanged: tp in \[1, 2, 4\] \(dp_replicate"):
         ParallelDims(8, tp=3, pp=2)
 
 

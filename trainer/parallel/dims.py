@@ -73,10 +73,12 @@ class ParallelDims:
         fits = world % others == 0
         dp_shard = world // others if self.dp_shard == -1 and fits else self.dp_shard
         if dp_shard < 1 or others * dp_shard != world:
+            # The choices that fit first, the arithmetic after (what a user acts on leads).
+            valid = f"dp_shard {world // others} (or -1)" if fits else self._alternatives()
             raise LayoutError(
-                f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x "
-                f"tp {self.tp} x pp {self.pp} must equal the world size {world}; "
-                + (f"dp_shard {world // others} (or -1) fits" if fits else self._alternatives())
+                f"the layout does not fit {world} ranks; valid with the others unchanged: "
+                f"{valid} (dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp "
+                f"{self.cp} x tp {self.tp} x pp {self.pp} must equal the world size {world})"
             )
         object.__setattr__(self, "dp_shard", dp_shard)
         if (self.dp_shard * self.cp) % self.ep:
@@ -87,7 +89,8 @@ class ParallelDims:
             )
 
     def _alternatives(self) -> str:
-        """For each degree above 1, the values that would fit with the others unchanged."""
+        """For each degree above 1, the values that would fit with the others unchanged
+        ("none" when no single degree can)."""
         parts = []
         for name in ("dp_replicate", "cp", "tp", "pp"):
             if getattr(self, name) == 1:
@@ -95,7 +98,7 @@ class ParallelDims:
             rest = self.dp_replicate * self.cp * self.tp * self.pp // getattr(self, name)
             if self.world_size % rest == 0:
                 parts.append(f"{name} in {_divisors(self.world_size // rest)}")
-        return "valid with the others unchanged: " + (", ".join(parts) or "none")
+        return ", ".join(parts) or "none"
 
     @property
     def dp_size(self) -> int:
