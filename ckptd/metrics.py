@@ -3,7 +3,7 @@ reachability of its peers, the time each phase of a cluster-wide commit takes, a
 it holds and still owes.
 
 Each store has its own registry (several stores can live in one test process), served over HTTP
-by `serve_metrics` when ckptd runs with --metrics-port. Names follow Prometheus conventions:
+by `serve_metrics` when ckptd runs with --metrics HOST:PORT. Names follow Prometheus conventions:
 counters end in `_total`, units are bytes and seconds.
 """
 

@@ -46,6 +46,31 @@ if TYPE_CHECKING:
 DEFAULT_WORKDIR = Path(".scaletrain")
 
 
+class _Renamed(argparse.Action):
+    """An option whose old name (its second option string, or the whole option where `renamed`
+    gives its new form) still works for one release, with a one-line notice on stderr."""
+
+    def __init__(self, option_strings: list[str], dest: str, renamed: str = "", **kwargs: Any):
+        super().__init__(option_strings, dest, **kwargs)
+        self.renamed = renamed
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        new = self.renamed or self.option_strings[0]
+        if option_string != new:
+            print(
+                f"scaletrain: {option_string} is deprecated and goes in the next release: use "
+                f"{new}",
+                file=sys.stderr,
+            )
+        setattr(namespace, self.dest, values)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line in one line.
 
@@ -168,9 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="a job's parameters, per-rank memory, FLOPs, bubble and MFU, without a GPU"
     )
     planner.set_defaults(handler=_plan)
-    planner.add_argument("--gpus", type=int, default=8, help="ranks of the job (default 8)")
     planner.add_argument(
-        "--gpu", default="h200", help="GPU whose dense peak MFU divides by (default h200)"
+        "--ranks",
+        "--gpus",
+        action=_Renamed,
+        type=int,
+        default=8,
+        help="ranks (one a GPU) of the job, as run --ranks (default 8; --gpus: the old name)",
+    )
+    planner.add_argument(
+        "--device",
+        "--gpu",
+        action=_Renamed,
+        default="h200",
+        help="the GPU model whose memory and dense peak the plan uses (default h200; --gpu: the "
+        "old name)",
     )
     planner.add_argument(
         "--tokens-per-s", type=float, help="the target throughput whose MFU to show"
@@ -182,7 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
         "elastic job (--nodes MIN:MAX) re-forms after losing nodes",
     )
     planner.add_argument(
-        "--gpus-per-node", type=int, default=8, help="ranks a node, for --min-nodes (default 8)"
+        "--ranks-per-node",
+        "--gpus-per-node",
+        action=_Renamed,
+        type=int,
+        default=8,
+        help="ranks a node, for --min-nodes (default 8; --gpus-per-node: the old name)",
     )
     _launcher_args(planner, RUN_DEFAULTS)
     _trainer_options(planner)
@@ -205,9 +247,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ckptd.add_argument("--s3-backoff-max-s", type=float, default=30.0, help="longest retry wait")
     ckptd.add_argument("--telemetry", help="HOST:PORT of telemetry, to record tier commits")
-    ckptd.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     ckptd.add_argument(
-        "--metrics-host", default="127.0.0.1", help="address the metrics listen on (127.0.0.1)"
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics here, as telemetry --metrics (default: none)",
+    )
+    ckptd.add_argument(
+        "--metrics-port",
+        type=int,
+        action=_Renamed,
+        renamed="--metrics HOST:PORT",
+        help="deprecated: --metrics HOST:PORT (with --metrics-host, default 127.0.0.1)",
+    )
+    ckptd.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        action=_Renamed,
+        renamed="--metrics HOST:PORT",
+        help="deprecated: --metrics HOST:PORT",
     )
     ckptd.add_argument("--keep-memory", type=int, default=2, help="newest N in memory, per run")
     ckptd.add_argument("--keep-ssd", type=int, default=5, help="newest N on SSD, per run")
@@ -744,10 +801,10 @@ def _plan(args: argparse.Namespace) -> int:
         print(options.to_toml(job), end="")
         return 0
     job = job | {"run_id": job["run_id"] or "plan"}
-    print(render(plan(job, args.gpus, args.gpu, args.tokens_per_s)))
+    print(render(plan(job, args.ranks, args.device, args.tokens_per_s)))
     if args.min_nodes is not None:
-        sizes = elastic_sizes(job, args.gpus, args.gpus_per_node, args.min_nodes, args.gpu)
-        print(render_elastic(sizes, args.gpus_per_node))
+        sizes = elastic_sizes(job, args.ranks, args.ranks_per_node, args.min_nodes, args.device)
+        print(render_elastic(sizes, args.ranks_per_node))
     return 0
 
 
@@ -903,7 +960,9 @@ def _ckptd(args: argparse.Namespace) -> int:
                 "backoff_max_s": args.s3_backoff_max_s,
             }
         )
-    metrics = f"{args.metrics_host}:{args.metrics_port}"
+    metrics = args.metrics
+    if metrics is None and args.metrics_port is not None:
+        metrics = f"{args.metrics_host}:{args.metrics_port}"
     try:
         config = CkptdConfig(
             data_dir=args.data_dir,
@@ -913,7 +972,7 @@ def _ckptd(args: argparse.Namespace) -> int:
             telemetry=args.telemetry,
             retention=RetentionPolicy(args.keep_memory, args.keep_ssd, args.s3_every),
             abandon_after_s=args.abandon_after_s,
-            metrics_listen=None if args.metrics_port is None else metrics,
+            metrics_listen=metrics,
             security=ServerSecurity.from_env(allow_plaintext=args.allow_plaintext),
             limits=_limits(args),
             cluster=ClusterConfig(

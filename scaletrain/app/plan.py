@@ -82,7 +82,7 @@ def plan(
     """The plan of `job` (resolved options) on `world` ranks; UserError for a layout that cannot
     run, in the words `scaletrain run` uses."""
     if world < 1:
-        raise UserError(f"--gpus must be at least 1, got {world}")
+        raise UserError(f"--ranks must be at least 1, got {world}")
     cfg = from_values(job)
     try:
         dims = validate_layout(cfg, world)
@@ -188,7 +188,7 @@ def elastic_sizes(
     change), the micro-batches each rank then runs (`elastic_accumulation`: its micro-batch
     stays the full job's where it can) and its memory, so that a user knows MIN before the run."""
     if per_node < 1 or world % per_node:
-        raise UserError(f"--gpus-per-node {per_node} must divide --gpus {world}")
+        raise UserError(f"--ranks-per-node {per_node} must divide --ranks {world}")
     full = world // per_node
     if not 1 <= min_nodes <= full:
         raise UserError(f"--min-nodes must be 1 to {full} (the job's nodes), got {min_nodes}")

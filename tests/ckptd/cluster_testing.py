@@ -52,7 +52,7 @@ class Cluster:
         self.data_dir(i).mkdir(parents=True, exist_ok=True)
         args = ("--listen", self.addresses[i], "--node", f"node{i}", "--peers", peers)
         if self.metrics:
-            args += ("--metrics-port", str(self.metrics[i]))
+            args += ("--metrics", f"127.0.0.1:{self.metrics[i]}")
         proc = CkptdProcess(
             self.data_dir(i), self.s3, crash_at, (*args, "--sync-interval-s", "0.5", *self.args)
         )

@@ -737,8 +737,7 @@ def test_ckptd_is_a_daemonset_behind_a_node_local_service_with_its_s3_tier() -> 
         "--s3-bucket": "ckpt",
         "--s3-region": "eu-west-1",
         "--telemetry": f"{one(docs, 'Service', 'telemetry')['metadata']['name']}:50052",
-        "--metrics-port": "9101",
-        "--metrics-host": "0.0.0.0",
+        "--metrics": "0.0.0.0:9101",
     }
     assert {name: flag(c["args"], name) for name in expected} == expected
     (data,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/var/lib/scaletrain/ckptd"]

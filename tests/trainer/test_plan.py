@@ -68,7 +68,7 @@ def test_plan_counts_the_parameters_of_a_meta_device_build() -> None:
 def test_plan_shards_memory_over_the_layout_of_a_405b_job_on_16384_gpus(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    argv = ["plan", "--gpus", "16384", "--model", "llama3-405b", "--n-layers", "128",
+    argv = ["plan", "--ranks", "16384", "--model", "llama3-405b", "--n-layers", "128",
             "--tp", "8", "--pp", "16", "--pp-microbatches", "16", "--seq-len", "8192",
             "--global-batch", "2048", "--mixed-precision", "--activation-checkpointing",
             "--tokens-per-s", "2.2e6"]  # fmt: skip
@@ -107,13 +107,13 @@ def test_plan_states_what_it_assumed_and_warns_of_a_large_model_with_debug_defau
 
 
 def test_an_moe_plan_names_the_layout_it_found_valid(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["plan", "--model", "moe-small", "--gpus", "4", "--ep", "2"]) == 1
+    assert cli.main(["plan", "--model", "moe-small", "--ranks", "4", "--ep", "2"]) == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert "above" not in line and "its layout on 4 ranks (dp_shard=4 ep=2) is valid" in line
 
 
 def test_plan_refuses_a_layout_in_one_line_as_run_does(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan", "--gpus", "16384", "--model", "llama3-405b", "--tp", "8", "--pp", "16",
+    argv = ["plan", "--ranks", "16384", "--model", "llama3-405b", "--tp", "8", "--pp", "16",
             "--global-batch", "2048"]  # fmt: skip
     assert cli.main(argv) == 1
     (line,) = capsys.readouterr().err.splitlines()
@@ -126,7 +126,7 @@ def test_plan_tells_which_smaller_node_counts_an_elastic_job_can_continue_on(
     # 4 nodes of 2 ranks, tp 2 within each: 3 nodes leave 6 ranks, and a global batch of 8 does
     # not split over 3 data-parallel ranks; 2 nodes halve it, each rank running 2 micro-batches
     # of the full job's size; 1 node, 4 micro-batches.
-    argv = ["plan", "--gpus", "8", "--gpus-per-node", "2", "--min-nodes", "1", "--model",
+    argv = ["plan", "--ranks", "8", "--ranks-per-node", "2", "--min-nodes", "1", "--model",
             "debug", "--tp", "2", "--global-batch", "8"]  # fmt: skip
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
@@ -145,6 +145,18 @@ def test_plan_tells_which_smaller_node_counts_an_elastic_job_can_continue_on(
 
 
 def test_plan_refuses_a_min_nodes_the_job_cannot_have(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["plan", "--gpus", "8", "--gpus-per-node", "2", "--min-nodes", "5"]) == 1
+    assert cli.main(["plan", "--ranks", "8", "--ranks-per-node", "2", "--min-nodes", "5"]) == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert "--min-nodes must be 1 to 4 (the job's nodes), got 5" in line
+
+
+def test_the_old_flag_names_still_plan_with_a_one_line_notice(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["plan", "--gpus", "2", "--gpu", "h100"]) == 0
+    captured = capsys.readouterr()
+    assert "layout        2 ranks" in captured.out and "of one h100" in captured.out
+    assert captured.err.splitlines() == [
+        "scaletrain: --gpus is deprecated and goes in the next release: use --ranks",
+        "scaletrain: --gpu is deprecated and goes in the next release: use --device",
+    ]
