@@ -705,8 +705,28 @@ def _job(args: argparse.Namespace, defaults: dict[str, options.Value]) -> dict[s
     resuming = given.get("resume") and hasattr(args, "workdir")  # not for `plan`
     stored = _stored_job(args.workdir, given, defaults) if resuming else None
     job = options.resolve(given, args.config, defaults, stored)
+    if job["init_from_hf"] and not resuming:
+        chosen = {**(options.read_config(args.config) if args.config else {}), **given}
+        job |= _hf_shape(Path(str(job["init_from_hf"])), chosen)
     FaultPlan.parse(*(job[d] for d in options.FAULT_METAVARS))
     return job
+
+
+def _hf_shape(directory: Path, chosen: dict[str, options.Value]) -> dict[str, options.Value]:
+    """The model shape of the Hugging Face model a run starts from (its config.json, as
+    `HFModel.options` maps it), over the preset's; an option the user set to another value is
+    refused in one line naming both."""
+    from trainer.interop.hf import read_hf_model
+
+    shape = read_hf_model(directory).options
+    for dest, value in shape.items():
+        if dest in chosen and chosen[dest] != value:
+            flag = options.BY_DEST[dest].flag
+            raise UserError(
+                f"{flag} {chosen[dest]} contradicts --init-from-hf {directory}, whose "
+                f"config.json gives {value}; leave {flag} out to take the model's"
+            )
+    return dict(shape)
 
 
 def _stored_job(

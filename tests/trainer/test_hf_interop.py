@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -319,8 +320,32 @@ def test_scaletrain_run_refuses_a_mismatched_hf_directory_before_starting_anythi
     capsys.readouterr()
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "set --vocab-size 256 --dim 64" in err
+    assert (
+        err.count("\n") == 1
+        and (
+            f"--vocab-size 512 contradicts --init-from-hf {tmp_path / 'hf'}, whose config.json "
+            "gives 256; leave --vocab-size out to take the model's"
+        )
+        in err
+    )
     assert not (tmp_path / "work").exists()
+
+
+def test_a_run_from_hf_weights_takes_the_models_shape_from_its_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hf_llama(tmp_path / "hf", vocab_size=2048)
+    # The same values given again are no contradiction.
+    argv = ["run", "--init-from-hf", str(tmp_path / "hf"), "--dim", "64", "--print-config"]
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    model = tomllib.loads(capsys.readouterr().out)["model"]
+    assert (model["dim"], model["n_layers"], model["n_heads"], model["n_kv_heads"]) == (64, 2, 4, 2)
+    assert model["vocab_size"] == 2048 and model["rope_theta"] == 500_000.0
+    assert model["norm_eps"] == 1e-5
+    # And plan measures that model, not the preset's.
+    assert cli.main(["plan", "--ranks", "1", "--init-from-hf", str(tmp_path / "hf")]) == 0
+    assert f"embedding {2048 * 64:,}" in capsys.readouterr().out
 
 
 def hf_first_loss(directory: Path, seq_len: int, global_batch: int, seed: int = 1234) -> float:
