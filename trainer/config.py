@@ -15,7 +15,7 @@ from trainer.fp8 import make_recipe
 from trainer.fp8.fsdp import check_all_gather
 from trainer.health.faults import FaultPlan
 from trainer.health.watchdog import WatchdogPolicy
-from trainer.model.llama import ModelArgs
+from trainer.model.llama import ModelArgs, RopeScaling
 from trainer.model.moe import MoEArgs
 
 
@@ -209,6 +209,14 @@ def from_values(v: dict[str, options.Value]) -> TrainConfig:
         ffn_dim_multiplier=v["ffn_dim_multiplier"] or None,
         max_seq_len=v["max_seq_len"],
         rope_theta=v["rope_theta"],
+        rope_scaling=RopeScaling(
+            v["rope_scaling"],
+            v["rope_low_freq_factor"],
+            v["rope_high_freq_factor"],
+            v["rope_original_max_len"],
+        )
+        if v["rope_scaling"]
+        else None,
         norm_eps=v["norm_eps"],
         moe=moe,
     )

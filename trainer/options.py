@@ -216,6 +216,36 @@ OPTIONS: tuple[Option, ...] = (
     _model(
         "rope_theta", float, "base of the rotary embedding's frequencies", minimum=0, exclusive=True
     ),
+    _model(
+        "rope_scaling",
+        float,
+        "Llama 3.1's RoPE scaling for long context: low frequencies divided by this, high ones "
+        "kept, a ramp between (0: none; Llama 3.1/3.3: 8, 3.2: 32)",
+        minimum=0,
+    ),
+    _model(
+        "rope_low_freq_factor",
+        float,
+        "with --rope-scaling: wavelengths above rope_original_max_len / this are scaled",
+        default=1.0,
+        minimum=0,
+        exclusive=True,
+    ),
+    _model(
+        "rope_high_freq_factor",
+        float,
+        "with --rope-scaling: wavelengths below rope_original_max_len / this are kept",
+        default=4.0,
+        minimum=0,
+        exclusive=True,
+    ),
+    _model(
+        "rope_original_max_len",
+        int,
+        "with --rope-scaling: the context length the model was pretrained at",
+        default=8192,
+        minimum=1,
+    ),
     _model("max_seq_len", int, "longest sequence the rotary tables cover", minimum=1),
     _model("norm_eps", float, "RMSNorm epsilon", minimum=0, exclusive=True),
     _model("n_experts", int, "routed experts in every block (0: dense feed-forward)", minimum=0),

@@ -38,7 +38,7 @@ from trainer.data.loader import DeterministicLoader
 from trainer.data.prepare import PrepareOptions, prepare
 from trainer.interop.hf import read_hf_model
 from trainer.interop.hf_import import check_init, load_hf_weights
-from trainer.model.llama import Transformer, next_token_loss
+from trainer.model.llama import Transformer, next_token_loss, rope_frequencies
 from trainer.parallel.probe import CORPUS_BYTES, launch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -174,6 +174,45 @@ def test_hf_weights_imported_then_exported_are_bitwise_equal(
     assert source.keys() == again.keys() and all(torch.equal(source[k], again[k]) for k in source)
 
 
+# Llama 3.1's rotary scaling, on a pretraining length short enough that the tiny model's
+# frequencies fall in all three bands (kept, ramped, divided).
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+
+
+def test_a_llama_3_1_with_scaled_rope_imports_with_its_own_frequencies_and_logits(
+    tmp_path: Path,
+) -> None:
+    hf = hf_llama(tmp_path, rope_scaling=LLAMA31_ROPE)
+    shape = read_hf_model(tmp_path).options
+    assert (shape["rope_scaling"], shape["rope_original_max_len"]) == (8.0, 16)
+    cfg = from_values(job(**shape))
+    model = Transformer(cfg.model)
+    model.init_weights(7)
+    load_hf_weights(model, tmp_path, cfg.model)
+    # The very frequencies transformers computes, bit for bit.
+    assert torch.equal(rope_frequencies(cfg.model), hf.model.rotary_emb.inv_freq)
+    tokens = torch.randint(0, 256, (2, 40))  # past the original 16 positions
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_with_scaled_rope_exports_what_transformers_reads_back(
+    ckptd: RunningCkptd, workdir: Path, tmp_path: Path
+) -> None:
+    values = job(rope_scaling=8.0, rope_original_max_len=16)
+    model = trained(from_values(values), steps=1)
+    save_to_ckptd(ckptd.address, "run", 1, model, values)
+    checkpoints.export_hf(workdir, ckptd.address, "run", 1, tmp_path / "hf")
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.rope_parameters["rope_type"] == "llama3"
+    tokens = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+    # And back: the exported directory maps to the same options.
+    assert read_hf_model(tmp_path / "hf").options["rope_scaling"] == 8.0
+
+
 def test_an_export_into_a_non_empty_directory_is_refused_unless_overwrite(
     ckptd: RunningCkptd, workdir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -243,8 +282,9 @@ def _edit_config(**changes: object) -> object:
             "LlamaForCausalLM",
         ),
         (
-            _edit_config(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
-            'rope_scaling = {"rope_type": "llama3", "factor": 8.0} cannot be mapped',
+            _edit_config(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+            'rope_type = "linear" cannot be mapped; this trainer\'s Llama has rope_type = '
+            '"default"',
         ),
         (
             _edit_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),

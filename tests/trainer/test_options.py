@@ -38,7 +38,14 @@ SAMPLES: dict[str, options.Value] = {
 
 
 # Options that act only beside another (that one's sample joins the base job).
-NEEDS = {"document_masking": "data", "eval_every": "eval_data", "mem_ckpt_every": "ckptd"}
+NEEDS = {
+    "document_masking": "data",
+    "eval_every": "eval_data",
+    "mem_ckpt_every": "ckptd",
+    **dict.fromkeys(
+        ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len"), "rope_scaling"
+    ),
+}
 
 
 def base_of(o: Option) -> dict[str, options.Value]:
@@ -55,6 +62,14 @@ def prepared_data(tmp_path_factory: pytest.TempPathFactory) -> None:
     out = tmp_path_factory.mktemp("prepared")
     prepare(PrepareOptions(inputs=[str(text)], out=out))
     SAMPLES["data"] = str(out)
+    # `--init-from-hf` takes a Hugging Face Llama directory (its config sizes the model).
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = tmp_path_factory.mktemp("hf")
+    shape = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "intermediate_size": 96, "vocab_size": 256}  # fmt: skip
+    LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(hf)
+    SAMPLES["init_from_hf"] = str(hf)
 
 
 def sample(o: Option) -> options.Value:

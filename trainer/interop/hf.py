@@ -110,9 +110,12 @@ def hf_config(args: ModelArgs, dtype: str, tokens: dict[str, int | None]) -> dic
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "max_position_embeddings": args.max_seq_len,
-        # transformers 5 reads `rope_parameters`, earlier versions `rope_theta`: both.
+        # transformers 5 reads `rope_parameters`, earlier versions `rope_theta` and
+        # `rope_scaling`: both.
         "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta}
+        | _hf_rope_scaling(args),
+        "rope_scaling": _hf_rope_scaling(args) or None,
         "rms_norm_eps": args.norm_eps,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -124,15 +127,31 @@ def hf_config(args: ModelArgs, dtype: str, tokens: dict[str, int | None]) -> dic
     }
 
 
+def _hf_rope_scaling(args: ModelArgs) -> dict[str, Any]:
+    """Llama 3.1's `rope_scaling` for `args` (empty for plain RoPE)."""
+    scaling = args.rope_scaling
+    if scaling is None:
+        return {}
+    return {
+        "rope_type": LLAMA3_ROPE,
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_len,
+    }
+
+
 # What an HF config must say for our Llama to compute the same function, and what we take instead.
 _REQUIRED: dict[str, tuple[object, ...]] = {
     "hidden_act": ("silu",),
     "attention_bias": (False, None),
     "mlp_bias": (False, None),
     "tie_word_embeddings": (False, None),
-    "rope_scaling": (None,),
-    "rope_type": ("default", None),  # transformers 5's rope_parameters["rope_type"]
+    # transformers 5's rope_parameters["rope_type"], or the rope_scaling of earlier versions.
+    "rope_type": ("default", None, "llama3"),
 }
+# The one rotary scaling our Llama has: Llama 3.1's.
+LLAMA3_ROPE = "llama3"
 
 
 @dataclass(frozen=True)
@@ -161,8 +180,32 @@ class HFModel:
             "multiple_of": intermediate,
             "ffn_dim_multiplier": 0.0 if hidden <= intermediate else intermediate / hidden,
             "rope_theta": float(_rope(c).get("rope_theta", 10_000.0)),
+            **_rope_scaling_options(c),
             "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
         }
+
+
+def _rope_scaling(config: dict[str, Any]) -> dict[str, Any]:
+    """The rotary scaling of an HF config (empty for none): `rope_scaling` (transformers 4 and
+    the published Llama 3.1 configs), else `rope_parameters` of a type other than default."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or (
+        params if params.get("rope_type", "default") != "default" else {}
+    )
+    return dict(scaling)
+
+
+def _rope_scaling_options(config: dict[str, Any]) -> dict[str, int | float]:
+    """Our rope options for the HF config's scaling (plain RoPE: rope_scaling 0)."""
+    scaling = _rope_scaling(config)
+    if not scaling:
+        return {"rope_scaling": 0.0}
+    return {
+        "rope_scaling": float(scaling["factor"]),
+        "rope_low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
+        "rope_high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
+        "rope_original_max_len": int(scaling.get("original_max_position_embeddings", 8192)),
+    }
 
 
 def _rope(config: dict[str, Any]) -> dict[str, Any]:
@@ -190,7 +233,9 @@ def read_hf_model(directory: Path, flag: str = "--init-from-hf") -> HFModel:
             f"{where}: architecture {', '.join(map(str, architectures))} cannot be mapped; "
             f"this trainer's model is a {ARCHITECTURE}"
         )
-    settings = config | {"rope_type": (config.get("rope_parameters") or {}).get("rope_type")}
+    scaling = _rope_scaling(config)
+    rope_type = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    settings = config | {"rope_type": rope_type}
     for key, allowed in _REQUIRED.items():
         if settings.get(key) not in allowed:
             raise UserError(

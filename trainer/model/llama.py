@@ -20,6 +20,39 @@ from trainer.model.moe import MoE, MoEArgs
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's rotary scaling for long context: frequencies whose wavelength is longer than
+    `original_max_len / low_freq_factor` are divided by `factor`, those shorter than
+    `original_max_len / high_freq_factor` kept, and a smooth ramp between."""
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"rope_high_freq_factor {self.high_freq_factor} must be above "
+                f"rope_low_freq_factor {self.low_freq_factor}"
+            )
+
+    def scaled(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """`inv_freq` scaled, in the very operations of transformers' llama3 rope (so that an
+        imported Llama 3.1 computes its tables bit for bit)."""
+        low_wavelen = self.original_max_len / self.low_freq_factor
+        high_wavelen = self.original_max_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        out = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed = (1 - smooth) * out / self.factor + smooth * out
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, out)
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     dim: int = 128
     n_layers: int = 4
@@ -31,6 +64,8 @@ class ModelArgs:
     ffn_dim_multiplier: float | None = None
     max_seq_len: int = 1024
     rope_theta: float = 10_000.0
+    # None: plain RoPE; else Llama 3.1's scaling of its frequencies.
+    rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5
     # None: every block has a dense SwiGLU feed-forward; else every block has this MoE instead.
     moe: MoEArgs | None = None
@@ -57,6 +92,17 @@ class ModelArgs:
         return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
 
 
+def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """The rotary frequencies of a head's dimension pairs (head_dim // 2), scaled as the model
+    says (Llama 3.1's `RopeScaling`)."""
+    half = args.head_dim // 2
+    exponents = torch.arange(0, half, dtype=torch.float32, device=device) / half
+    inv_freq = 1.0 / (args.rope_theta**exponents)
+    if args.rope_scaling is not None:
+        inv_freq = args.rope_scaling.scaled(inv_freq)
+    return inv_freq
+
+
 def rope_tables(
     args: ModelArgs, positions: torch.Tensor | None = None, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,9 +111,7 @@ def rope_tables(
     `positions` (default: every one up to max_seq_len) are the sequence positions the model is
     fed, in order: context parallelism feeds each rank only some of them.
     """
-    half = args.head_dim // 2
-    exponents = torch.arange(0, half, dtype=torch.float32, device=device) / half
-    inv_freq = 1.0 / (args.rope_theta**exponents)
+    inv_freq = rope_frequencies(args, device)
     if positions is None:
         positions = torch.arange(args.max_seq_len, device=device)
     angles = torch.outer(positions.to(device=device, dtype=torch.float32), inv_freq)
