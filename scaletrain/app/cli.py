@@ -212,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument(
         "--tokens-per-s", type=float, help="the target throughput whose MFU to show"
     )
+    planner.add_argument("--json", action="store_true", help="print the plan as JSON")
     planner.add_argument(
         "--min-nodes",
         type=int,
@@ -392,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     example.set_defaults(handler=_data_example)
     example.add_argument("--out", type=Path, required=True, help="where train/ and heldout/ go")
     example.add_argument("--vocab", type=int, default=EXAMPLE_VOCAB, help="the BPE's vocabulary")
+    for made in (prepare, example):
+        made.add_argument("--json", action="store_true", help="print the manifests made as JSON")
 
     ckpt = sub.add_parser("ckpt", help="list, show, verify, export and remove checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
@@ -420,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _checkpoint_args(export, required=True)
     export.add_argument("dest", type=Path)
+    export.add_argument("--json", action="store_true", help="print what was written as JSON")
     export.add_argument(
         "--format",
         choices=("dcp", "hf"),
@@ -683,9 +687,18 @@ def _data_example(args: argparse.Namespace) -> int:
     from trainer.data.prepare import prepare_example, summary
 
     made = zip(("train", "heldout"), prepare_example(args.out, args.vocab, sys.stderr), strict=True)
-    for name, manifest in made:
-        print(f"[data] {args.out / name}: {summary(manifest)}")
+    manifests = {str(args.out / name): manifest for name, manifest in made}
+    _print_made(manifests, args.json, summary)
     return 0
+
+
+def _print_made(manifests: dict[str, dict], as_json: bool, summary: Callable[[dict], str]) -> None:
+    """What `data` made: directory -> its manifest, as JSON or a line each."""
+    if as_json:
+        print(json.dumps(manifests, indent=2))
+        return
+    for out, manifest in manifests.items():
+        print(f"[data] {out}: {summary(manifest)}")
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
@@ -693,7 +706,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
     from trainer.data.prepare import options_from, prepare, summary
 
     manifest = prepare(options_from(args), progress=sys.stderr)
-    print(f"[data] {args.out}: {summary(manifest)}")
+    _print_made({str(args.out): manifest}, args.json, summary)
     return 0
 
 
@@ -821,9 +834,18 @@ def _plan(args: argparse.Namespace) -> int:
         print(options.to_toml(job), end="")
         return 0
     job = job | {"run_id": job["run_id"] or "plan"}
-    print(render(plan(job, args.ranks, args.device, args.tokens_per_s)))
+    planned = plan(job, args.ranks, args.device, args.tokens_per_s)
+    sizes = None
     if args.min_nodes is not None:
         sizes = elastic_sizes(job, args.ranks, args.ranks_per_node, args.min_nodes, args.device)
+    if args.json:
+        shown = dataclasses.asdict(planned) | {"mfu": planned.mfu}
+        if sizes is not None:
+            shown["elastic"] = [dataclasses.asdict(size) for size in sizes]
+        print(json.dumps(shown, indent=2))
+        return 0
+    print(render(planned))
+    if sizes is not None:
         print(render_elastic(sizes, args.ranks_per_node))
     return 0
 
@@ -1217,6 +1239,9 @@ def _ckpt_export(args: argparse.Namespace) -> int:
         hf = checkpoints.export_hf(
             args.workdir, args.ckptd, run, step, args.dest, args.overwrite, args.shard_mb * 10**6
         )
+        if args.json:
+            _print_exported(run, step, args.dest, [*hf.shards, *hf.files], hf.weight_bytes)
+            return 0
         print(
             f"exported {run}@{step} for Hugging Face: {len(hf.shards)} safetensors "
             f"shards ({hf.weight_bytes / 1e6:,.1f} MB) and {', '.join(hf.files)} to {args.dest}"
@@ -1225,8 +1250,21 @@ def _ckpt_export(args: argparse.Namespace) -> int:
     files = checkpoints.export(
         args.workdir, args.ckptd, run, step, args.dest, overwrite=args.overwrite
     )
+    if args.json:
+        _print_exported(run, step, args.dest, [f.name for f in files], None)
+        return 0
     print(f"exported {run}@{step}: {len(files)} files to {args.dest}")
     return 0
+
+
+def _print_exported(
+    run: str, step: int, dest: Path, files: list[str], weight_bytes: int | None
+) -> None:
+    """What `ckpt export --json` prints: the checkpoint, where it went, and its files."""
+    shown: dict[str, object] = {"run": run, "step": step, "dest": str(dest), "files": files}
+    if weight_bytes is not None:
+        shown["weight_bytes"] = weight_bytes
+    print(json.dumps(shown, indent=2))
 
 
 def _print_show(shown: dict) -> None:

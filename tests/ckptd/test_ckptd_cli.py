@@ -91,7 +91,10 @@ def test_on_a_work_directory_with_no_ckptd_running_every_command_works(
     assert "run" in ckpt("ls", *at).stdout
     assert "ssd      COMMITTED" in ckpt("show", *at, "run", "3").stdout
     assert ckpt("verify", *at, "run", "3").stdout.strip() == "run@3\nssd     ok"
-    assert ckpt("export", *at, "run", "3", str(tmp_path / "out")).returncode == 0
+    exported = json.loads(ckpt("export", *at, "run", "3", str(tmp_path / "out"), "--json").stdout)
+    assert exported == {
+        "run": "run", "step": 3, "dest": str(tmp_path / "out"), "files": sorted(files),
+    }  # fmt: skip
     assert (tmp_path / "out" / "__0_0.distcp").read_bytes() == files["__0_0.distcp"][2]
     assert ckpt("rm", *at, "run", "3", "--force").stdout.strip() == "removed run@3 from ssd"
     unknown = ckpt("verify", *at, "run", "3")

@@ -41,3 +41,20 @@ def test_the_version_is_one_line_and_the_help_speaks_to_a_user():
     assert version.returncode == 0 and version.stdout.strip().startswith("scaletrain 0.")
     described = scaletrain("--help").stdout
     assert "argument parsing" not in described and "Train Llama-style models" in described
+
+
+# The commands that print results rather than serve or write credentials.
+RESULTS = (
+    "run", "chaos", "plan", "telemetry", "data prepare", "data example",
+    "ckpt ls", "ckpt show", "ckpt verify", "ckpt export",
+)  # fmt: skip
+
+
+def test_every_command_that_prints_results_can_print_them_as_json():
+    parsers = dict(every_parser(build_parser()))
+    missing = [
+        command
+        for command in RESULTS
+        if "--json" not in parsers[f"scaletrain {command}"]._option_string_actions
+    ]
+    assert missing == []

@@ -5,6 +5,7 @@ as `scaletrain run` refuses them."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -160,3 +161,11 @@ def test_the_old_flag_names_still_plan_with_a_one_line_notice(
         "scaletrain: --gpus is deprecated and goes in the next release: use --ranks",
         "scaletrain: --gpu is deprecated and goes in the next release: use --device",
     ]
+
+
+def test_a_plan_prints_as_json_with_its_elastic_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--ranks", "4", "--ranks-per-node", "2", "--min-nodes", "1", "--json"]
+    assert cli.main(argv) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["world"] == 4 and shown["memory"]["total"] > 0 and shown["assumed"]
+    assert [size["nodes"] for size in shown["elastic"]] == [2, 1]
