@@ -197,6 +197,29 @@ def test_a_llama_3_1_with_scaled_rope_imports_with_its_own_frequencies_and_logit
         torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_llama_3_2_with_tied_embeddings_loads_with_its_logits_and_exports_untied(
+    ckptd: RunningCkptd, workdir: Path, tmp_path: Path
+) -> None:
+    hf = hf_llama(tmp_path / "tied", tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(tmp_path / "tied" / "model.safetensors")
+    values = job(**read_hf_model(tmp_path / "tied").options)
+    cfg = from_values(values)
+    model = Transformer(cfg.model)
+    model.init_weights(7)
+    load_hf_weights(model, tmp_path / "tied", cfg.model)
+    # The output starts as the embedding (then trains on its own: our model is untied).
+    assert torch.equal(model.output.weight, model.tok_embeddings.weight)
+    tokens = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+    save_to_ckptd(ckptd.address, "tied", 0, model, values)
+    checkpoints.export_hf(workdir, ckptd.address, "tied", 0, tmp_path / "again")
+    again = LlamaForCausalLM.from_pretrained(tmp_path / "again").eval()
+    assert again.config.tie_word_embeddings is False
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_a_model_with_scaled_rope_exports_what_transformers_reads_back(
     ckptd: RunningCkptd, workdir: Path, tmp_path: Path
 ) -> None:
@@ -401,8 +424,10 @@ def hf_first_loss(directory: Path, seq_len: int, global_batch: int, seed: int = 
 def test_hf_weights_load_into_every_layout_bit_for_bit_with_the_hf_models_first_step_loss(
     tmp_path: Path,
 ) -> None:
-    """FSDP over 4 ranks, FSDP x TP (strided shards), and pipeline stages x FSDP, one job."""
-    hf_llama(tmp_path / "hf")
+    """FSDP over 4 ranks, FSDP x TP (strided shards), and pipeline stages x FSDP, one job; the
+    HF model's embeddings tied (Llama 3.2), so the output is read from the embedding in each
+    layout's own shards (on the pipeline's last stage only)."""
+    hf_llama(tmp_path / "hf", tie_word_embeddings=True)
     model = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256,
              "ffn_multiple_of": 32, "rope_theta": 500_000.0}  # fmt: skip
     common = {
@@ -436,6 +461,7 @@ def test_hf_weights_load_into_every_layout_bit_for_bit_with_the_hf_models_first_
     source = load_file(tmp_path / "hf" / "model.safetensors")
     again = load_file(tmp_path / "out" / "model-00001-of-00001.safetensors")
     assert all(torch.equal(source[k], again[k]) for k in source)
+    assert torch.equal(again["lm_head.weight"], source["model.embed_tokens.weight"])
 
 
 def test_a_trainer_run_initialised_from_hf_logs_the_hf_models_first_step_loss(

@@ -33,10 +33,12 @@ SAFETENSORS_SUFFIX = ".safetensors"
 # transformers' own default largest shard (`save_pretrained(max_shard_size="5GB")`).
 DEFAULT_SHARD_BYTES = 5 * 10**9
 
+# Our embedding and output projection (which a tied HF model shares).
+EMBEDDING, OUTPUT = "tok_embeddings.weight", "output.weight"
 _TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
+    EMBEDDING: "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+    OUTPUT: "lm_head.weight",
 }
 _BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -146,7 +148,6 @@ _REQUIRED: dict[str, tuple[object, ...]] = {
     "hidden_act": ("silu",),
     "attention_bias": (False, None),
     "mlp_bias": (False, None),
-    "tie_word_embeddings": (False, None),
     # transformers 5's rope_parameters["rope_type"], or the rope_scaling of earlier versions.
     "rope_type": ("default", None, "llama3"),
 }
@@ -163,6 +164,18 @@ class HFModel:
     config: dict[str, Any]
     shapes: dict[str, tuple[int, ...]]
     dtype: str  # safetensors' name, one for every tensor
+
+    @property
+    def tied(self) -> bool:
+        """Whether the output projection is the embedding (Llama 3.2 1B and 3B): the file then
+        holds no lm_head, and our (untied) output starts as a copy of the embedding."""
+        return bool(self.config.get("tie_word_embeddings"))
+
+    def source(self, name: str) -> str:
+        """The HF tensor our parameter `name` is loaded from."""
+        if self.tied and name == OUTPUT:
+            return hf_name(EMBEDDING)
+        return hf_name(name)
 
     @property
     def options(self) -> dict[str, int | float]:
@@ -319,17 +332,29 @@ def check_matches(model: HFModel, ours: dict[str, tuple[int, ...]], args: ModelA
         raise UserError(f"--init-from-hf {model.directory}: the HF model has {layers} layers, "
                         f"this run's model {args.n_layers}; set --n-layers {layers}")  # fmt: skip
     for name, shape in ours.items():
-        theirs = model.shapes.get(hf_name(name))
+        theirs = model.shapes.get(model.source(name))
         if theirs == shape:
             continue
         fix = next((d for suffix, d in _SIZED_BY.items() if name.endswith(suffix)), ("dim",))
         found = "missing" if theirs is None else "x".join(map(str, theirs))
         raise UserError(
-            f"--init-from-hf {model.directory}: {hf_name(name)} is {found}, this run's "
+            f"--init-from-hf {model.directory}: {model.source(name)} is {found}, this run's "
             f"{name} is {'x'.join(map(str, shape))}; set "
             f"{_flags({d: wanted[d] for d in fix})}"
         )
-    actual = {"n_heads": args.n_heads, "rope_theta": args.rope_theta, "norm_eps": args.norm_eps}
+    scaling = args.rope_scaling
+    actual = {
+        "n_heads": args.n_heads,
+        "rope_theta": args.rope_theta,
+        "norm_eps": args.norm_eps,
+        "rope_scaling": scaling.factor if scaling else 0.0,
+    }
+    if scaling and wanted["rope_scaling"]:
+        actual |= {
+            "rope_low_freq_factor": scaling.low_freq_factor,
+            "rope_high_freq_factor": scaling.high_freq_factor,
+            "rope_original_max_len": scaling.original_max_len,
+        }
     for dest, value in actual.items():
         if not math.isclose(value, wanted[dest], rel_tol=1e-9):
             raise UserError(

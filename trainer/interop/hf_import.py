@@ -5,6 +5,8 @@ keyed by HF's names, is loaded with `dcp.load` through DCP's own `HuggingFaceSto
 DCP plans the resharding from the safetensors headers as it does for our own checkpoints. The one
 change to the stock reader: a `wq`/`wk` read fetches the rows of HF's layout that hold the rows
 asked for (`trainer.interop.hf.rope_order`), so the RoPE permutation needs no gathered tensor.
+A model with tied embeddings (Llama 3.2 1B and 3B) has no `lm_head` in its files: our untied
+output is loaded from the embedding in a second pass, and trains on its own from there.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from trainer.interop.hf import check_matches, hf_name, read_hf_model, rope_order, rope_permuted
+from trainer.interop.hf import (
+    OUTPUT,
+    check_matches,
+    hf_name,
+    read_hf_model,
+    rope_order,
+    rope_permuted,
+)
 from trainer.model.llama import ModelArgs, Transformer
 
 
@@ -66,12 +75,16 @@ def load_hf_weights(model: nn.Module, directory: Path, args: ModelArgs) -> None:
     """Overwrite `model`'s parameters, laid out in any way (FSDP2, TP, PP stages: each rank's
     own), with the HF Llama in `directory`; a collective over the default process group.
     Weights in bfloat16 or float16 are widened to the model's dtype as they are copied."""
-    check_init(directory, args)
+    hf = read_hf_model(directory)
+    check_matches(hf, whole_shapes(args), args)
     state = get_model_state_dict(model)
     ours = whole_shapes(args)
     loaded = {name: tensor for name, tensor in state.items() if name in ours}
-    reader = RopeReorderingReader(
-        str(directory), {hf_name(name): args.head_dim for name in loaded if rope_permuted(name)}
-    )
-    dcp.load({hf_name(name): tensor for name, tensor in loaded.items()}, storage_reader=reader)
+    heads = {hf_name(name): args.head_dim for name in loaded if rope_permuted(name)}
+    # A tied model's one tensor goes into two of ours: the output in a second pass (each rank
+    # still reads only its own shard of it, in whatever layout the output has).
+    second = {OUTPUT: loaded.pop(OUTPUT)} if hf.tied and OUTPUT in loaded else {}
+    for part in (loaded, second) if hf.tied else (loaded,):
+        reader = RopeReorderingReader(str(directory), heads)
+        dcp.load({hf.source(name): tensor for name, tensor in part.items()}, storage_reader=reader)
     set_model_state_dict(model, state)
