@@ -117,9 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--resume",
-        action="store_true",
+        nargs="?",
+        const=True,
         default=argparse.SUPPRESS,
-        help="continue the last run of --workdir",
+        metavar="RUN[@STEP]",
+        help="continue a run with the job it was started with (flags given again override it): "
+        "the last run of --workdir, or RUN; @STEP checks that STEP is the run's newest "
+        "checkpoint, where it goes on from",
     )
     run.add_argument("--json", action="store_true", help="print the summary as JSON")
     run.add_argument(
@@ -742,6 +746,38 @@ def _hf_shape(directory: Path, chosen: dict[str, options.Value]) -> dict[str, op
     return dict(shape)
 
 
+def _resume_target(args: argparse.Namespace) -> None:
+    """`--resume RUN[@STEP]` as `--resume --run-id RUN`, once STEP is checked to be RUN's newest
+    checkpoint in the work directory (a run goes on from its newest: an older STEP is refused,
+    naming the newer ones, which only `ckpt rm` takes away)."""
+    from scaletrain.app import checkpoints
+
+    target = getattr(args, "resume", False)
+    if not isinstance(target, str):
+        return
+    run, _, step = target.partition("@")
+    given = getattr(args, "run_id", None)
+    if given and given != run:
+        raise UserError(f"--resume {target} names run {run}, --run-id {given}: give one")
+    args.resume, args.run_id = True, run
+    if not step:
+        return
+    try:
+        wanted = checkpoints.parse_step(step)
+    except ValueError as exc:
+        raise UserError(f"--resume {target}: {exc}") from None
+    found = checkpoints.checkpoint(args.workdir, None, run, wanted).ref.step
+    newest = checkpoints.checkpoint(args.workdir, None, run, None).ref.step
+    if found != newest:
+        rows = checkpoints.list_checkpoints(args.workdir, None, run)
+        newer = [step for row in rows if (step := int(str(row["step"]))) > found]
+        raise UserError(
+            f"--resume {target}: run {run} goes on from its newest checkpoint, step {newest}; "
+            f"to go back to step {found}, remove the newer ones first (steps "
+            f"{', '.join(map(str, newer))}: scaletrain ckpt rm {run} STEP --force)"
+        )
+
+
 def _stored_job(
     workdir: Path, given: dict[str, options.Value], defaults: dict[str, options.Value]
 ) -> dict[str, object] | None:
@@ -784,6 +820,7 @@ def _run(args: argparse.Namespace) -> int:
     from scaletrain.app.embedded import RunOptions, run
     from scaletrain.app.stack import Workdir
 
+    _resume_target(args)
     job = _job(args, RUN_DEFAULTS)
     if args.print_config:
         print(options.to_toml(job), end="")

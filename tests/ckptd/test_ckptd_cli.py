@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,12 @@ from ckptd.config import S3Config
 from ckptd.server import RunningCkptd
 from ckptd.store import CheckpointStore
 from ckptd.tiers import CheckpointKey
+from scaletrain.app.cli import RUN_DEFAULTS
+from scaletrain.app.stack import Workdir
+from scaletrain.v1 import telemetry_pb2
+from telemetry.db import connect, migrate
+from telemetry.store import TelemetryStore
+from trainer import options
 
 RunCkptd = Callable[..., RunningCkptd]
 OpenStore = Callable[..., CheckpointStore]
@@ -140,3 +147,39 @@ def test_latest_names_the_newest_and_a_wrong_name_lists_the_nearest_that_exist(
     # A mistyped work directory is an error, not an empty one.
     missing = ckpt("ls", "--workdir", str(tmp_path / "typo"))
     assert missing.returncode == 1 and "no work directory" in missing.stderr
+
+
+def test_resume_at_a_step_goes_on_only_from_the_runs_newest_checkpoint(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    workdir = tmp_path / "wd"
+    store = open_store(data_dir=workdir / "ckptd")
+    for step in (3, 6):
+        store_save(store, "run", step, checkpoint_files(world_size=1, shard_bytes=1 << 16))
+    store.close()
+    engine = connect(Workdir(workdir).db_url)
+    migrate(engine)
+    job = options.resolve({"lr": 0.002}, None, RUN_DEFAULTS) | {"run_id": "run"}
+    TelemetryStore(engine).register_run(
+        telemetry_pb2.RegisterRunRequest(
+            run_id="run", world_size=1, config_json=json.dumps({"job": job})
+        )
+    )
+    engine.dispose()
+
+    def resume(target: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--resume",
+             target, "--print-config"],
+            capture_output=True, text=True, timeout=120, cwd=ROOT,
+        )  # fmt: skip
+
+    older = resume("run@3")
+    assert older.returncode == 1 and older.stderr.strip().endswith(
+        "run run goes on from its newest checkpoint, step 6; to go back to step 3, remove the "
+        "newer ones first (steps 6: scaletrain ckpt rm run STEP --force)"
+    )
+    newest = resume("run@latest")
+    assert newest.returncode == 0, newest.stderr
+    config = tomllib.loads(newest.stdout)
+    assert config["run_id"] == "run" and config["optimizer"]["lr"] == 0.002
