@@ -37,6 +37,9 @@ class ParallelConfig:
     pp_schedule: str = _default("pp_schedule")
     pp_microbatches: int = _default("pp_microbatches")
     pp_stages_per_rank: int = _default("pp_stages_per_rank")
+    pp_first_stage_less_layers: int = _default("pp_first_stage_less_layers")
+    pp_last_stage_less_layers: int = _default("pp_last_stage_less_layers")
+    pp_layers_per_stage: tuple[str, ...] = _default("pp_layers_per_stage")
     mixed_precision: bool = False
     activation_checkpointing: bool = False
     compile: bool = False  # trainer/parallel/compile.py

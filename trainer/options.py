@@ -316,6 +316,31 @@ OPTIONS: tuple[Option, ...] = (
         "pipeline stages per rank (0: the schedule's own)",
         minimum=0,
     ),
+    Option(
+        "pp_first_stage_less_layers",
+        "parallel",
+        int,
+        0,
+        "blocks fewer on the first pipeline stage than on the others, which the embedding "
+        "weighs (Llama 3 405B: 126 layers on 16 stages with 1 here and 1 on the last)",
+        minimum=0,
+    ),
+    Option(
+        "pp_last_stage_less_layers",
+        "parallel",
+        int,
+        0,
+        "blocks fewer on the last pipeline stage than on the others, which the output head weighs",
+        minimum=0,
+    ),
+    Option(
+        "pp_layers_per_stage",
+        "parallel",
+        tuple,
+        (),
+        "the blocks of each pipeline stage, in stage order, summing to n_layers (instead of an "
+        "even split and the two options above)",
+    ),
     Option("mixed_precision", "parallel", bool, False, "bf16 compute, fp32 gradient reductions"),
     Option(
         "activation_checkpointing",

@@ -21,6 +21,7 @@ Checks the layout as `scaletrain run` does, then reports
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,8 @@ from trainer.parallel.pipeline import (
     ZERO_BUBBLE,
     resolve_microbatches,
     resolve_stages_per_rank,
+    stage_indices,
+    stage_sizes,
 )
 from trainer.parallel.recompute import apply_activation_checkpointing
 
@@ -230,7 +233,24 @@ def _bubble(cfg: TrainConfig, dims: ParallelDims) -> tuple[float, str]:
     m = resolve_microbatches(cfg.parallel.pp_microbatches, cfg.global_batch // dims.dp_size)
     bubble = (p - 1) / (v * m + p - 1)
     note = "; the zero-bubble schedule fills most of it" if schedule in ZERO_BUBBLE else ""
-    return bubble, f"(p-1)/(v*m+p-1), p={p} v={v} m={m} ({schedule}){note}"
+    formula = f"(p-1)/(v*m+p-1), p={p} v={v} m={m} ({schedule}){note}"
+    par = cfg.parallel
+    sizes = stage_sizes(
+        cfg.model.n_layers, p * v, par.pp_first_stage_less_layers,
+        par.pp_last_stage_less_layers, par.pp_layers_per_stage,
+    )  # fmt: skip
+    # The embedding and the head weigh a block each on the first and last stage.
+    work = [n + (s == 0) + (s == len(sizes) - 1) for s, n in enumerate(sizes)]
+    if len(set(work)) > 1:
+        # Every stage waits on the slowest: the time of (v*m+p-1) slots of the slowest stage,
+        # of which the mean stage's v*m are work.
+        busy = (v * m) * (sum(work) / len(work)) / ((v * m + p - 1) * max(work))
+        bubble = 1 - busy
+        formula = (
+            f"1 - v*m*mean/((v*m+p-1)*max) over stages of {min(work)}..{max(work)} blocks "
+            f"(embedding and head a block each), p={p} v={v} m={m} ({schedule}){note}"
+        )
+    return bubble, formula
 
 
 def rank_memory(cfg: TrainConfig, dims: ParallelDims) -> dict[str, float]:
@@ -249,10 +269,7 @@ def rank_memory(cfg: TrainConfig, dims: ParallelDims) -> dict[str, float]:
     one, two = (measure(cfg, n, micro, seq, dtype) for n in (1, 2))
     per_block = {k: two[k] - one[k] for k in one}
     rest = {k: one[k] - per_block[k] for k in one}
-    blocks = cfg.model.n_layers // dims.pp
-    # The embedding sits on the first stage and the output head on the last: each about half
-    # of what is not in the blocks.
-    rest_share = 1.0 if dims.pp == 1 else 0.5
+    blocks, rest_share = _busiest_rank(cfg, dims, sum(per_block.values()), sum(rest.values()))
     shard = dims.tp * dims.dp_shard * dims.cp
     memory = {
         name: (per_block[key] * blocks + rest[key] * rest_share) / shard
@@ -266,6 +283,28 @@ def rank_memory(cfg: TrainConfig, dims: ParallelDims) -> dict[str, float]:
     memory["activations"] = activations * in_flight / dims.tp
     memory["total"] = sum(memory.values())
     return memory
+
+
+def _busiest_rank(
+    cfg: TrainConfig, dims: ParallelDims, block_bytes: float, rest_bytes: float
+) -> tuple[int, float]:
+    """(blocks, share of what is not in the blocks) of the rank holding the most: its stages'
+    blocks (uneven with --pp-first/last-stage-less-layers or --pp-layers-per-stage), and half of
+    the rest where it holds the first stage (the embedding) or the last (the output head)."""
+    if dims.pp == 1:
+        return cfg.model.n_layers, 1.0
+    par = cfg.parallel
+    v = resolve_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
+    sizes = stage_sizes(
+        cfg.model.n_layers, dims.pp * v, par.pp_first_stage_less_layers,
+        par.pp_last_stage_less_layers, par.pp_layers_per_stage,
+    )  # fmt: skip
+    ranks = []
+    for rank in range(dims.pp):
+        stages = stage_indices(par.pp_schedule, rank, dims.pp, v)
+        share = 0.5 * (0 in stages) + 0.5 * (len(sizes) - 1 in stages)
+        ranks.append((sum(sizes[s] for s in stages), share))
+    return max(ranks, key=lambda r: r[0] * block_bytes + r[1] * rest_bytes)
 
 
 def measure(
@@ -327,18 +366,38 @@ def render(p: Plan) -> str:
                 f"x {p.gpu} ({p.peak_flops / 1e12:,.0f} TFLOP/s dense each); "
                 f"{step_s:.2f} s a step"
             )
+            busy = p.mfu / (1 - p.bubble) if p.bubble < 1 else math.inf
+            if busy > BUSY_MFU_LIMIT:
+                lines.append(
+                    f"warning       that is {busy:.0%} MFU while the pipeline is busy (its "
+                    f"bubble idles {p.bubble:.0%} of the step): above {BUSY_MFU_LIMIT:.0%}, a "
+                    "target rarely reached"
+                )
     if p.warning:
         lines.append(f"warning       {p.warning}")
     return "\n".join(lines)
 
 
+# What a device's memory must keep beside the plan's tensors: the caching allocator's
+# fragmentation (a share) and NCCL's communicator buffers (bytes).
+ALLOCATOR_SHARE = 0.08
+NCCL_BYTES = 1 << 30
+# MFU while the pipeline is busy above which a target is flagged as rarely reached.
+BUSY_MFU_LIMIT = 0.6
+
+
 def _fits(p: Plan) -> str:
-    """Whether the busiest rank's memory fits one device."""
+    """Whether the busiest rank's memory fits one device, less the headroom the allocator and
+    NCCL need."""
     if p.device_memory is None:
         return f"fits          unknown: no memory size for {p.gpu!r} in telemetry.mfu"
     need, have = p.memory["total"], p.device_memory
-    verdict = "yes" if need <= have else "no"
+    usable = have * (1 - ALLOCATOR_SHARE) - NCCL_BYTES
+    verdict = "yes" if need <= usable else "no"
+    gib = 1 << 30
     return (
-        f"fits          {verdict}: {need / (1 << 30):,.2f} GiB of the {have / (1 << 30):,.1f} GiB "
-        f"({have / 1e9:,.0f} GB) of one {p.gpu}"
+        f"fits          {verdict}: {need / gib:,.2f} GiB of the {usable / gib:,.1f} GiB usable of "
+        f"one {p.gpu}'s {have / gib:,.1f} GiB ({have / 1e9:,.0f} GB), less "
+        f"{ALLOCATOR_SHARE:.0%} for the caching allocator's fragmentation and "
+        f"{NCCL_BYTES / gib:g} GiB for NCCL's buffers"
     )

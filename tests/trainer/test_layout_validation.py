@@ -116,7 +116,9 @@ def test_experts_must_split_evenly_over_the_expert_ranks():
 
 def test_layers_must_split_into_equal_pipeline_stages():
     with pytest.raises(
-        LayoutError, match=r"n_layers 4 does not split into 8 equal stages \(pp 4 x 2 per rank\).*8"
+        LayoutError,
+        match=r"n_layers 4 does not split into 8 equal stages; nearest valid n_layers: 8; .*"
+        r"--pp-layers-per-stage \(pp 4 x 2 stages per rank\)",
     ):
         validate_layout(_cfg(pp=4, pp_schedule="Interleaved1F1B"), 4)
 

@@ -71,6 +71,9 @@ WORLD_4 = {
     "pp2.dp2-interleaved-zero-bubble": ({"pp": 2, "pp_schedule": "InterleavedZeroBubble"}, DENSE),
     "pp2.dp2-zbv-zero-bubble": ({"pp": 2, "pp_schedule": "ZBVZeroBubble"}, DENSE),
     "pp2.dp2-dualpipev": ({"pp": 2, "pp_schedule": "DualPipeV"}, DENSE),
+    # Uneven stages: 1 and 3 blocks (the first stage carries the embedding), and 3 and 1.
+    "pp2.dp2-first-stage-less": ({"pp": 2, "pp_first_stage_less_layers": 2}, DENSE),
+    "pp2.dp2-layers-per-stage": ({"pp": 2, "pp_layers_per_stage": ["3", "1"]}, DENSE),
     "dp4-activation-checkpointing": ({"activation_checkpointing": True}, DENSE),
     "dp4-bf16": ({"mixed_precision": True}, DENSE),
     "dp4-compiled": ({"compile": True}, DENSE),

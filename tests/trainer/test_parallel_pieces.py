@@ -20,6 +20,8 @@ from trainer.parallel.pipeline import (
     expected_bubble,
     split_into_stages,
     stage_indices,
+    stage_layers,
+    stage_sizes,
 )
 
 
@@ -139,12 +141,12 @@ def test_looped_schedules_deal_stages_round_robin_and_v_schedules_fold_them():
 
 def test_a_pipeline_rank_keeps_only_its_stages_under_their_original_names():
     model = Transformer(ModelArgs(dim=16, n_layers=4, n_heads=2, n_kv_heads=1))
-    stages = split_into_stages(model, "ZBVZeroBubble", rank=0, pp=2, v=2)
+    stages = split_into_stages(model, "ZBVZeroBubble", rank=0, pp=2, v=2, sizes=[1, 1, 1, 1])
     assert [(index, list(stage.layers)) for index, stage in stages] == [(0, ["0"]), (3, ["3"])]
     assert sorted(model.layers) == ["0", "3"]
     assert model.tok_embeddings is not None and model.output is not None
     looped = Transformer(ModelArgs(dim=16, n_layers=4, n_heads=2, n_kv_heads=1))
-    split_into_stages(looped, "Interleaved1F1B", rank=1, pp=2, v=2)
+    split_into_stages(looped, "Interleaved1F1B", rank=1, pp=2, v=2, sizes=[1, 1, 1, 1])
     assert sorted(looped.layers) == ["1", "3"]
     assert looped.tok_embeddings is None and looped.output is not None
     assert "tok_embeddings.weight" not in looped.state_dict()
@@ -172,3 +174,21 @@ def test_every_parallel_option_reaches_the_trainer_config_from_the_command_line(
     assert par.mixed_precision and par.activation_checkpointing
     assert moe == MoEArgs(n_experts=8, top_k=2, n_shared=1, capacity_factor=1.5,
                           balance="aux_loss", n_groups=4, topk_groups=2)  # fmt: skip
+
+
+def test_stages_split_evenly_or_with_fewer_blocks_where_the_embedding_and_head_sit():
+    assert stage_sizes(8, 4) == [2, 2, 2, 2]
+    # Llama 3 405B: 126 blocks on 16 stages, one fewer on the first and the last.
+    assert stage_sizes(126, 16, 1, 1) == [7] + [8] * 14 + [7]
+    assert stage_sizes(4, 2, explicit=("3", "1")) == [3, 1]
+    assert stage_layers(1, [7, 8, 8]) == [str(i) for i in range(7, 15)]
+    with pytest.raises(ValueError, match=r"n_layers 126 does not split into 16 equal stages; "
+                       r"nearest valid n_layers: 112 or 128"):  # fmt: skip
+        stage_sizes(126, 16)
+    with pytest.raises(ValueError, match=r"with 1 fewer on the first and 0 on the last; nearest "
+                       r"valid n_layers: 111 or 127"):  # fmt: skip
+        stage_sizes(126, 16, 1, 0)
+    with pytest.raises(ValueError, match=r"must give each of the 2 stages at least one block, 4"):
+        stage_sizes(4, 2, explicit=("4", "0"))
+    with pytest.raises(ValueError, match="expected whole numbers"):
+        stage_sizes(4, 2, explicit=("a", "b"))

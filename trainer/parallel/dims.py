@@ -33,6 +33,7 @@ from trainer.parallel.pipeline import (
     evaluates,
     resolve_microbatches,
     resolve_stages_per_rank,
+    stage_sizes,
 )
 
 if TYPE_CHECKING:
@@ -192,12 +193,14 @@ class ParallelDims:
                 "this schedule's backward actions; evaluate with another schedule "
                 "(GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble) or leave --eval-every out"
             )
-        stages, n_layers = pp * v, cfg.model.n_layers
-        if n_layers % stages:
-            raise LayoutError(
-                f"n_layers {n_layers} does not split into {stages} equal stages (pp {pp} x {v} "
-                f"per rank); nearest valid n_layers: {_nearest_multiples(n_layers, stages)}"
-            )
+        stages = pp * v
+        try:
+            stage_sizes(
+                cfg.model.n_layers, stages, par.pp_first_stage_less_layers,
+                par.pp_last_stage_less_layers, par.pp_layers_per_stage,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise LayoutError(f"{exc} (pp {pp} x {v} stages per rank)") from None
         local_batch = cfg.global_batch // self.dp_size
         m = resolve_microbatches(par.pp_microbatches, local_batch)
         if local_batch % m:

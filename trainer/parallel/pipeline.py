@@ -65,26 +65,68 @@ def stage_indices(schedule: str, rank: int, pp: int, v: int) -> list[int]:
     return [rank + i * pp for i in range(v)]
 
 
-def stage_layers(stage: int, n_stages: int, n_layers: int) -> list[str]:
-    """Keys of the blocks of `stage`: an even, contiguous split."""
-    per = n_layers // n_stages
-    return [str(i) for i in range(stage * per, (stage + 1) * per)]
+def stage_sizes(
+    n_layers: int,
+    n_stages: int,
+    first_less: int = 0,
+    last_less: int = 0,
+    explicit: tuple[str, ...] = (),
+) -> list[int]:
+    """The blocks of each stage, in order: `explicit`, else an even split of n_layers plus the
+    blocks the first and last stage have fewer (the embedding and the head each weigh as much,
+    TorchTitan's rule). ValueError in one line naming what would fit."""
+    if explicit:
+        if not all(x.strip().isdigit() for x in explicit):
+            raise ValueError(f"pp_layers_per_stage {','.join(explicit)}: expected whole numbers")
+        sizes = [int(x) for x in explicit]
+        if len(sizes) != n_stages or sum(sizes) != n_layers or min(sizes) < 1:
+            raise ValueError(
+                f"pp_layers_per_stage {','.join(explicit)} must give each of the {n_stages} "
+                f"stages at least one block, {n_layers} (n_layers) in all"
+            )
+        return sizes
+    total = n_layers + first_less + last_less
+    if total % n_stages:
+        below = total - total % n_stages
+        fewer = first_less + last_less
+        near = " or ".join(str(n - fewer) for n in (below, below + n_stages) if n > fewer)
+        raise ValueError(
+            f"n_layers {n_layers} does not split into {n_stages} equal stages"
+            + (f" with {first_less} fewer on the first and {last_less} on the last" if
+               first_less or last_less else "")
+            + f"; nearest valid n_layers: {near}; or set --pp-first-stage-less-layers and "
+            "--pp-last-stage-less-layers so that n_layers plus both is a multiple of the "
+            "stages, or --pp-layers-per-stage"
+        )  # fmt: skip
+    sizes = [total // n_stages] * n_stages
+    sizes[0] -= first_less
+    sizes[-1] -= last_less
+    if min(sizes) < 1:
+        raise ValueError(
+            f"with {first_less} fewer blocks on the first stage and {last_less} on the last, "
+            f"a stage of {n_layers} blocks over {n_stages} stages would have none"
+        )
+    return sizes
+
+
+def stage_layers(stage: int, sizes: list[int]) -> list[str]:
+    """Keys of the blocks of `stage`: a contiguous run, `sizes` blocks a stage."""
+    start = sum(sizes[:stage])
+    return [str(i) for i in range(start, start + sizes[stage])]
 
 
 def split_into_stages(
-    model: Transformer, schedule: str, rank: int, pp: int, v: int
+    model: Transformer, schedule: str, rank: int, pp: int, v: int, sizes: list[int]
 ) -> list[tuple[int, Transformer]]:
-    """Keep only this rank's stages in `model` and return (index, module) for each stage."""
+    """Keep only this rank's stages in `model` (`sizes`: blocks of each stage, `stage_sizes`)
+    and return (index, module) for each stage."""
     n_stages = pp * v
     indices = stage_indices(schedule, rank, pp, v)
     stages = [
         (
             s,
             Transformer.sharing(
-                model,
-                stage_layers(s, n_stages, model.args.n_layers),
-                first=s == 0,
-                last=s == n_stages - 1,
+                model, stage_layers(s, sizes), first=s == 0, last=s == n_stages - 1
             ),
         )
         for s in indices
