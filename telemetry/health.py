@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, and_, func, select
 
 from scaletrain.errors import NotFound
 from telemetry.efficiency import Goodput, Mfu, goodput, mfu
@@ -18,6 +18,15 @@ from telemetry.queries import Bind, connection_of
 
 # Kinds of events that say something went wrong with the run's health.
 HEALTH_EVENT_KINDS = ("straggler", "loss_spike", "sdc", "replay", "alert", "restart")
+# A loss spike the step guard replayed and found reproduced by the same batch: the data's, not
+# the hardware's (its event's `verdict` attribute); reported, never an open alert.
+SPIKE_KIND, DATA_VERDICT = "loss_spike", "data"
+
+
+def data_spike() -> ColumnElement[bool]:
+    """Whether an event is a loss spike the data caused (`DATA_VERDICT`)."""
+    verdict = func.coalesce(Event.attributes["verdict"].as_string(), "")
+    return and_(Event.kind == SPIKE_KIND, verdict == DATA_VERDICT)
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,8 @@ class RunHealth:
     goodput: Goodput
     # Events per kind, for every kind in HEALTH_EVENT_KINDS (0 when none).
     event_counts: dict[str, int]
+    # Of the loss spikes, those the data caused (closed as soon as found).
+    data_spikes: int
     # Ranks ever flagged as stragglers, nodes ever flagged as slow nodes (their hosts), and the
     # detectors' findings in step order.
     straggler_ranks: list[int]
@@ -71,6 +82,9 @@ def run_health(bind: Bind, run_id: str, *, max_findings: int = 200) -> RunHealth
                 .group_by(Event.kind)
             ).all()
         )
+        data_spikes = connection.execute(
+            select(func.count()).where(Event.run_id == run_id, data_spike())
+        ).scalar()
         rows = connection.execute(
             select(Event.step, Event.rank, Event.kind, Event.message, Event.attributes)
             .where(Event.run_id == run_id, Event.kind.in_(HEALTH_EVENT_KINDS))
@@ -99,6 +113,7 @@ def run_health(bind: Bind, run_id: str, *, max_findings: int = 200) -> RunHealth
         mfu=efficiency,
         goodput=time_use,
         event_counts={kind: counts.get(kind, 0) for kind in HEALTH_EVENT_KINDS},
+        data_spikes=int(data_spikes or 0),
         straggler_ranks=sorted({f.rank for f in findings if f.kind == "straggler" and f.rank >= 0}),
         slow_nodes=sorted(
             {f.attributes["node"] for f in findings if f.kind == "straggler" and f.rank < 0}
@@ -136,8 +151,9 @@ def render(health: RunHealth) -> str:
     lines += [
         f"stragglers   {counts['straggler']} event(s); ranks {health.straggler_ranks or 'none'}"
         f", slow nodes {health.slow_nodes or 'none'}",
-        f"sdc          {counts['sdc']} event(s); loss spikes {counts['loss_spike']}, replays "
-        f"{counts['replay']}, alerts {counts['alert']}",
+        f"sdc          {counts['sdc']} event(s); loss spikes {counts['loss_spike']} (of which "
+        f"{health.data_spikes} the data's, closed), replays {counts['replay']}, alerts "
+        f"{counts['alert']}",
         f"recoveries   {counts['restart']} restart(s)"
         + (f"; {len(g.badput_by_fault_s)} fault kind(s) drilled" if g.badput_by_fault_s else ""),
         f"telemetry    {health.dropped_records} record(s) dropped by the ranks' clients",

@@ -42,6 +42,7 @@ from scaletrain.names import TIER_NAMES
 from scaletrain.v1 import common_pb2
 from telemetry import partitions
 from telemetry.efficiency import EVAL_EVENT, LATEST_ROLLUP, RECOVERY_EVENT, mfu
+from telemetry.health import data_spike
 from telemetry.models import (
     TRAINER_TIER,
     WHOLE_TIER,
@@ -922,7 +923,8 @@ def _status(connection: Any, run_id: str, status: str, attempt: int) -> str:
 
 
 def _open_alerts(connection: Any, run_id: str) -> int:
-    """ALERT_KINDS events since the run's latest (re)start event."""
+    """ALERT_KINDS events since the run's latest (re)start event, less the loss spikes the step
+    guard found to be the data's (`DATA_SPIKE`): their alert closed itself."""
     started = func.coalesce(
         select(func.max(Event.time))
         .where(Event.run_id == run_id, Event.kind.in_(("run_started", "restart")))
@@ -935,6 +937,7 @@ def _open_alerts(connection: Any, run_id: str) -> int:
                 Event.run_id == run_id,
                 Event.kind.in_(ALERT_KINDS),
                 Event.time >= started,
+                ~data_spike(),
             )
         ).scalar()
         or 0

@@ -899,7 +899,7 @@ def _print_summary(s) -> None:
     print(f"wall time    {s.wall_s:.1f} s")
     print(f"mfu          {s.mfu_label}")
     print(f"goodput      {fmt(s.goodput, '.1%')}  badput: {_badput(s.badput_s)}")
-    print(f"health       {_findings(s.health_events)}")
+    print(f"health       {_findings(s.health_events, s.data_spikes)}")
     print(f"checkpoints  {len(s.checkpoints)} committed")
     for c in s.checkpoints:
         safe = "  node-loss safe" if c.get("node_loss_safe") else ""
@@ -1015,9 +1015,20 @@ def _badput(seconds: dict[str, float]) -> str:
     return ", ".join(shown) or "none"
 
 
-def _findings(counts: dict[str, int]) -> str:
-    shown = [f"{count} {kind}" for kind, count in counts.items() if count]
-    return ", ".join(shown) or "no straggler, loss spike or silent data corruption"
+def _findings(counts: dict[str, int], data_spikes: int) -> str:
+    """The health line: the open findings by kind, then the loss spikes the data caused (closed
+    as soon as found), the steps replayed and the restarts."""
+    open_counts = counts | {"loss_spike": counts.get("loss_spike", 0) - data_spikes}
+    shown = [
+        f"{count} {kind}"
+        for kind, count in open_counts.items()
+        if count and kind not in ("replay", "restart")
+    ]
+    line = ", ".join(shown) or "no open alert (straggler, loss spike, silent data corruption)"
+    closed = [f"{data_spikes} loss spike(s) from the data, closed"] if data_spikes else []
+    closed += [f"{counts['replay']} step(s) replayed"] if counts.get("replay") else []
+    closed += [f"{counts['restart']} restart(s)"] if counts.get("restart") else []
+    return line + (f"; {', '.join(closed)}" if closed else "")
 
 
 def _ckptd(args: argparse.Namespace) -> int:

@@ -42,6 +42,8 @@ class RunSummary:
     # What each kind of fault cost (a drill's recovery records), in seconds.
     badput_by_fault_s: dict[str, float] = field(default_factory=dict)
     health_events: dict[str, int] = field(default_factory=dict)
+    # Of the loss spikes, those the data caused (their alert closed itself).
+    data_spikes: int = 0
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -124,6 +126,7 @@ def summarize(
             kind: round(s, 3) for kind, s in health.goodput.badput_by_fault_s.items()
         },
         health_events=health.event_counts,
+        data_spikes=health.data_spikes,
     )
 
 

@@ -137,3 +137,14 @@ def test_the_rendezvous_refuses_a_bad_or_taken_address_in_one_line():
 def test_health_with_no_run_to_show_says_so(tmp_path: Path):
     result = scaletrain("telemetry", "health", "--workdir", str(tmp_path))
     assert_one_line_error(result, "no run in", "health RUN")
+
+
+def test_the_summarys_health_line_shows_a_data_spike_closed_and_no_open_alert():
+    from scaletrain.app.cli import _findings
+
+    counts = {"straggler": 0, "loss_spike": 1, "sdc": 0, "replay": 1, "alert": 0, "restart": 0}
+    assert _findings(counts, data_spikes=1) == (
+        "no open alert (straggler, loss spike, silent data corruption); 1 loss spike(s) from "
+        "the data, closed, 1 step(s) replayed"
+    )
+    assert _findings(counts | {"sdc": 1}, data_spikes=0).startswith("1 loss_spike, 1 sdc; ")

@@ -302,6 +302,10 @@ def test_a_runs_health_reads_as_lines_a_subject(run: TelemetryStore, engine: Eng
     assert "recoveries   1 restart(s)" in shown
     assert "telemetry    8 record(s) dropped by the ranks' clients" in shown
     assert shown[-1].startswith("  step      5      run  loss_spike: ")
+    # The fixture's loss spike was the data's (its batch skipped): closed, not open.
+    assert "sdc          0 event(s); loss spikes 1 (of which 1 the data's, closed)" in "\n".join(
+        shown
+    )
 
 
 def test_checkpoint_events_fill_one_row_per_tier_with_the_trainers_stall(

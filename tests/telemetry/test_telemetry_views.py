@@ -223,6 +223,13 @@ def test_the_resume_point_is_the_latest_committed_step_with_each_ranks_offset(
     }
 
 
+def spike(step: int, verdict: str) -> telemetry_pb2.Event:
+    """A loss spike the step guard replayed, found to be `verdict`'s (data or sdc)."""
+    built = event("run-1", "loss_spike", step=step, message=f"step {step}: loss spike")
+    built.attributes.update({"verdict": verdict, "action": "kept"})
+    return built
+
+
 def test_a_restarted_run_is_restarting_until_its_new_attempt_records_a_step(
     engine: Engine, registered: TelemetryStore, run_request: RegisterRun
 ) -> None:
@@ -236,20 +243,24 @@ def test_a_restarted_run_is_restarting_until_its_new_attempt_records_a_step(
             stamped(event("run-1", "sdc", step=5, rank=1), 21),
             stamped(event("run-1", "alert", step=5), 22),
             stamped(event("run-1", "replay", step=5), 23),
+            stamped(spike(5, "data"), 24),
+            stamped(spike(5, "sdc"), 25),
         ]
     )
     registered.register_run(run_request(world_size=4))
     (row,) = views.runs_table(engine).to_dict("records")
     assert (row["status"], row["attempt"], row["step"]) == ("restarting", 1, 5)
     assert row["last_checkpoint"] == 4
-    # The straggler was before the restart; the SDC and the alert after it.
-    assert row["open_alerts"] == 2
+    # The straggler was before the restart; the SDC, the alert and the hardware's loss spike
+    # after it. The data's loss spike closed its own alert.
+    assert row["open_alerts"] == 3
     assert views.live(engine) and views.live(engine, "run-1")
 
     steps(registered, range(5, 6), attempt=1)
     assert views.runs_table(engine)["status"].tolist() == ["running"]
     assert views.markers(engine, "run-1")[["step", "kind"]].values.tolist() == [
-        [4, "checkpoint"], [4, "restart"], [5, "sdc"], [5, "replay"],
+        [4, "checkpoint"], [4, "restart"], [5, "sdc"], [5, "replay"], [5, "loss_spike"],
+        [5, "loss_spike"],
     ]  # fmt: skip
     registered.add_events([stamped(event("run-1", "run_finished", step=5), 30)])
     assert not views.live(engine)

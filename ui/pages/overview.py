@@ -47,7 +47,8 @@ def show() -> None:
             return
         st.caption(
             "Figures are over each run's latest 20 steps; open alerts are alert, straggler, SDC "
-            "and loss-spike events since the run's latest (re)start. Click a column to sort."
+            "and loss-spike events since the run's latest (re)start, less the loss spikes the "
+            "data caused (closed once the replay found them). Click a column to sort."
         )
         table = st.empty()
         table.dataframe(_display(runs, goodputs=None), **_TABLE)
