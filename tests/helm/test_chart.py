@@ -1333,3 +1333,27 @@ def test_bad_values_are_rejected_with_a_message_naming_them(
 ) -> None:
     with pytest.raises(error, match=message):
         render_raw(chart, copy.deepcopy(values))
+
+
+def test_every_fair_share_of_ckptd_is_a_named_value_with_ckptds_own_default(chart) -> None:
+    """ckptd's limits reach it from `ckptd.fairShare` (one value each, checked by the schema),
+    not through extraArgs, and the chart's defaults are ckptd's: what ckptd parses from the
+    rendered pod is `DataLimits()`; a value set in the chart reaches it."""
+    from ckptd.config import DataLimits
+    from scaletrain.app.cli import _LIMIT_FLAGS, _limits, build_parser
+
+    def parsed(values: dict[str, Any]) -> DataLimits:
+        c = container(workload(parse(render_raw(chart, values)), "ckptd"))
+        pod = {"NODE_NAME": "node-1", "POD_IP": "10.0.0.1"}
+        argv = [
+            re.sub(r"\$\((\w+)\)", lambda m: pod[m.group(1)], a)
+            for a in c["command"][1:] + c["args"]
+        ]
+        return _limits(build_parser().parse_args(argv))
+
+    defaults = yaml.safe_load((CHART_DIR / "values.yaml").read_text())["ckptd"]["fairShare"]
+    assert len(defaults) == len(_LIMIT_FLAGS)
+    assert parsed({}) == DataLimits()
+    assert parsed({"ckptd": {"fairShare": {"uploadsPerRun": 64}}}).uploads_per_run == 64
+    with pytest.raises(Exception, match="uploadsPerRunn"):
+        render_raw(chart, {"ckptd": {"fairShare": {"uploadsPerRunn": 64}}})
