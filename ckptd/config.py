@@ -157,6 +157,11 @@ class DataLimits:
     ticket_wait_s: float = 5.0
     # An upload whose connection is silent this long fails (its slot is free at once).
     read_timeout_s: float = 10.0
+    # Reads opened on the data socket (OpenRead) and not yet sent in full (or their ticket
+    # expired unused): per caller, per run and in all, as uploads are.
+    reads_per_caller: int = 256
+    reads_per_run: int = 512
+    reads: int = 1024
     # gRPC calls one client (its token on its host; without tokens, its host) runs at once.
     calls_per_client: int = 64
     # Repeated warnings of one kind (refused data connections): the first, then one line per
@@ -173,6 +178,8 @@ class DataLimits:
             ("flight_bytes_per_run", "flight_bytes"),
             ("flight_bytes_per_caller", "flight_bytes"),
             ("waiting_connections_per_host", "waiting_connections"),
+            ("reads_per_run", "reads"),
+            ("reads_per_caller", "reads"),
         )
         for part, whole in ordered:
             share, total = getattr(self, part), getattr(self, whole)

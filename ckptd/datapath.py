@@ -227,7 +227,7 @@ class DataPlane:
         # many of them each host has.
         self._waiting: OrderedDict[int, _Waiting] = OrderedDict()
         self._hosts: Counter[str] = Counter()
-        self._reads = ReadPlane(ttl_s, limits.uploads)
+        self._reads = ReadPlane(ttl_s, limits)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="ckptd-data", daemon=True)
         self._thread.start()
@@ -264,9 +264,16 @@ class DataPlane:
         """The uploads `owner`'s caller, its run and the node hold (for tests and benchmarks)."""
         return self._uploads.held(owner)
 
-    def open_read(self, request: checkpoint_pb2.OpenReadRequest) -> tuple[bytes, int, int]:
+    def reads_held(self, owner: Owner) -> dict[str, int]:
+        """The open reads `owner`'s caller, its run and the node hold (for tests)."""
+        return self._reads.held(owner)
+
+    def open_read(
+        self, request: checkpoint_pb2.OpenReadRequest, caller: Caller
+    ) -> tuple[bytes, int, int]:
         """A ticket for a range of a committed file once the request passes ReadFile's checks
-        (they raise here, in one line), and the range's offset and length."""
+        (they raise here, in one line) and the caller, the run and the node have room for one
+        more open read, and the range's offset and length."""
 
         def read(offset: int, length: int) -> Pieces:
             return self._store.iter_range(
@@ -284,7 +291,13 @@ class DataPlane:
         record = self._store.catalog.file(key_of(request.ref), request.path)
         assert record is not None  # iter_range found it
         offset, length = request.offset, request.length or record.size - request.offset
-        return self._reads.issue(read, offset, length, request.path), offset, length
+        owner = Owner(caller.key, caller.label, request.ref.run)
+        try:
+            ticket = self._reads.issue(read, offset, length, request.path, owner)
+        except OverShare as exc:
+            self._store.metrics.refused_reads.labels(exc.scope).inc()
+            raise
+        return ticket, offset, length
 
     def run_of(self, ticket: bytes) -> list[str]:
         """The run a ticket's upload writes to (to authorize FinishUpload); none if unknown."""

@@ -82,6 +82,11 @@ class Metrics:
             "OpenUpload calls refused for a full share, by scope: caller, run, node",
             ["scope"], registry=self.registry,
         )  # fmt: skip
+        self.refused_reads = Counter(
+            "ckptd_refused_reads",
+            "OpenRead calls refused for a full share, by scope: caller, run, node",
+            ["scope"], registry=self.registry,
+        )  # fmt: skip
         self.replica_bytes = Gauge(
             "ckptd_replica_bytes", "Bytes of other nodes' parts this node holds, per tier",
             ["tier"], registry=self.registry,

@@ -33,9 +33,11 @@ from typing import NamedTuple
 
 import grpc
 
+from ckptd.config import DataLimits
+from ckptd.limits import OverShare, Owner, Shares
 from ckptd.tiers import BLOCK_BYTES
 from ckptd.wire import crc32c
-from scaletrain.errors import DataLoss, ResourceExhausted, ScaletrainError, Unavailable
+from scaletrain.errors import DataLoss, ScaletrainError, Unavailable
 from scaletrain.names import TIER_LABELS
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2
 
@@ -129,9 +131,13 @@ class Frame(NamedTuple):
 
 
 class _ReadTicket:
-    def __init__(self, read: ReadSpan, offset: int, length: int, ttl_s: float) -> None:
+    def __init__(
+        self, read: ReadSpan, offset: int, length: int, ttl_s: float, owner: Owner
+    ) -> None:
         self.read, self.offset, self.length = read, offset, length
         self.deadline = time.monotonic() + ttl_s
+        # Whose share of the open reads it holds until it is sent, or expires unused.
+        self.owner = owner
 
 
 def spans_of(offset: int, length: int, piece_bytes: int) -> list[tuple[int, int]]:
@@ -193,29 +199,39 @@ class ReadPlane:
     given back as soon as it is sent.
     """
 
-    def __init__(self, ttl_s: float, max_tickets: int) -> None:
+    def __init__(self, ttl_s: float, limits: DataLimits) -> None:
         self.ttl_s = ttl_s
-        self._max_tickets = max_tickets
         self._lock = threading.Lock()
         self._tickets: dict[bytes, _ReadTicket] = {}
+        # A read holds one from its ticket until it is sent (or the ticket expires unused).
+        self._open = Shares(
+            "reads open", limits.reads_per_caller, limits.reads_per_run, limits.reads
+        )
 
-    def issue(self, read: ReadSpan, offset: int, length: int, what: str) -> bytes:
-        """A ticket for the pieces of [offset, offset+length), as `read` serves them."""
+    def issue(self, read: ReadSpan, offset: int, length: int, what: str, owner: Owner) -> bytes:
+        """A ticket for the pieces of [offset, offset+length), as `read` serves them, once the
+        caller, its run and the node have room for one more open read (OverShare otherwise)."""
         with self._lock:
             self._drop_expired()
-            if len(self._tickets) >= self._max_tickets:
-                raise ResourceExhausted(
-                    f"{what}: {self._max_tickets} reads already wait for their connection"
-                )
+            try:
+                self._open.take(owner)
+            except OverShare as exc:
+                raise OverShare(exc.scope, f"{what}: {exc}") from None
             ticket = secrets.token_bytes(TICKET_BYTES)
-            self._tickets[ticket] = _ReadTicket(read, offset, length, self.ttl_s)
+            self._tickets[ticket] = _ReadTicket(read, offset, length, self.ttl_s, owner)
         return ticket
 
+    def held(self, owner: Owner) -> dict[str, int]:
+        """The open reads `owner`'s caller, its run and the node hold (for tests)."""
+        return self._open.held(owner)
+
     def claim(self, ticket: bytes) -> _ReadTicket | None:
-        """The read a ticket that is known, unused and in time stands for (it is then used)."""
+        """The read a ticket that is known, unused and in time stands for (it is then used; its
+        share is given back once `send` is done with it)."""
         with self._lock:
             found = self._tickets.pop(ticket, None)
-        if found is None or time.monotonic() > found.deadline:
+        if found is not None and time.monotonic() > found.deadline:
+            self._open.give(found.owner)
             return None
         return found
 
@@ -227,7 +243,7 @@ class ReadPlane:
         """Forget (under the lock) the tickets never presented in time."""
         now = time.monotonic()
         for ticket in [t for t, found in self._tickets.items() if now > found.deadline]:
-            del self._tickets[ticket]
+            self._open.give(self._tickets.pop(ticket).owner)
 
     def send(self, conn: socket.socket, found: _ReadTicket, peer: object) -> None:
         """Send the range's frames in order; a piece that fails ends the range with an error
@@ -254,6 +270,7 @@ class ReadPlane:
                 left = frames.get_nowait()
                 if left is not None and left.done is not None:
                     left.done()
+            self._open.give(found.owner)
 
 
 def _read_ahead(

@@ -150,7 +150,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
             elsewhere = self._store.open_elsewhere(request)
             if elsewhere is not None:
                 return elsewhere
-        ticket, offset, length = data.open_read(request)
+        ticket, offset, length = data.open_read(request, caller_of(context, self._tokens))
         return checkpoint_pb2.OpenReadResponse(
             ticket=ticket,
             data_host="127.0.0.1" if self._loopback_only else "",

@@ -527,6 +527,10 @@ _LIMIT_FLAGS = {
     "--max-waiting-connections": ("waiting_connections", 1, "the same on the node"),
     "--ticket-wait-s": ("ticket_wait_s", 1, "close a data connection without a ticket by then"),
     "--data-read-timeout-s": ("read_timeout_s", 1, "fail an upload silent this long"),
+    "--reads-per-caller": ("reads_per_caller", 1, "reads opened on the data socket, not yet "
+                           "sent, per caller"),
+    "--reads-per-run": ("reads_per_run", 1, "the same per run"),
+    "--max-reads": ("reads", 1, "the same on the node"),
     "--calls-per-client": ("calls_per_client", 1, "gRPC calls at once per client"),
     "--log-every-s": ("log_every_s", 1, "one line per this interval for repeated warnings"),
 }  # fmt: skip

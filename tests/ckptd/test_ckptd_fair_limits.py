@@ -221,3 +221,31 @@ def test_a_resource_exhausted_upload_is_a_domain_error_for_the_client(run_ckptd:
         open_upload(checkpoint_pb2_grpc.CheckpointServiceStub(channel), save_id, "held", 10)
         with pytest.raises(ResourceExhausted, match=r"limit 1 per caller"):
             client.write_file(save_id, "__0_0.distcp", 0, SHARD, b"x" * 10)
+
+
+def test_open_reads_count_against_the_callers_share_until_they_are_sent(
+    run_ckptd: RunCkptd,
+) -> None:
+    """Reads have shares as uploads do: a caller holding its share of open reads is refused,
+    naming its count and limit, and a read gives its share back once it is sent."""
+    running = run_ckptd(limits=DataLimits(reads_per_caller=2, reads_per_run=2, reads=4))
+    with make_channel(running.address) as channel, CkptdClient(running.address) as client:
+        save(client, "a", 1)
+        stub = checkpoint_pb2_grpc.CheckpointServiceStub(channel)
+        request = checkpoint_pb2.OpenReadRequest(
+            ref=checkpoint_pb2.CheckpointRef(run="a", step=1), path="__0_0.distcp"
+        )
+        first, _second = stub.OpenRead(request), stub.OpenRead(request)
+        with pytest.raises(grpc.RpcError) as full:
+            stub.OpenRead(request)
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert full.value.details() == (
+            "__0_0.distcp: caller host 127.0.0.1 holds 2 reads open (limit 2 per caller)"
+        )
+        assert running.store.metrics.refused_reads.labels("caller")._value.get() == 1
+        with connect(first.data_port, first.ticket) as conn:
+            while conn.recv(1 << 16):  # the whole range, then ckptd hangs up
+                pass
+        owner = Owner("host:127.0.0.1", "", "a")
+        wait_for(lambda: running.data.reads_held(owner)["caller"] == 1, 5, "a share back")
+        stub.OpenRead(request)  # room again
