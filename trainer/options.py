@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainer.health import POLICIES
 from trainer.model.presets import PRESETS, preset
@@ -71,6 +73,8 @@ class Option:
     launcher: bool = False
     # The flag when it is not `--` + dest with dashes (a repeated flag names one item).
     flag_name: str = ""
+    # The flag's former name, kept working for one release with a notice (`Renamed`).
+    old_flag: str = ""
     # A rule another service applies to the value too, called with a non-empty value and
     # `where`: it raises scaletrain.errors.InvalidArgument in that service's words.
     rule: Callable[[str, str], object] | None = None
@@ -190,14 +194,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_every", "", int, 10, "steps between log lines", minimum=1),
     # [model]
     Option(
-        "model",
+        "preset",
         "model",
         str,
         "debug",
-        "a model preset; the model options below override it",
-        key="preset",
+        "a model preset (the job file's model.preset); the model options below override it",
         choices=tuple(PRESETS),
         alters_results=True,
+        old_flag="--model",
     ),
     _model("dim", int, "model width", minimum=1),
     _model("n_layers", int, "transformer blocks", minimum=1),
@@ -785,7 +789,35 @@ def add_arguments(
             # Given again, a list flag adds to the list ("" adds nothing: the empty list).
             group.add_argument(o.flag, type=_names, action="extend", metavar="NAME,...", **common)
         else:
-            group.add_argument(o.flag, type=o.kind, choices=o.choices or None, **common)
+            old = {"action": Renamed} if o.old_flag else {}
+            flags = (o.flag, o.old_flag) if o.old_flag else (o.flag,)
+            group.add_argument(*flags, type=o.kind, choices=o.choices or None, **common, **old)
+
+
+class Renamed(argparse.Action):
+    """An option whose former name (its second option string, or the whole option where
+    `renamed` gives its new form) still works for one release, with a one-line notice on
+    stderr."""
+
+    def __init__(self, option_strings: list[str], dest: str, renamed: str = "", **kwargs: Any):
+        super().__init__(option_strings, dest, **kwargs)
+        self.renamed = renamed
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        new = self.renamed or self.option_strings[0]
+        if option_string != new:
+            print(
+                f"scaletrain: {option_string} is deprecated and goes in the next release: use "
+                f"{new}",
+                file=sys.stderr,
+            )
+        setattr(namespace, self.dest, values)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -864,7 +896,7 @@ def resolve(
     if stored:
         values.update({d: BY_DEST[d].check(v) for d, v in stored.items()})
     else:
-        shape = preset(str(explicit.get("model", BY_DEST["model"].default)))
+        shape = preset(str(explicit.get("preset", BY_DEST["preset"].default)))
         values.update({d: BY_DEST[d].check(v) for d, v in shape.items()})
     if explicit.get("data"):
         values["vocab_size"] = _data_vocab(str(explicit["data"]), explicit.get("vocab_size"))

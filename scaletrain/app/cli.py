@@ -46,31 +46,6 @@ if TYPE_CHECKING:
 DEFAULT_WORKDIR = Path(".scaletrain")
 
 
-class _Renamed(argparse.Action):
-    """An option whose old name (its second option string, or the whole option where `renamed`
-    gives its new form) still works for one release, with a one-line notice on stderr."""
-
-    def __init__(self, option_strings: list[str], dest: str, renamed: str = "", **kwargs: Any):
-        super().__init__(option_strings, dest, **kwargs)
-        self.renamed = renamed
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        new = self.renamed or self.option_strings[0]
-        if option_string != new:
-            print(
-                f"scaletrain: {option_string} is deprecated and goes in the next release: use "
-                f"{new}",
-                file=sys.stderr,
-            )
-        setattr(namespace, self.dest, values)
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line in one line.
 
@@ -200,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument(
         "--ranks",
         "--gpus",
-        action=_Renamed,
+        action=options.Renamed,
         type=int,
         default=8,
         help="ranks (one a GPU) of the job, as run --ranks (default 8; --gpus: the old name)",
@@ -208,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument(
         "--device",
         "--gpu",
-        action=_Renamed,
+        action=options.Renamed,
         default="h200",
         help="the GPU model whose memory and dense peak the plan uses (default h200; --gpu: the "
         "old name)",
@@ -226,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument(
         "--ranks-per-node",
         "--gpus-per-node",
-        action=_Renamed,
+        action=options.Renamed,
         type=int,
         default=8,
         help="ranks a node, for --min-nodes (default 8; --gpus-per-node: the old name)",
@@ -260,14 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
     ckptd.add_argument(
         "--metrics-port",
         type=int,
-        action=_Renamed,
+        action=options.Renamed,
         renamed="--metrics HOST:PORT",
         help="deprecated: --metrics HOST:PORT (with --metrics-host, default 127.0.0.1)",
     )
     ckptd.add_argument(
         "--metrics-host",
         default="127.0.0.1",
-        action=_Renamed,
+        action=options.Renamed,
         renamed="--metrics HOST:PORT",
         help="deprecated: --metrics HOST:PORT",
     )

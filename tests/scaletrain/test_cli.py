@@ -103,7 +103,7 @@ def test_a_config_file_that_is_not_there_is_one_line_and_starts_nothing(tmp_path
 
 
 def test_plan_of_an_unknown_preset_lists_the_presets():
-    assert_one_line_error(scaletrain("plan", "--model", "llama9"), "llama9", "llama3-8b")
+    assert_one_line_error(scaletrain("plan", "--preset", "llama9"), "llama9", "llama3-8b")
 
 
 @pytest.mark.parametrize(

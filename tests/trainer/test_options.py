@@ -157,12 +157,12 @@ def test_the_command_line_overrides_the_file_and_both_override_the_preset(tmp_pa
 def test_print_config_prints_the_resolved_job_which_reads_back_to_the_same_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["run", "--print-config", "--model", "moe-small", "--lr", "1e-3"]) == 0
+    assert cli.main(["run", "--print-config", "--preset", "moe-small", "--lr", "1e-3"]) == 0
     printed = tmp_path / "printed.toml"
     printed.write_text(capsys.readouterr().out)
     again = train_config(["--run-id", "r", "--config", str(printed)])
-    assert again == train_config(["--run-id", "r", "--model", "moe-small", "--lr", "1e-3"])
-    assert again.job == options.resolve({"model": "moe-small", "lr": 1e-3, "run_id": "r"})
+    assert again == train_config(["--run-id", "r", "--preset", "moe-small", "--lr", "1e-3"])
+    assert again.job == options.resolve({"preset": "moe-small", "lr": 1e-3, "run_id": "r"})
 
 
 @pytest.mark.parametrize(

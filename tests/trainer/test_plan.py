@@ -46,7 +46,7 @@ def measured_peak(values: dict[str, options.Value]) -> int:
 
 @pytest.mark.parametrize(
     "shape",
-    [{"model": "debug"}, {"model": "debug", "n_layers": 6, "activation_checkpointing": True}],
+    [{"preset": "debug"}, {"preset": "debug", "n_layers": 6, "activation_checkpointing": True}],
     ids=["debug", "debug-6-layers-recomputed"],
 )
 def test_plan_memory_is_within_15_percent_of_a_real_cpu_runs_peak(
@@ -59,7 +59,7 @@ def test_plan_memory_is_within_15_percent_of_a_real_cpu_runs_peak(
 
 
 def test_plan_counts_the_parameters_of_a_meta_device_build() -> None:
-    values = job(model="llama3-8b", seq_len=8192, global_batch=1, mixed_precision=True,
+    values = job(preset="llama3-8b", seq_len=8192, global_batch=1, mixed_precision=True,
                  activation_checkpointing=True)  # fmt: skip
     with torch.device("meta"):
         model = Transformer(from_values(values).model)
@@ -70,7 +70,7 @@ def test_plan_shards_memory_over_the_layout_of_a_405b_job_on_16384_gpus(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # The published layout: 126 layers, one fewer on the first and last of 16 stages.
-    argv = ["plan", "--ranks", "16384", "--model", "llama3-405b", "--tp", "8", "--pp", "16",
+    argv = ["plan", "--ranks", "16384", "--preset", "llama3-405b", "--tp", "8", "--pp", "16",
             "--pp-first-stage-less-layers", "1", "--pp-last-stage-less-layers", "1",
             "--pp-microbatches", "16", "--seq-len", "8192",
             "--global-batch", "2048", "--mixed-precision", "--activation-checkpointing",
@@ -93,7 +93,7 @@ def test_plan_says_whether_the_busiest_rank_fits_one_device_with_headroom() -> N
     """8B on one H200: fp32 weights, gradients and AdamW state take 120 GiB of its 131, more than
     it leaves once the caching allocator and NCCL have theirs; sharded over 2, with 8,192-token
     sequences whose activations are recomputed, it fits (69 GiB)."""
-    values = job(model="llama3-8b", seq_len=8192, global_batch=2, mixed_precision=True)
+    values = job(preset="llama3-8b", seq_len=8192, global_batch=2, mixed_precision=True)
     recomputed = values | {"activation_checkpointing": True}
     alone = render(plan(recomputed | {"global_batch": 1}, world=1))
     assert "fits          no: " in alone
@@ -110,7 +110,7 @@ def test_a_target_that_needs_a_busy_pipeline_above_60_percent_mfu_is_flagged(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The issue's example: 36% MFU with a 48% bubble is about 70% while busy."""
-    argv = ["plan", "--ranks", "16384", "--model", "llama3-405b", "--tp", "8", "--pp", "16",
+    argv = ["plan", "--ranks", "16384", "--preset", "llama3-405b", "--tp", "8", "--pp", "16",
             "--pp-first-stage-less-layers", "1", "--pp-last-stage-less-layers", "1",
             "--pp-microbatches", "16", "--seq-len", "8192", "--global-batch", "2048",
             "--mixed-precision", "--activation-checkpointing"]  # fmt: skip
@@ -123,13 +123,13 @@ def test_a_target_that_needs_a_busy_pipeline_above_60_percent_mfu_is_flagged(
 
 
 def test_plan_states_what_it_assumed_and_warns_of_a_large_model_with_debug_defaults() -> None:
-    shown = render(plan(job(model="llama3-8b"), world=8))
+    shown = render(plan(job(preset="llama3-8b"), world=8))
     assert (
         "assumed       seq_len 128, global batch 16 (2 a data-parallel rank, 1 micro-batch(es) "
         "a step), fp32 (no --mixed-precision), activation checkpointing off"
     ) in shown
     assert "warning       a 8.03B model with the debug model's seq_len 128" in shown
-    real = job(model="llama3-8b", seq_len=8192, global_batch=8, mixed_precision=True)
+    real = job(preset="llama3-8b", seq_len=8192, global_batch=8, mixed_precision=True)
     shown = render(plan(real | {"activation_checkpointing": True}, world=8))
     assert "seq_len 8192, global batch 8 (1 a data-parallel rank" in shown
     assert "bf16 mixed precision, activation checkpointing on" in shown
@@ -138,13 +138,13 @@ def test_plan_states_what_it_assumed_and_warns_of_a_large_model_with_debug_defau
 
 
 def test_an_moe_plan_names_the_layout_it_found_valid(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["plan", "--model", "moe-small", "--ranks", "4", "--ep", "2"]) == 1
+    assert cli.main(["plan", "--preset", "moe-small", "--ranks", "4", "--ep", "2"]) == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert "above" not in line and "its layout on 4 ranks (dp_shard=4 ep=2) is valid" in line
 
 
 def test_plan_refuses_a_layout_in_one_line_as_run_does(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan", "--ranks", "16384", "--model", "llama3-405b", "--tp", "8", "--pp", "16",
+    argv = ["plan", "--ranks", "16384", "--preset", "llama3-405b", "--tp", "8", "--pp", "16",
             "--global-batch", "2048"]  # fmt: skip
     assert cli.main(argv) == 1
     (line,) = capsys.readouterr().err.splitlines()
@@ -157,7 +157,7 @@ def test_plan_tells_which_smaller_node_counts_an_elastic_job_can_continue_on(
     # 4 nodes of 2 ranks, tp 2 within each: 3 nodes leave 6 ranks, and a global batch of 8 does
     # not split over 3 data-parallel ranks; 2 nodes halve it, each rank running 2 micro-batches
     # of the full job's size; 1 node, 4 micro-batches.
-    argv = ["plan", "--ranks", "8", "--ranks-per-node", "2", "--min-nodes", "1", "--model",
+    argv = ["plan", "--ranks", "8", "--ranks-per-node", "2", "--min-nodes", "1", "--preset",
             "debug", "--tp", "2", "--global-batch", "8"]  # fmt: skip
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
@@ -184,12 +184,13 @@ def test_plan_refuses_a_min_nodes_the_job_cannot_have(capsys: pytest.CaptureFixt
 def test_the_old_flag_names_still_plan_with_a_one_line_notice(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert cli.main(["plan", "--gpus", "2", "--gpu", "h100"]) == 0
+    assert cli.main(["plan", "--gpus", "2", "--gpu", "h100", "--model", "debug"]) == 0
     captured = capsys.readouterr()
     assert "layout        2 ranks" in captured.out and "of one h100" in captured.out
     assert captured.err.splitlines() == [
         "scaletrain: --gpus is deprecated and goes in the next release: use --ranks",
         "scaletrain: --gpu is deprecated and goes in the next release: use --device",
+        "scaletrain: --model is deprecated and goes in the next release: use --preset",
     ]
 
 

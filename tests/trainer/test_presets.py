@@ -14,7 +14,7 @@ from trainer.model.presets import PRESETS, PUBLISHED_PARAMS
 
 
 def model_args(name: str):
-    return from_values(options.resolve({"run_id": "r", "model": name})).model
+    return from_values(options.resolve({"run_id": "r", "preset": name})).model
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
@@ -41,5 +41,6 @@ def test_every_large_preset_splits_into_every_fp8_recipes_blocks(name: str) -> N
 
 
 def test_explicit_options_override_a_preset() -> None:
-    args = from_values(options.resolve({"run_id": "r", "model": "llama3-70b", "n_layers": 2})).model
+    job = options.resolve({"run_id": "r", "preset": "llama3-70b", "n_layers": 2})
+    args = from_values(job).model
     assert (args.dim, args.n_layers, args.n_kv_heads, args.rope_theta) == (8192, 2, 8, 500_000.0)

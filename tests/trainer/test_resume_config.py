@@ -12,7 +12,7 @@ from trainer.checkpoint.resume import check_config
 from trainer.config import from_args, parser
 from trainer.reporting import Reporter
 
-SAVED = ["--run-id", "r", "--model", "moe-small", "--seed", "7", "--lr", "1e-3"]
+SAVED = ["--run-id", "r", "--preset", "moe-small", "--seed", "7", "--lr", "1e-3"]
 
 
 def saved_toml() -> str:

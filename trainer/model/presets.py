@@ -1,4 +1,4 @@
-"""Named model shapes (`--model NAME`): the published Llama 3 sizes, a debug model and two MoEs.
+"""Named model shapes (`--preset NAME`): the published Llama 3 sizes, a debug model and two MoEs.
 
 Plain data, no torch, so that `scaletrain run` and `scaletrain plan` resolve a preset without
 loading it. Each preset gives the values of the model options (trainer/options.py, section
@@ -62,5 +62,5 @@ PRESETS: dict[str, dict[str, object]] = {
 def preset(name: str) -> dict[str, object]:
     """The option values of preset `name`; ValueError listing the names if there is none."""
     if name not in PRESETS:
-        raise ValueError(f"--model {name!r} is not a preset; presets: {', '.join(PRESETS)}")
+        raise ValueError(f"--preset {name!r} is not a preset; presets: {', '.join(PRESETS)}")
     return PRESETS[name]
