@@ -138,13 +138,14 @@ def check_offsets(
     rank: int,
     expected: LoaderOffset,
     recorded: dict[int, LoaderOffset],
-    dp_size: int,
+    same_slices: bool,
 ) -> None:
     """Refuse to resume unless telemetry's record of `step` agrees with the checkpoint.
 
     Every recorded rank must have been at the checkpoint's global sample. A rank's own slice is
-    compared too when the data-parallel degree is unchanged; at another degree the slices differ
-    by design while the global order stays the same.
+    compared too when each rank reads the slice it read when the step was saved (`same_slices`:
+    the same size and data-parallel degree), where telemetry has its record; at another size or
+    degree the slices differ by design while the global order stays the same.
     """
     refuse = f"refusing to resume run {run_id} at step {step}"
     if not recorded:
@@ -155,7 +156,7 @@ def check_offsets(
                 f"{refuse}: the checkpoint resumes at global sample {expected.global_sample}, "
                 f"telemetry recorded {offset.global_sample} for rank {other}"
             )
-    if len(recorded) == dp_size and recorded.get(rank) != expected:
+    if same_slices and rank in recorded and recorded[rank] != expected:
         raise UserError(
             f"{refuse}: rank {rank}'s data-loader offset in the checkpoint is {expected}, "
             f"telemetry recorded {recorded.get(rank)}"
