@@ -37,10 +37,10 @@ from trainer.optim import build_optimizer
 from trainer.parallel.dims import ParallelDims, elastic_accumulation, validate_layout
 from trainer.parallel.pipeline import (
     ZERO_BUBBLE,
+    job_stage_sizes,
     resolve_microbatches,
     resolve_stages_per_rank,
     stage_indices,
-    stage_sizes,
 )
 from trainer.parallel.recompute import apply_activation_checkpointing
 
@@ -234,11 +234,7 @@ def _bubble(cfg: TrainConfig, dims: ParallelDims) -> tuple[float, str]:
     bubble = (p - 1) / (v * m + p - 1)
     note = "; the zero-bubble schedule fills most of it" if schedule in ZERO_BUBBLE else ""
     formula = f"(p-1)/(v*m+p-1), p={p} v={v} m={m} ({schedule}){note}"
-    par = cfg.parallel
-    sizes = stage_sizes(
-        cfg.model.n_layers, p * v, par.pp_first_stage_less_layers,
-        par.pp_last_stage_less_layers, par.pp_layers_per_stage,
-    )  # fmt: skip
+    sizes = job_stage_sizes(cfg, p)
     # The embedding and the head weigh a block each on the first and last stage.
     work = [n + (s == 0) + (s == len(sizes) - 1) for s, n in enumerate(sizes)]
     if len(set(work)) > 1:
@@ -295,10 +291,7 @@ def _busiest_rank(
         return cfg.model.n_layers, 1.0
     par = cfg.parallel
     v = resolve_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
-    sizes = stage_sizes(
-        cfg.model.n_layers, dims.pp * v, par.pp_first_stage_less_layers,
-        par.pp_last_stage_less_layers, par.pp_layers_per_stage,
-    )  # fmt: skip
+    sizes = job_stage_sizes(cfg, dims.pp)
     ranks = []
     for rank in range(dims.pp):
         stages = stage_indices(par.pp_schedule, rank, dims.pp, v)

@@ -31,9 +31,9 @@ from trainer.parallel.pipeline import (
     SCHEDULES,
     V_SHAPED,
     evaluates,
+    job_stage_sizes,
     resolve_microbatches,
     resolve_stages_per_rank,
-    stage_sizes,
 )
 
 if TYPE_CHECKING:
@@ -195,10 +195,7 @@ class ParallelDims:
             )
         stages = pp * v
         try:
-            stage_sizes(
-                cfg.model.n_layers, stages, par.pp_first_stage_less_layers,
-                par.pp_last_stage_less_layers, par.pp_layers_per_stage,
-            )  # fmt: skip
+            job_stage_sizes(cfg, pp)
         except ValueError as exc:
             raise LayoutError(f"{exc} (pp {pp} x {v} stages per rank)") from None
         local_batch = cfg.global_batch // self.dp_size

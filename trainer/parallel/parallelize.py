@@ -40,10 +40,10 @@ from trainer.parallel.pipeline import (
     Pipeline,
     StageShapes,
     build_pipeline,
+    job_stage_sizes,
     resolve_microbatches,
     resolve_stages_per_rank,
     split_into_stages,
-    stage_sizes,
 )
 from trainer.parallel.recompute import apply_activation_checkpointing
 from trainer.parallel.tensor import apply_tp, loss_context
@@ -206,10 +206,7 @@ def parallelize(
     parts, stages = [model], []
     v = resolve_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
     if dims.pp > 1:
-        sizes = stage_sizes(
-            cfg.model.n_layers, dims.pp * v, par.pp_first_stage_less_layers,
-            par.pp_last_stage_less_layers, par.pp_layers_per_stage,
-        )  # fmt: skip
+        sizes = job_stage_sizes(cfg, dims.pp)
         rank = mesh.pp.get_local_rank()
         stages = split_into_stages(model, par.pp_schedule, rank, dims.pp, v, sizes)
         parts = [stage for _, stage in stages]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from trainer.model.llama import Transformer
+
+if TYPE_CHECKING:
+    from trainer.config import TrainConfig
 
 # Schedule name -> stages per rank it runs by default.
 SCHEDULES = {
@@ -107,6 +110,19 @@ def stage_sizes(
             f"a stage of {n_layers} blocks over {n_stages} stages would have none"
         )
     return sizes
+
+
+def job_stage_sizes(cfg: TrainConfig, pp: int) -> list[int]:
+    """The blocks of each of the job's pp x stages-per-rank stages, from its pipeline options:
+    the one reading of those options that the layout check, the trainer and the planner share."""
+    par = cfg.parallel
+    return stage_sizes(
+        cfg.model.n_layers,
+        pp * resolve_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank),
+        par.pp_first_stage_less_layers,
+        par.pp_last_stage_less_layers,
+        par.pp_layers_per_stage,
+    )
 
 
 def stage_layers(stage: int, sizes: list[int]) -> list[str]:
