@@ -25,12 +25,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine
-
 from scaletrain.app.chaos import ChaosOptions, ChaosReport, chaos, parse_schedule
 from scaletrain.app.embedded import RunOptions, run
 from scaletrain.app.stack import Workdir
 from telemetry import queries
+from telemetry.db import reading
 
 PER_NODE = 2
 # Divisible by 4 and 6 ranks.
@@ -89,11 +88,8 @@ def _resizes(root: Path, args: argparse.Namespace) -> dict[str, Any]:
         [f"lose-node@{at * k}" for k in (1, 2, 3)] + [f"return-node@{at * k}" for k in (4, 5)]
     )
     report = _drill(root, schedule, args, 4, nodes=4, min_nodes=1)
-    engine = create_engine(Workdir(root).db_url)
-    try:
+    with reading(Workdir(root).db_url) as engine:
         kept = queries.kept_steps(engine, report.run_id)
-    finally:
-        engine.dispose()
     consumed = queries.consumed_samples(kept, GLOBAL_BATCH)
     sizes = [len(ranks) for ranks in kept.values()]
     return {

@@ -7,6 +7,8 @@ that the database itself enforces (the UI must never write).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,17 @@ _MIGRATION_LOCK_KEY = 0x5C41E7E1
 
 class MissingDatabase(UserError):
     """A read-only open of an SQLite file that does not exist (yet): nothing has been recorded."""
+
+
+@contextmanager
+def reading(url: str) -> Iterator[Engine]:
+    """A read-only engine on `url` for one query or report, disposed after it (a command that
+    reads and exits, a test or a benchmark reading a finished run)."""
+    engine = connect(url, read_only=True)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
 
 
 def connect(url: str, *, read_only: bool = False) -> Engine:

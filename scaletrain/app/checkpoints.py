@@ -228,6 +228,11 @@ def checkpoint(
     )
 
 
+def steps_after(workdir: Path, run: str, step: int) -> list[int]:
+    """The committed steps of `run` newer than `step`, oldest first, from the work directory."""
+    return sorted(s for i in _infos(workdir, None, run) if (s := i.ref.step) > step)
+
+
 def _newest(infos: list[checkpoint_pb2.CheckpointInfo]) -> int:
     return max(i.ref.step for i in infos)
 

@@ -16,6 +16,7 @@ Every error is one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -746,12 +747,10 @@ def _resume_target(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise UserError(f"--resume {target}: {exc}") from None
     found = checkpoints.checkpoint(args.workdir, None, run, wanted).ref.step
-    newest = checkpoints.checkpoint(args.workdir, None, run, None).ref.step
-    if found != newest:
-        rows = checkpoints.list_checkpoints(args.workdir, None, run)
-        newer = [step for row in rows if (step := int(str(row["step"]))) > found]
+    newer = checkpoints.steps_after(args.workdir, run, found)
+    if newer:
         raise UserError(
-            f"--resume {target}: run {run} goes on from its newest checkpoint, step {newest}; "
+            f"--resume {target}: run {run} goes on from its newest checkpoint, step {newer[-1]}; "
             f"to go back to step {found}, remove the newer ones first (steps "
             f"{', '.join(map(str, newer))}: scaletrain ckpt rm {run} STEP --force)"
         )
@@ -764,9 +763,8 @@ def _stored_job(
     with, as telemetry recorded it: every option of it but those of one launch (addresses, the
     faults it injected, the Hugging Face weights it started from; its steps and checkpoint
     interval stay). None when there is no earlier run to resume (the launch says so)."""
-    from sqlalchemy import create_engine
-
     from scaletrain.app.stack import Workdir
+    from telemetry.db import reading
     from telemetry.queries import job_config
 
     work = Workdir(workdir)
@@ -775,11 +773,8 @@ def _stored_job(
         return None
     job = None
     if work.telemetry_db.exists():
-        engine = create_engine(work.db_url)
-        try:
+        with reading(work.db_url) as engine:
             job = job_config(engine, run_id)
-        finally:
-            engine.dispose()
     if job is None:
         raise UserError(
             f"--resume: telemetry in {work.root} has no job config of run {run_id} to resume "
@@ -1107,11 +1102,8 @@ def _telemetry_health(args: argparse.Namespace) -> int:
         run_id = Workdir(args.workdir).last_run_id()
         if not run_id:
             raise UserError(f"no run in {Workdir(args.workdir).root}: name one (health RUN)")
-    engine = _read_engine(args.db or os.environ.get("SCALETRAIN_DB_URL"), args)
-    try:
+    with _reading(args.db or os.environ.get("SCALETRAIN_DB_URL"), args) as engine:
         health = run_health(engine, run_id, max_findings=10)
-    finally:
-        engine.dispose()
     if args.json:
         print(json.dumps(dataclasses.asdict(health), indent=2, default=str))
     else:
@@ -1119,28 +1111,25 @@ def _telemetry_health(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_engine(db: str | None, args: argparse.Namespace) -> Engine:
-    """A read-only engine on `db`, else the work directory's telemetry database."""
+def _reading(db: str | None, args: argparse.Namespace) -> contextlib.AbstractContextManager[Engine]:
+    """A read-only engine on `db`, else on the work directory's telemetry database."""
     from scaletrain.app.stack import Workdir
-    from telemetry.db import connect
+    from telemetry.db import reading
 
     if db is None:
         workdir = Workdir(args.workdir)
         if not workdir.telemetry_db.exists():
             raise UserError(f"no telemetry database in {workdir.root}; run `scaletrain run` first")
         db = workdir.db_url
-    return connect(db, read_only=True)
+    return reading(db)
 
 
 def _print_tensorboard(db: str | None, args: argparse.Namespace, run_id: str) -> None:
     """Write `run_id`'s scalars under --tensorboard and say where."""
     from telemetry.tensorboard import write_tensorboard
 
-    engine = _read_engine(db, args)
-    try:
+    with _reading(db, args) as engine:
         logdir, count = write_tensorboard(engine, run_id, args.tensorboard)
-    finally:
-        engine.dispose()
     print(f"tensorboard: {count} scalars of run {run_id} in {logdir} "
           f"(tensorboard --logdir {args.tensorboard})", file=sys.stderr)  # fmt: skip
 

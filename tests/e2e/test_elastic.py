@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 from e2e_runs import TINY, events, scaletrain, scaletrain_json
-from sqlalchemy import create_engine
 
 from scaletrain.app.growth import GROW_HOLD_BASE_S
 from telemetry import queries
+from telemetry.db import reading
 from telemetry.queries import KeptRankStep, consumed_samples
 
 pytestmark = pytest.mark.e2e
@@ -73,11 +73,8 @@ def shrink_twice(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def kept_steps(run: dict) -> dict[int, list[KeptRankStep]]:
     """Step -> every rank's record of it, from the attempt that kept it (telemetry's)."""
-    engine = create_engine(f"sqlite:///{Path(run['workdir']) / 'telemetry.db'}")
-    try:
+    with reading(f"sqlite:///{Path(run['workdir']) / 'telemetry.db'}") as engine:
         return queries.kept_steps(engine, run["run_id"])
-    finally:
-        engine.dispose()
 
 
 def world_sizes(run: dict) -> dict[int, int]:
