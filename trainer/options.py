@@ -286,8 +286,9 @@ OPTIONS: tuple[Option, ...] = (
         "parallel",
         int,
         1,
-        "data-parallel replicas (HSDP's replicate degree)",
-        minimum=1,
+        "data-parallel replicas (HSDP's replicate degree; -1: the ranks the other degrees "
+        "leave, for an elastic HSDP job that loses a replica with a node)",
+        minimum=-1,
     ),
     Option(
         "dp_shard",

@@ -557,6 +557,13 @@ def test_an_elastic_job_meets_in_rounds_of_min_to_max_pods_with_a_short_last_cal
     assert flag(torchrun, "--nnodes") == "4" and "last_call" not in flag(torchrun, "--rdzv-conf")
 
 
+def test_an_elastic_hsdp_job_loses_replicas_with_its_pods_and_keeps_its_sharding(chart) -> None:
+    parallel = {"dpReplicate": -1, "dpShard": 2}
+    values = {"trainer": {"nodes": 4, "minNodes": 2, "nprocPerNode": 2, "parallel": parallel}}
+    _, ranks = torchrun_and_trainer_args(container(trainer(parse(render_raw(chart, values)))))
+    assert flag(ranks, "--dp-replicate") == "-1" and flag(ranks, "--dp-shard") == "2"
+
+
 def test_cordon_after_zero_keeps_a_failing_pod_in_the_job(chart) -> None:
     docs = parse(render_raw(chart, {"trainer": {"cordon": {"after": 0}}}))
     assert "--cordon-after" not in container(trainer(docs))["args"]
@@ -1294,7 +1301,12 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
         (
             {"trainer": {"nodes": 4, "minNodes": 2, "parallel": {"dpShard": 4}}},
             helm.HelmRenderError,
-            "trainer.minNodes = 2 needs trainer.parallel.dpShard -1",
+            "trainer.minNodes = 2 needs trainer.parallel.dpShard -1 or dpReplicate -1",
+        ),
+        (
+            {"trainer": {"parallel": {"dpReplicate": -1, "dpShard": -1}}},
+            helm.HelmRenderError,
+            "dpReplicate and dpShard are both -1",
         ),
     ],
     ids=[
@@ -1326,6 +1338,7 @@ def with_trainer(**trainer_values: Any) -> dict[str, Any]:
         "telemetry-keeping-no-steps",
         "elastic-minimum-above-the-nodes",
         "elastic-with-a-fixed-shard-degree",
+        "both-data-parallel-degrees-absorbing",
     ],
 )
 def test_bad_values_are_rejected_with_a_message_naming_them(

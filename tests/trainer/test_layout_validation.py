@@ -36,6 +36,16 @@ def test_data_parallel_shards_take_every_rank_the_other_degrees_leave():
     assert (dims.dp_shard, dims.dp_size) == (2, 2)
 
 
+def test_hsdp_replicas_can_take_the_ranks_instead_so_that_a_lost_node_takes_a_replica():
+    dims = ParallelDims(6, dp_replicate=-1, dp_shard=2)
+    assert (dims.dp_replicate, dims.dp_shard) == (3, 2)
+    assert ParallelDims(4, dp_replicate=-1, dp_shard=2).dp_replicate == 2
+    with pytest.raises(LayoutError, match="dp_replicate and dp_shard are both -1: one at most"):
+        ParallelDims(4, dp_replicate=-1)
+    with pytest.raises(LayoutError, match=r"unchanged: dp_shard in \[1, 2, 4\] \(dp_replicate -1"):
+        ParallelDims(4, dp_replicate=-1, dp_shard=3)
+
+
 def test_every_composition_of_the_issue_is_a_valid_layout():
     moe = dataclasses.replace(MODEL, moe=MoEArgs(n_experts=4))
     for world, model, parallel in [
@@ -173,6 +183,8 @@ def test_document_masking_needs_prepared_data_and_evaluation_needs_held_out_data
         (4, 4, {}, 2, 2),  # the full size: as configured
         (2, 4, {}, 4, 4),  # 8 would not divide the local batch of 12: as configured
         (2, 4, {"pp": 2}, 1, 1),  # the pipeline runs its own micro-batches
+        # HSDP, a node of 2 lost: a replica goes, the shard pairs stay, twice the micro-batches
+        (2, 4, {"dp_replicate": -1, "dp_shard": 2}, 1, 2),
     ],
 )
 def test_an_elastic_job_on_fewer_ranks_keeps_each_ranks_micro_batch_where_it_can(

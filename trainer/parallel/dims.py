@@ -55,8 +55,10 @@ class ParallelDims:
     """The degree of each parallelism; constructing one checks they fill the world exactly."""
 
     world_size: int
+    # -1 (one of the two at most) takes every rank the other degrees leave: dp_shard in a plain
+    # job, dp_replicate in an HSDP job whose shard groups stay within a node, so that an elastic
+    # job losing a node loses a replica and keeps its sharding.
     dp_replicate: int = 1
-    # -1 takes every rank the other degrees leave.
     dp_shard: int = -1
     cp: int = 1
     tp: int = 1
@@ -67,21 +69,28 @@ class ParallelDims:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise LayoutError(f"world size must be at least 1, got {self.world_size}")
-        for name in ("dp_replicate", "cp", "tp", "pp", "ep"):
-            if getattr(self, name) < 1:
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            raise LayoutError(
+                "dp_replicate and dp_shard are both -1: one at most takes the ranks the others "
+                "leave (HSDP across nodes: --dp-replicate -1 --dp-shard RANKS_PER_NODE)"
+            )
+        absorbs = self._absorbs()
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
+            if name != absorbs and getattr(self, name) < 1:
                 raise LayoutError(f"{name} must be at least 1, got {getattr(self, name)}")
-        world, others = self.world_size, self.dp_replicate * self.cp * self.tp * self.pp
+        world, others = self.world_size, self._others(absorbs)
         fits = world % others == 0
-        dp_shard = world // others if self.dp_shard == -1 and fits else self.dp_shard
-        if dp_shard < 1 or others * dp_shard != world:
+        given = getattr(self, absorbs)
+        degree = world // others if given == -1 and fits else given
+        if degree < 1 or others * degree != world:
             # The choices that fit first, the arithmetic after (what a user acts on leads).
-            valid = f"dp_shard {world // others} (or -1)" if fits else self._alternatives()
+            valid = f"{absorbs} {world // others} (or -1)" if fits else self._alternatives()
             raise LayoutError(
                 f"the layout does not fit {world} ranks; valid with the others unchanged: "
                 f"{valid} (dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp "
                 f"{self.cp} x tp {self.tp} x pp {self.pp} must equal the world size {world})"
             )
-        object.__setattr__(self, "dp_shard", dp_shard)
+        object.__setattr__(self, absorbs, degree)
         if (self.dp_shard * self.cp) % self.ep:
             raise LayoutError(
                 f"ep {self.ep} does not divide dp_shard x cp = {self.dp_shard * self.cp}: expert "
@@ -89,14 +98,23 @@ class ParallelDims:
                 f"{_divisors(self.dp_shard * self.cp)}"
             )
 
+    def _absorbs(self) -> str:
+        """The degree given as -1, which takes the ranks the others leave."""
+        return "dp_replicate" if self.dp_replicate == -1 else "dp_shard"
+
+    def _others(self, but: str) -> int:
+        """The product of the world's degrees other than `but` (ep is borrowed, not one)."""
+        return math.prod(getattr(self, n) for n in MESH_DIMS if n != but)
+
     def _alternatives(self) -> str:
         """For each degree above 1, the values that would fit with the others unchanged
         ("none" when no single degree can)."""
+        absorbs = self._absorbs()
         parts = []
-        for name in ("dp_replicate", "cp", "tp", "pp"):
-            if getattr(self, name) == 1:
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp"):
+            if name == absorbs or getattr(self, name) == 1:
                 continue
-            rest = self.dp_replicate * self.cp * self.tp * self.pp // getattr(self, name)
+            rest = math.prod(getattr(self, n) for n in MESH_DIMS if n not in (name, absorbs))
             if self.world_size % rest == 0:
                 parts.append(f"{name} in {_divisors(self.world_size // rest)}")
         return ", ".join(parts) or "none"

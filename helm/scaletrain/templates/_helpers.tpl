@@ -302,7 +302,12 @@ Checks of values that the schema cannot express; templates/validate.yaml runs th
 {{- if $t.enabled }}
 {{- $p := $t.parallel }}
 {{- $world := mul $t.nodes $t.nprocPerNode }}
-{{- $others := mul $p.dpReplicate $p.tp $p.pp $p.cp }}
+{{- if and (eq (int $p.dpReplicate) -1) (eq (int $p.dpShard) -1) }}
+{{- fail "trainer.parallel: dpReplicate and dpShard are both -1; one at most takes the ranks the others leave (HSDP across nodes: dpReplicate -1, dpShard nprocPerNode)" }}
+{{- end }}
+{{- $fixed := mul $p.tp $p.pp $p.cp }}
+{{- $dpReplicate := eq (int $p.dpReplicate) -1 | ternary (div $world (mul $fixed (max 1 (int $p.dpShard)))) $p.dpReplicate }}
+{{- $others := mul $dpReplicate $fixed }}
 {{- $dpShard := eq (int $p.dpShard) -1 | ternary (div $world $others) $p.dpShard }}
 {{- if ne (mul $others $dpShard) $world }}
 {{- fail (printf "trainer: the world size nodes*nprocPerNode = %v*%v = %v does not match the layout trainer.parallel dpReplicate*dpShard*tp*pp*cp = %v*%v*%v*%v*%v" $t.nodes $t.nprocPerNode $world $p.dpReplicate $p.dpShard $p.tp $p.pp $p.cp) }}
@@ -310,8 +315,8 @@ Checks of values that the schema cannot express; templates/validate.yaml runs th
 {{- if gt (int $t.minNodes) (int $t.nodes) }}
 {{- fail (printf "trainer.minNodes = %v must be at most trainer.nodes = %v" $t.minNodes $t.nodes) }}
 {{- end }}
-{{- if and (gt (int $t.minNodes) 0) (lt (int $t.minNodes) (int $t.nodes)) (ne (int $p.dpShard) -1) }}
-{{- fail (printf "trainer.minNodes = %v needs trainer.parallel.dpShard -1, which absorbs the ranks a smaller job has (got %v)" $t.minNodes $p.dpShard) }}
+{{- if and (gt (int $t.minNodes) 0) (lt (int $t.minNodes) (int $t.nodes)) (ne (int $p.dpShard) -1) (ne (int $p.dpReplicate) -1) }}
+{{- fail (printf "trainer.minNodes = %v needs trainer.parallel.dpShard -1 or dpReplicate -1, which absorbs the ranks a smaller job has (got dpShard %v, dpReplicate %v)" $t.minNodes $p.dpShard $p.dpReplicate) }}
 {{- end }}
 {{- if ne (mod (mul $dpShard $p.cp) $p.ep) 0 }}
 {{- fail (printf "trainer.parallel.ep = %v must divide dpShard*cp = %v" $p.ep (mul $dpShard $p.cp)) }}
