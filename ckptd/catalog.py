@@ -24,6 +24,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from ckptd.manifest import FileRecord, Manifest
 from ckptd.retention import RetentionPolicy
+from ckptd.states import ABSENT, TIER_COMMITTED
 from ckptd.tiers import CheckpointKey
 from scaletrain.errors import UserError
 from scaletrain.names import TIER_LABELS
@@ -38,7 +39,6 @@ SCHEMA_VERSION = 6
 MIGRATED_FROM = 5
 
 OPEN, COMMITTED, ABORTED = "open", "committed", "aborted"
-TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (
@@ -488,7 +488,7 @@ class Catalog:
             "SELECT state FROM tiers WHERE run = ? AND step = ? AND tier = ?",
             (key.run, key.step, tier),
         )
-        return rows[0][0] if rows else checkpoint_pb2.TIER_STATE_ABSENT
+        return rows[0][0] if rows else ABSENT
 
     def committed_on(self, tier: int) -> list[CheckpointKey]:
         rows = self._query(
@@ -538,7 +538,7 @@ class Catalog:
             "SELECT state FROM replicas WHERE run = ? AND step = ? AND owner = ? AND tier = ?",
             (key.run, key.step, owner, tier),
         )
-        return rows[0][0] if rows else checkpoint_pb2.TIER_STATE_ABSENT
+        return rows[0][0] if rows else ABSENT
 
     def replicas(self, run: str = "") -> dict[CheckpointKey, dict[str, dict[int, int]]]:
         """key -> owner -> {tier: state} of every replica this node has a row for (of `run`)."""
@@ -640,9 +640,7 @@ class Catalog:
                 if policy[0] is not None:
                     info.retention.CopyFrom(RetentionPolicy(*policy).to_proto())
                 for tier in TIER_LABELS:
-                    tier_state, nbytes, updated_at, error = tiers.get(
-                        tier, (checkpoint_pb2.TIER_STATE_ABSENT, 0, None, "")
-                    )
+                    tier_state, nbytes, updated_at, error = tiers.get(tier, (ABSENT, 0, None, ""))
                     info.tiers.add(
                         tier=tier,
                         state=tier_state,

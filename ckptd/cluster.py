@@ -37,6 +37,14 @@ from ckptd.config import ClusterConfig, names_itself
 from ckptd.manifest import FileRecord, Manifest
 from ckptd.names import manifest_from_peer
 from ckptd.readpath import RangeConnection, open_range
+from ckptd.states import (
+    METADATA,
+    OUTCOME_ABORTED,
+    OUTCOME_COMMITTED,
+    OUTCOME_IN_PROGRESS,
+    OUTCOME_UNKNOWN,
+    SHARD,
+)
 from ckptd.tiers import CheckpointKey
 from scaletrain.errors import (
     FailedPrecondition,
@@ -51,12 +59,6 @@ from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-SHARD = checkpoint_pb2.FILE_KIND_SHARD
-METADATA = checkpoint_pb2.FILE_KIND_METADATA
-COMMITTED = checkpoint_pb2.OUTCOME_COMMITTED
-ABORTED = checkpoint_pb2.OUTCOME_ABORTED
-IN_PROGRESS = checkpoint_pb2.OUTCOME_IN_PROGRESS
-UNKNOWN = checkpoint_pb2.OUTCOME_UNKNOWN
 # How long a peer's answer to a read or a question may take.
 _PEER_TIMEOUT_S = 10.0
 
@@ -457,7 +459,7 @@ def outcome(peers: Peers, save: SaveRecord) -> tuple[int, Manifest | None]:
     """What became of an in-doubt save: its coordinator's word, else any peer's commit.
 
     A coordinator that answers but knows nothing of it presumes abort; with the coordinator
-    unreachable, only a peer that committed it decides (IN_PROGRESS: keep waiting).
+    unreachable, only a peer that committed it decides (OUTCOME_IN_PROGRESS: keep waiting).
     """
     request = checkpoint_pb2.OutcomeRequest(
         save_id=save.save_id,
@@ -474,15 +476,17 @@ def outcome(peers: Peers, save: SaveRecord) -> tuple[int, Manifest | None]:
         is_coordinator = peer.address == coordinator.coordinator_address or (
             peer.node and peer.node == coordinator.coordinator
         )
-        if answer.outcome == COMMITTED:
+        if answer.outcome == OUTCOME_COMMITTED:
             try:
-                return COMMITTED, manifest_from_peer(answer.manifest, f"peer {peer.address}")
+                return OUTCOME_COMMITTED, manifest_from_peer(
+                    answer.manifest, f"peer {peer.address}"
+                )
             except InvalidArgument as exc:
                 log.warning("%s", exc)  # another peer may answer it well
                 continue
-        if is_coordinator and answer.outcome in (ABORTED, UNKNOWN):
-            return ABORTED, None
-    return IN_PROGRESS, None
+        if is_coordinator and answer.outcome in (OUTCOME_ABORTED, OUTCOME_UNKNOWN):
+            return OUTCOME_ABORTED, None
+    return OUTCOME_IN_PROGRESS, None
 
 
 def catalogs(peers: Peers, run: str = "") -> dict[str, checkpoint_pb2.CatalogResponse | str]:

@@ -16,14 +16,12 @@ from typing import IO
 
 from ckptd.catalog import Catalog
 from ckptd.names import check_run
+from ckptd.states import ABSENT, MEMORY
 from scaletrain.errors import UserError
-from scaletrain.v1 import checkpoint_pb2, common_pb2
+from scaletrain.v1 import checkpoint_pb2
 
 LOCK_FILE = "ckptd.lock"
 NODE_FILE = "node"
-
-ABSENT = checkpoint_pb2.TIER_STATE_ABSENT
-MEMORY = common_pb2.TIER_MEMORY
 
 
 def node_of(data_dir: Path, wanted: str | None) -> str:

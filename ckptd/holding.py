@@ -30,11 +30,12 @@ from ckptd.replicas import (
     placement,
 )
 from ckptd.retention import MEMORY_ONLY_LAST, RetentionPolicy, droppable
+from ckptd.states import ABSENT, MEMORY, S3, SSD, TIER_COMMITTED
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.memory import MemoryBudget, MemoryFile, MemoryTier, release
 from ckptd.tiers.ssd import SsdTier
 from scaletrain.errors import FailedPrecondition, InvalidArgument
-from scaletrain.v1 import checkpoint_pb2, common_pb2
+from scaletrain.v1 import checkpoint_pb2
 
 if TYPE_CHECKING:
     from ckptd.config import CkptdConfig
@@ -43,9 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ckptd.store")
 
-TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
-ABSENT = checkpoint_pb2.TIER_STATE_ABSENT
-MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S3
 NODE_TIERS = (MEMORY, SSD)
 
 

@@ -28,6 +28,14 @@ from ckptd.manifest import FileRecord, Manifest
 from ckptd.names import MAX_WORLD_SIZE, check_run, key_of, manifest_from_peer
 from ckptd.replicas import copies_for_safety
 from ckptd.retention import RetentionPolicy
+from ckptd.states import (
+    OUTCOME_ABORTED,
+    OUTCOME_COMMITTED,
+    OUTCOME_IN_PROGRESS,
+    OUTCOME_UNKNOWN,
+    S3,
+    TIER_COMMITTED,
+)
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.ssd import SsdTier
 from scaletrain.errors import (
@@ -37,16 +45,13 @@ from scaletrain.errors import (
     NotFound,
     ScaletrainError,
 )
-from scaletrain.v1 import checkpoint_pb2, common_pb2
+from scaletrain.v1 import checkpoint_pb2
 
 if TYPE_CHECKING:
     from ckptd.replication import S3Replication
     from ckptd.store import _OpenSave
 
 log = logging.getLogger("ckptd.store")
-
-TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
-MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S3
 
 
 class ClusterMember:
@@ -202,16 +207,16 @@ class ClusterMember:
         key = key_of(ref)
         record = self.catalog.save_of(key)
         if record is None:
-            return cluster.UNKNOWN, None
+            return OUTCOME_UNKNOWN, None
         if record.state == COMMITTED:
             if record.coordination.epoch == epoch:
-                return cluster.COMMITTED, self.catalog.manifest(key)
-            return cluster.ABORTED, None  # another attempt of the step committed
+                return OUTCOME_COMMITTED, self.catalog.manifest(key)
+            return OUTCOME_ABORTED, None  # another attempt of the step committed
         if record.save_id != save_id or record.state == ABORTED:
-            return (cluster.ABORTED if record.coordination.epoch > epoch else cluster.UNKNOWN), None
+            return (OUTCOME_ABORTED if record.coordination.epoch > epoch else OUTCOME_UNKNOWN), None
         if record.coordination.coordinator == self.node:
-            return cluster.IN_PROGRESS, None
-        return cluster.UNKNOWN, None
+            return OUTCOME_IN_PROGRESS, None
+        return OUTCOME_UNKNOWN, None
 
     def in_doubt(self) -> list[SaveRecord]:
         """Saves this node voted on whose outcome it has not heard."""
@@ -380,9 +385,9 @@ class ClusterMember:
         for record in self.in_doubt():
             outcome, manifest = cluster.outcome(self.peers, record)
             try:
-                if outcome == cluster.COMMITTED and manifest is not None:
+                if outcome == OUTCOME_COMMITTED and manifest is not None:
                     self.adopt(manifest, record.save_id)
-                elif outcome == cluster.ABORTED:
+                elif outcome == OUTCOME_ABORTED:
                     with self._lock:
                         if record.save_id in self._saves:
                             self._drop_aborted(record, "aborted by its coordinator")

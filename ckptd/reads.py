@@ -35,6 +35,7 @@ from ckptd.metrics import Metrics
 from ckptd.names import check_path, key_of
 from ckptd.readpath import Piece, spans_of
 from ckptd.replicas import ReplicaTiers
+from ckptd.states import FAILED, MEMORY, S3, SSD, TIER_COMMITTED
 from ckptd.tiers import (
     BLOCK_BYTES,
     BlockCrcs,
@@ -54,18 +55,13 @@ from scaletrain.errors import (
     ScaletrainError,
 )
 from scaletrain.names import TIER_LABELS
-from scaletrain.v1 import checkpoint_pb2, common_pb2
+from scaletrain.v1 import checkpoint_pb2
 
 # The store's logger still: log queries select on it.
 log = logging.getLogger("ckptd.store")
 
 # Reads are served in pieces of this size, each from the fastest tier whose copy verifies.
 READ_PIECE_BYTES = 4 << 20
-
-
-TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
-FAILED = checkpoint_pb2.TIER_STATE_FAILED
-MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S3
 
 
 def _damage(data: bytes | memoryview, lo: int, hi: int, record: FileRecord) -> str | None:

@@ -22,19 +22,13 @@ from ckptd.crash import crash_point
 from ckptd.metrics import Metrics
 from ckptd.reads import Reader
 from ckptd.retention import RetentionPolicy, wanted
+from ckptd.states import ABSENT, FAILED, MEMORY, PENDING, S3, SSD, TIER_COMMITTED
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.s3 import S3Tier, describe
 from scaletrain.names import TIER_LABELS
-from scaletrain.v1 import checkpoint_pb2, common_pb2
 
 # The store's logger still: log queries select on it.
 log = logging.getLogger("ckptd.store")
-
-ABSENT = checkpoint_pb2.TIER_STATE_ABSENT
-PENDING = checkpoint_pb2.TIER_STATE_PENDING
-TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
-FAILED = checkpoint_pb2.TIER_STATE_FAILED
-MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S3
 
 
 class PartsMissing(Exception):

@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from ckptd.states import MEMORY, S3, SSD
 from scaletrain.errors import InvalidArgument
-from scaletrain.v1 import checkpoint_pb2, common_pb2
+from scaletrain.v1 import checkpoint_pb2
 
-MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S3
 DURABLE = (SSD, S3)
 # Memory-only checkpoints of a run kept at most: the newest, and the one before it while the
 # newest may still be incomplete on some node (its copy to a peer in flight).

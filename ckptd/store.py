@@ -51,6 +51,7 @@ from ckptd.reads import READ_PIECE_BYTES, Piece, Reader
 from ckptd.replicas import ReplicaTiers, Replicator, copies_for_safety
 from ckptd.replication import S3Replication
 from ckptd.retention import RetentionPolicy, droppable, wanted
+from ckptd.states import ABSENT, FAILED, MEMORY, METADATA, PENDING, S3, SHARD, SSD, TIER_COMMITTED
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.memory import MemoryBudget, MemoryTier, release
 from ckptd.tiers.s3 import S3Tier
@@ -67,18 +68,9 @@ from scaletrain.errors import (
 )
 from scaletrain.names import TIER_LABELS
 from scaletrain.transport import DEFAULT_TIMEOUT_S
-from scaletrain.v1 import checkpoint_pb2, common_pb2
+from scaletrain.v1 import checkpoint_pb2
 
 log = logging.getLogger(__name__)
-
-
-SHARD = checkpoint_pb2.FILE_KIND_SHARD
-METADATA = checkpoint_pb2.FILE_KIND_METADATA
-ABSENT = checkpoint_pb2.TIER_STATE_ABSENT
-PENDING = checkpoint_pb2.TIER_STATE_PENDING
-TIER_COMMITTED = checkpoint_pb2.TIER_STATE_COMMITTED
-FAILED = checkpoint_pb2.TIER_STATE_FAILED
-MEMORY, SSD, S3 = common_pb2.TIER_MEMORY, common_pb2.TIER_SSD, common_pb2.TIER_S3
 
 
 # -- saves -----------------------------------------------------------------------------------------
