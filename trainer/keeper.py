@@ -75,9 +75,17 @@ FIRST_JOIN_S = 300.0
 # How long a later generation waits for every keeper: they are warm, and one that does not come
 # went with its machine; torchrun's agents then re-form the job (with a spare, if any).
 JOIN_S = 10.0
-# The last step this keeper's rank completed, in memory the rank shares with its keeper (a map
-# made by the keeper before its forks): where a failed rank got to, for the cordon's count.
-_trained: mmap.mmap | None = None
+# A rank that shows no sign of life this long is frozen (SIGSTOP, a deadlock on the GIL, a
+# process the kernel does not run): its keeper ends it, and the job restarts in-job at once
+# instead of waiting out the watchdog's deadline on the ranks that wait for it. A live rank's
+# watchdog thread signs every WATCH_TICK_S however long its step, so this judges the process,
+# not the work (a rank hung in a collective or a kernel is still the watchdog's to find).
+FROZEN_AFTER_S = 4.0
+# Memory the rank shares with its keeper (a map made by the keeper before its forks): the last
+# step it completed (where a failed rank got to, for the cordon's count), then its last sign of
+# life (time.monotonic_ns, one clock for every process of the machine; 0: not judged).
+_shared: mmap.mmap | None = None
+_STEP, _ALIVE = slice(0, 8), slice(8, 16)
 
 
 @dataclass(frozen=True)
@@ -105,8 +113,8 @@ def keep(train: Callable[[], int], restarts: int) -> int:
     the job, at most `restarts` times; returns what the keeper exits with (the rank's code)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     die_with_parent()  # a lost agent (a lost machine) takes its keepers with it
-    global _trained
-    _trained = mmap.mmap(-1, 8)
+    global _shared
+    _shared = mmap.mmap(-1, 16)
     # torchrun's agent keeps its store across its restarts: each attempt meets under a prefix
     # of its own. Else every attempt has a store of its own, and the agents may count their
     # restarts differently (a replaced node's starts again at 0): no attempt in the prefix.
@@ -201,12 +209,16 @@ def _watch(pid: int, store: dist.Store, gen: Generation, stop: _Stop) -> tuple[i
                         f"within {wait_s:g}s (a machine lost?)"
                     )
             ended, status = os.waitpid(pid, os.WNOHANG)
-            if ended:
+            if not ended and (silent := _silent_s()) > FROZEN_AFTER_S:
+                status, why = _end_frozen(pid, silent), f"froze (no sign of life for {silent:.1f}s)"
+            else:
+                why = ""
+            if ended or why:
                 code = os.waitstatus_to_exitcode(status)
                 if code != 0 and code not in FINAL_EXIT_CODES:
-                    _mark(store, gen.failed, f"rank {rank} {_describe(code)}")
+                    _mark(store, gen.failed, f"rank {rank} {why or _describe(code)}")
                     if code != PEER_LOST_EXIT_CODE:  # a peer's failure is not its machine's
-                        record_failure(int(rank), _last_trained(), _describe(code))
+                        record_failure(int(rank), _last_trained(), why or _describe(code))
                 return code, _read(store, gen.failed)
             if stop.is_set():
                 return _stop_rank(pid), "the agent stopped this rank"
@@ -223,8 +235,24 @@ def _watch(pid: int, store: dist.Store, gen: Generation, stop: _Stop) -> tuple[i
         raise
 
 
+def _end_frozen(pid: int, silent: float) -> int:
+    """SIGKILL a frozen rank (the one signal a stopped process cannot hold off), saying so as its
+    watchdog would; returns its wait status."""
+    rank = os.environ["RANK"]
+    print(
+        f"trainer: rank {rank}: error: watchdog: rank {rank} shows no sign of life for "
+        f"{silent:.1f}s (frozen: stopped, or deadlocked); its keeper ends it",
+        file=sys.stderr,
+        flush=True,
+    )
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return os.waitpid(pid, 0)[1]
+
+
 def _fork_rank(train: Callable[[], int], prefix: str, generation: int) -> int:
     """Fork the rank of `generation`; it dies with its keeper (a lost node takes both)."""
+    alive(False)  # a new rank is not judged before it first signs
     pid = os.fork()
     if pid:
         return pid
@@ -305,12 +333,25 @@ def _describe(code: int) -> str:
 def trained(step: int) -> None:
     """The rank completed `step` (its keeper reads it should the rank fail; nothing without a
     keeper)."""
-    if _trained is not None:
-        _trained[:8] = step.to_bytes(8, "little")
+    if _shared is not None:
+        _shared[_STEP] = step.to_bytes(8, "little")
 
 
 def _last_trained() -> int:
-    return int.from_bytes(_trained[:8], "little") if _trained is not None else 0
+    return int.from_bytes(_shared[_STEP], "little") if _shared is not None else 0
+
+
+def alive(judged: bool = True) -> None:
+    """A sign of life of the rank, for its keeper (`judged` False: from now on the rank is not
+    judged, as when its watchdog stops at the end of training; nothing without a keeper)."""
+    if _shared is not None:
+        _shared[_ALIVE] = (time.monotonic_ns() if judged else 0).to_bytes(8, "little")
+
+
+def _silent_s() -> float:
+    """Seconds since the rank's last sign of life (0 while it is not judged)."""
+    last = int.from_bytes(_shared[_ALIVE], "little") if _shared is not None else 0
+    return (time.monotonic_ns() - last) / 1e9 if last else 0.0
 
 
 def restart_count() -> int:

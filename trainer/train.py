@@ -263,6 +263,7 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     watchdog = Watchdog(
         cfg.watchdog, rank, heartbeat=reporter.heartbeat,
         on_hang=lambda hang: reporter.hang(hang, REPORT_WAIT_S), peers=_peer_board(rank, world),
+        alive=keeper.alive,
     ).start()  # fmt: skip
     cleanup.callback(watchdog.stop)
 

@@ -35,6 +35,7 @@ from trainer.health.preflight import check_ranks, matmul_ok
 from trainer.health.watchdog import (
     HANG_EXIT_CODE,
     PEERS_WAIT_S,
+    WATCH_TICK_S,
     Hang,
     PeerBoard,
     Watchdog,
@@ -157,6 +158,17 @@ def test_progress_keeps_the_watchdog_quiet():
         time.sleep(0.1)
     dog.stop()
     assert fired == [] and exits == []
+
+
+def test_the_watchdog_signs_for_its_keeper_while_it_runs_and_stops_signing_when_stopped():
+    signs: list[bool] = []
+    dog = Watchdog(
+        WatchdogPolicy(), 0, heartbeat=lambda s, p: None, on_hang=lambda h: None,
+        alive=signs.append, exit=lambda code: None,
+    ).start()  # fmt: skip
+    time.sleep(3 * WATCH_TICK_S)
+    dog.stop()
+    assert len(signs) >= 2 and all(signs[:-1]) and signs[-1] is False
 
 
 def test_a_peer_that_never_beat_is_named():

@@ -20,10 +20,11 @@ from trainer.keeper import FAILED_EXIT_CODE, JOIN_S
 
 # The rank: records its generation, store prefix and parent, then does what `action` names
 # for its generation ("die": SIGKILL itself, "error": a one-line error, "wait": wait for peers
-# that never come, "ok": train and end).
+# that never come, "freeze": sign once then SIGSTOP itself, "unjudged": go quiet after its last
+# sign, "ok": train and end).
 RANK = """
-import json, os, signal, sys
-from trainer.keeper import keep
+import json, os, signal, sys, time
+from trainer.keeper import FROZEN_AFTER_S, alive, keep
 
 def train():
     generation = int(os.environ["SCALETRAIN_GENERATION"])
@@ -37,6 +38,13 @@ def train():
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "wait":  # for peers that never come
         signal.pause()
+    if action == "freeze":  # a sign of life, then none: stopped
+        alive()
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if action == "unjudged":  # signs, then stops its watchdog and goes quiet for a while
+        alive()
+        alive(False)
+        time.sleep(FROZEN_AFTER_S + 1)
     return 1 if action == "error" else 0
 
 code = keep(train, int(sys.argv[3]))
@@ -77,6 +85,23 @@ def test_a_killed_rank_is_forked_again_by_the_same_keeper_in_a_new_generation(tm
     # Each generation meets under a store prefix of its own.
     assert len({r["prefix"] for r in ranks}) == 3
     assert "[keeper] in-job restart 1: rank 0 was killed by SIGKILL" in out
+
+
+def test_a_frozen_rank_is_ended_by_its_keeper_and_forked_again_without_a_watchdogs_wait(
+    tmp_path: Path,
+):
+    code, ranks, out = run_keeper(tmp_path, "freeze,ok", restarts=3)
+    assert code == 0, out
+    assert [r["generation"] for r in ranks] == [0, 1]
+    # Said as the drill and the recovery records read a watchdog's verdict.
+    assert "trainer: rank 0: error: watchdog: rank 0 shows no sign of life for " in out
+    assert "[keeper] in-job restart 1: rank 0 froze (no sign of life for " in out
+
+
+def test_a_rank_whose_watchdog_stopped_is_not_judged_frozen(tmp_path: Path):
+    code, ranks, out = run_keeper(tmp_path, "unjudged", restarts=3)
+    assert code == 0, out
+    assert [r["generation"] for r in ranks] == [0] and "no sign of life" not in out
 
 
 def test_an_error_the_rank_reported_in_one_line_is_not_restarted_in_job(tmp_path: Path):

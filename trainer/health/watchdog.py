@@ -33,6 +33,8 @@ RECENT_STEPS = 20
 REPORT_WAIT_S = 2.0
 # How long the firing watchdog waits to read its peers' heartbeats from the job's store.
 PEERS_WAIT_S = 2.0
+# How often the judging thread looks, and signs that the process is alive (`alive`).
+WATCH_TICK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -119,10 +121,12 @@ class Watchdog:
         heartbeat: Callable[[int, str], None],
         on_hang: Callable[[Hang], None],
         peers: PeerBoard | None = None,
+        alive: Callable[[bool], None] = lambda judged: None,
         exit: Callable[[int], None] = os._exit,
     ) -> None:
         self.policy, self.rank = policy, rank
         self._heartbeat, self._on_hang, self._peers, self._exit = heartbeat, on_hang, peers, exit
+        self._alive = alive
         self._lock = threading.Lock()
         self._step, self._phase = 0, "start"
         self._since = time.monotonic()
@@ -169,9 +173,12 @@ class Watchdog:
             if thread.is_alive():
                 # A heartbeat stuck in a store call must not hold up the rank's exit.
                 thread.join(timeout=PEERS_WAIT_S)
+        self._alive(False)  # after the judging thread's last sign: the rank goes on unjudged
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.policy.heartbeat_s)):
+        self._alive(True)
+        while not self._stop.wait(min(WATCH_TICK_S, self.policy.heartbeat_s)):
+            self._alive(True)  # the process runs: its keeper judges that, this thread the work
             hang = self.check()
             if hang is not None:
                 self._fire(hang)
