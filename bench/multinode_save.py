@@ -22,7 +22,7 @@ from pathlib import Path
 from scaletrain.app.embedded import RunOptions, run
 from scaletrain.app.stack import Workdir
 from telemetry.db import connect
-from telemetry.views import checkpoint_timeline
+from telemetry.views.checkpoints import checkpoint_timeline
 
 
 def one_run(root: Path, nodes: int, args: argparse.Namespace) -> tuple[list[float], list[float]]:

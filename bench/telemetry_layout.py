@@ -14,8 +14,8 @@ taking turns step by step so that other jobs' load falls on both alike:
              them; records/s of the rank rows
   pages      the rank-row reads of the run page, the two layouts in turn for `--read-rounds`
              rounds, best and median of each: the latest 20 steps of every rank
-             (`views.rank_phases` of all ranks), one node's ranks at 100 steps sampled over the
-             window (`views.rank_steps`)
+             (`views.nodes.rank_phases` of all ranks), one node's ranks at 100 steps sampled over
+             the window (`views.nodes.rank_steps`)
   retention  everything but the latest `--keep-steps` steps goes, through the service's own
              `Retention.sweep_run` on each: on the plain table batches of 50,000 rows (the
              service's pause between two), then the `VACUUM` that makes the deleted rows' space
@@ -44,13 +44,14 @@ from typing import Any
 from alembic import command
 from sqlalchemy import Engine, text
 
-from telemetry import partitions, views
+from telemetry import partitions
 from telemetry.db import alembic_config, connect, migrate
 from telemetry.ingest import insert_steps, step_values, time_format
 from telemetry.retention import Retention, RetentionPolicy
 from telemetry.rollup import NodeMap, summarise, write
 from telemetry.simulated_cluster import Cluster
 from telemetry.store import TelemetryStore
+from telemetry.views.nodes import rank_phases, rank_steps
 
 RUN_ID = "layout"
 STARTED = 1_780_000_000.0
@@ -157,10 +158,10 @@ def pages(engines: dict[str, Engine], cluster: Cluster, rounds: int) -> dict[str
     node_ranks = list(range(cluster.ranks_per_node))
     every_rank = list(range(cluster.ranks))
     reads: dict[str, Callable[[Engine], Any]] = {
-        "latest_20_steps_of_every_rank": lambda engine: views.rank_phases(
+        "latest_20_steps_of_every_rank": lambda engine: rank_phases(
             engine, RUN_ID, every_rank, window=20
         ),
-        "one_node_last_100_steps": lambda engine: views.rank_steps(
+        "one_node_last_100_steps": lambda engine: rank_steps(
             engine, RUN_ID, node_ranks, max_steps=100
         ),
     }

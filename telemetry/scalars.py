@@ -3,7 +3,7 @@
 Read from the step rollups (kept for the whole run, one row per step; where a restart computed a
 step again, the latest attempt's), the run's description (for MFU) and, for the learning rate,
 the per-rank records (kept for the retention window: older steps have no learning rate). The
-validation loss is the trainer's eval events' (`views.eval_points`); steps without one are NaN.
+validation loss is the trainer's eval events' (`views.run.eval_points`); steps without one are NaN.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pandas as pd
 from sqlalchemy import func, select
 
 from telemetry import mfu as flops
-from telemetry import views
 from telemetry.efficiency import LATEST_ROLLUP, per_step, registered_run
 from telemetry.models import RankStep, Run, StepRollup
 from telemetry.queries import LATEST_ATTEMPT, Bind, connection_of
+from telemetry.views.run import eval_points
 
 SCALAR_COLUMNS = [
     "step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "goodput",
@@ -58,7 +58,7 @@ def step_scalars(bind: Bind, run_id: str) -> pd.DataFrame:
                 .group_by(RankStep.step)
             ).all()
         )
-        evals = views.eval_points(connection, run_id, limit=None)
+        evals = eval_points(connection, run_id, limit=None)
     wall = rollups["wall_s"].astype(float)
     tokens_per_s = (rollups["tokens"].astype(float) / wall).where(wall > 0)
     per_token = flops.model_flops_per_token(run.model_params)

@@ -7,7 +7,7 @@ import altair as alt
 import pandas as pd
 
 from telemetry.detect import StragglerPolicy
-from telemetry.views import PHASE_COLUMNS
+from telemetry.views.nodes import PHASE_COLUMNS
 
 # One colour per marker kind, the same on every chart and in the legend.
 MARKER_COLOURS = {
@@ -36,12 +36,12 @@ def loss_chart(
     recoveries: pd.DataFrame | None = None,
 ) -> alt.LayerChart:
     """Mean loss over ranks as a line over the min-max band of the ranks, and the validation
-    loss (`views.eval_points`) as a dashed line with a point per evaluation. Restarts, loss
+    loss (`views.run.eval_points`) as a dashed line with a point per evaluation. Restarts, loss
     spikes, SDC events and replays are vertical rules; checkpoints, which may be hundreds, are
     triangles along the bottom so that they never hide the curve; each fault's recovery
-    (`views.recoveries`) is a band over the steps it spans (those it lost, or those it lasted),
-    so that a recovery shows where on the curve its time went. Colours by kind, one legend for
-    all."""
+    (`views.run.recoveries`) is a band over the steps it spans (those it lost, or those it
+    lasted), so that a recovery shows where on the curve its time went. Colours by kind, one
+    legend for all."""
     base = alt.Chart(points).encode(
         x=alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
     )
@@ -101,8 +101,8 @@ _RELATIVE_SCALE = alt.Scale(scheme="inferno", domain=[0.8, 2.0], clamp=True)
 
 
 def node_heatmap(grid: pd.DataFrame) -> alt.Chart:
-    """A nodes x steps grid (`views.node_steps`), each cell the node's worst rank relative to the
-    step's median rank, slowest nodes at the top."""
+    """A nodes x steps grid (`views.nodes.node_steps`), each cell the node's worst rank relative
+    to the step's median rank, slowest nodes at the top."""
     order = list(
         grid.groupby("node")["relative"].max().sort_values(ascending=False, kind="stable").index
     )
@@ -146,7 +146,7 @@ def rank_heatmap(steps: pd.DataFrame, metric: str) -> alt.Chart:
 
 
 def throughput_chart(points: pd.DataFrame) -> alt.Chart | alt.LayerChart:
-    """Tokens/s of all ranks at each sampled step (`views.loss_points`), and, where the job
+    """Tokens/s of all ranks at each sampled step (`views.run.loss_points`), and, where the job
     changed size (elastic), the ranks that trained each step on an axis of their own."""
     x = alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
     tooltip = ["step", alt.Tooltip("tokens_per_s:Q", format=",.0f"), "ranks"]

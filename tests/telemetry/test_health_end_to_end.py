@@ -21,12 +21,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, func, select
 
-from telemetry import queries, views
+from telemetry import queries
 from telemetry.config import TelemetryConfig
 from telemetry.db import connect
 from telemetry.health import run_health
 from telemetry.models import RankStep
 from telemetry.server import RunningTelemetry, start
+from telemetry.views.nodes import slowest_over_run
+from telemetry.views.run import loss_points
 
 RANKS, STEPS = 4, 14
 SDC_GRAD_STEP, SDC_GRAD_RANK = 9, 2
@@ -139,7 +141,7 @@ def engine(backend: str) -> Iterator[Engine]:
 
 
 def losses(engine: Engine, run_id: str) -> list[float]:
-    return views.loss_points(engine, run_id)["loss"].tolist()
+    return loss_points(engine, run_id)["loss"].tolist()
 
 
 def test_an_injected_gradient_flip_is_caught_at_its_step_on_its_rank_and_replayed(
@@ -180,7 +182,7 @@ def test_the_straggler_is_flagged_within_five_steps_and_no_other_rank(
     assert set(flagged["rank"]) == {STRAGGLER}
     assert flagged["step"].min() <= 5
     # The step rollups name it the slowest rank of the run.
-    ranks, _, _ = views.slowest_over_run(engine, injected, k=1)
+    ranks, _, _ = slowest_over_run(engine, injected, k=1)
     assert list(ranks["rank"]) == [STRAGGLER]
 
 

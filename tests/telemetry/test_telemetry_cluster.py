@@ -15,13 +15,14 @@ import pandas as pd
 import pytest
 from sqlalchemy import Engine, select
 
-from telemetry import queries, views
+from telemetry import queries
 from telemetry.config import TelemetryConfig
 from telemetry.health import run_health
 from telemetry.models import ROLLUP_METRICS, RankStep, StepRollup
 from telemetry.rollup import ROLLUP_SLOWEST
 from telemetry.server import RunningTelemetry, start
 from telemetry.simulated_cluster import Cluster, Result, simulate
+from telemetry.views.nodes import find_ranks, node_steps, ranks_of_node, slowest_now
 
 CLUSTER = Cluster("cluster-512", ranks=512, steps=12)
 
@@ -63,7 +64,7 @@ def test_every_record_of_512_ranks_arrives_and_every_step_is_rolled_up_as_it_com
         rollups = connection.execute(select(StepRollup.step, StepRollup.ranks)).all()
     assert len(stored) == 512 * 12
     assert sorted(rollups) == [(step, 512) for step in range(1, 13)]
-    nodes, total = views.node_steps(engine, CLUSTER.run_id, max_nodes=10)
+    nodes, total = node_steps(engine, CLUSTER.run_id, max_nodes=10)
     assert total == 64 and nodes["node"].nunique() == 10
 
 
@@ -108,17 +109,15 @@ def test_the_stragglers_are_named_with_their_hosts_and_the_slow_node_is_one_find
     assert health.slow_nodes == [CLUSTER.host(slow[0])]
     assert health.event_counts["sdc"] == 1 and health.event_counts["loss_spike"] == 2
     # The nodes x steps view puts the slow node and the stragglers' nodes on top.
-    now_ranks, now_nodes = views.slowest_now(engine, CLUSTER.run_id, k=3)
+    now_ranks, now_nodes = slowest_now(engine, CLUSTER.run_id, k=3)
     assert set(now_nodes["node"]) == {CLUSTER.host(r) for r in [*ranks, slow[0]]}
     assert set(now_ranks["rank"][:2]) == set(ranks)
 
 
 def test_a_search_finds_a_rank_by_number_and_the_ranks_of_a_host(engine: Engine) -> None:
-    assert views.find_ranks(engine, CLUSTER.run_id, "300").values.tolist() == [
-        [300, CLUSTER.host(300)]
-    ]
+    assert find_ranks(engine, CLUSTER.run_id, "300").values.tolist() == [[300, CLUSTER.host(300)]]
     host = CLUSTER.host(300)
-    assert list(views.find_ranks(engine, CLUSTER.run_id, host)["rank"]) == list(range(296, 304))
-    assert views.ranks_of_node(engine, CLUSTER.run_id, host) == list(range(296, 304))
-    assert views.find_ranks(engine, CLUSTER.run_id, "512").empty
-    assert views.find_ranks(engine, CLUSTER.run_id, "no-such-host").empty
+    assert list(find_ranks(engine, CLUSTER.run_id, host)["rank"]) == list(range(296, 304))
+    assert ranks_of_node(engine, CLUSTER.run_id, host) == list(range(296, 304))
+    assert find_ranks(engine, CLUSTER.run_id, "512").empty
+    assert find_ranks(engine, CLUSTER.run_id, "no-such-host").empty

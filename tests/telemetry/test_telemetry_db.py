@@ -14,12 +14,13 @@ from sqlalchemy import JSON, Engine, column, inspect, table, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from scaletrain.errors import UserError
-from telemetry import queries, views
+from telemetry import queries
 from telemetry.client import event
 from telemetry.db import VERSION_TABLE, MissingDatabase, alembic_config, connect, migrate
 from telemetry.models import Base, UTCDateTime
 from telemetry.partitions import is_partition
 from telemetry.store import TelemetryStore
+from telemetry.views.checkpoints import checkpoint_timeline
 
 COMPARE_OPTIONS = {
     "compare_type": True,
@@ -96,7 +97,7 @@ def test_a_database_from_before_checkpoint_nodes_upgrades_and_keeps_its_checkpoi
         assert stored[["step", "tier", "node"]].values.tolist() == [
             [4, "ssd", ""], [4, "trainer", ""], [8, "ssd", "node0"], [8, "ssd", "node1"],
         ]  # fmt: skip
-        assert views.checkpoint_timeline(engine, "old")["nodes"].tolist() == [
+        assert checkpoint_timeline(engine, "old")["nodes"].tolist() == [
             "ssd",
             "ssd: node0, node1",
         ]

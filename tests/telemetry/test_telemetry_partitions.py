@@ -16,13 +16,15 @@ from alembic import command
 from sqlalchemy import Engine, event, func, insert, select, text
 
 from scaletrain.v1 import telemetry_pb2
-from telemetry import partitions, views
+from telemetry import partitions
 from telemetry.client import event as telemetry_event
 from telemetry.client import rank_step
 from telemetry.db import alembic_config, connect, migrate
 from telemetry.models import RankStep
 from telemetry.retention import Retention, RetentionPolicy
 from telemetry.store import TelemetryStore
+from telemetry.views.common import spread
+from telemetry.views.nodes import rank_phases, rank_steps
 
 RegisterRun = Callable[..., telemetry_pb2.RegisterRunRequest]
 RANKS = 4
@@ -113,7 +115,7 @@ def test_a_read_of_the_latest_steps_scans_one_partition(
     event.listen(pg_engine, "before_cursor_execute", capture)
     try:
         # Every rank, the latest 5 steps: 31-35, all in the range of steps 31-40.
-        phases = views.rank_phases(pg_engine, "run-1", list(range(RANKS)), window=5)
+        phases = rank_phases(pg_engine, "run-1", list(range(RANKS)), window=5)
     finally:
         event.remove(pg_engine, "before_cursor_execute", capture)
     assert list(phases["rank"]) == list(range(RANKS))
@@ -134,13 +136,13 @@ def test_one_nodes_ranks_are_read_range_by_range_and_all_of_them(
     pg_store.register_run(run_request("run-1", world_size=RANKS))
     pg_store.add_steps(records("run-1", range(1, 56)))
     pg_store.roll_up()
-    frame = views.rank_steps(pg_engine, "run-1", [1, 2], max_steps=100)
+    frame = rank_steps(pg_engine, "run-1", [1, 2], max_steps=100)
     assert list(zip(frame["step"], frame["rank"], strict=True)) == [
         (step, rank) for step in range(1, 56) for rank in (1, 2)
     ]
     # Sampled steps across the ranges: each range's steps, in order.
-    sampled = views.rank_steps(pg_engine, "run-1", [3], max_steps=7)
-    assert list(sampled["step"]) == views.spread(1, 55, 7)
+    sampled = rank_steps(pg_engine, "run-1", [3], max_steps=7)
+    assert list(sampled["step"]) == spread(1, 55, 7)
 
 
 @pytest.mark.postgres

@@ -11,9 +11,18 @@ import pytest
 from sqlalchemy import Engine
 
 from scaletrain.v1 import telemetry_pb2
-from telemetry import views
 from telemetry.client import event, rank_step
 from telemetry.store import TelemetryStore
+from telemetry.views.checkpoints import (
+    PART_COLUMNS,
+    checkpoint_parts,
+    checkpoint_timeline,
+    resume_offsets,
+)
+from telemetry.views.common import live, sampled_steps
+from telemetry.views.nodes import rank_phases, rank_steps
+from telemetry.views.overview import runs_table
+from telemetry.views.run import eval_points, headline, loss_points, markers
 
 RegisterRun = Callable[..., telemetry_pb2.RegisterRunRequest]
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -56,16 +65,16 @@ def test_sampled_steps_spread_evenly_from_the_first_to_the_last_step(
     engine: Engine, registered: TelemetryStore
 ) -> None:
     steps(registered, range(1, 11), ranks=1)
-    assert views.sampled_steps(engine, "run-1", 100) == list(range(1, 11))
-    assert views.sampled_steps(engine, "run-1", 4) == [1, 4, 7, 10]
-    assert views.sampled_steps(engine, "no-such-run", 4) == []
+    assert sampled_steps(engine, "run-1", 100) == list(range(1, 11))
+    assert sampled_steps(engine, "run-1", 4) == [1, 4, 7, 10]
+    assert sampled_steps(engine, "no-such-run", 4) == []
 
 
 def test_the_loss_of_a_long_run_is_read_at_a_bounded_number_of_steps(
     engine: Engine, registered: TelemetryStore
 ) -> None:
     steps(registered, range(1, 301))
-    points = views.loss_points(engine, "run-1", max_points=30)
+    points = loss_points(engine, "run-1", max_points=30)
     assert len(points) == 30
     assert (points["step"].iloc[0], points["step"].iloc[-1]) == (1, 300)
     last = points.iloc[-1]
@@ -80,7 +89,7 @@ def test_a_replayed_step_is_shown_as_its_latest_attempt_recorded_it(
     steps(registered, range(1, 6), compute=0.1)
     registered.register_run(run_request(world_size=4))  # the restart: attempt 1
     steps(registered, range(4, 6), attempt=1, compute=0.3)
-    grid = views.rank_steps(engine, "run-1", [0, 1, 2, 3])
+    grid = rank_steps(engine, "run-1", [0, 1, 2, 3])
     assert grid.groupby("step")["compute_s"].max().to_dict() == pytest.approx(
         {1: 0.1, 2: 0.1, 3: 0.1, 4: 0.3, 5: 0.3}
     )
@@ -99,7 +108,7 @@ def test_a_rank_twice_as_slow_as_its_peers_scores_one_half(
         ]
     )  # fmt: skip
     registered.roll_up()
-    phases = views.rank_phases(engine, "run-1", [0, 1, 2, 3], window=20)
+    phases = rank_phases(engine, "run-1", [0, 1, 2, 3], window=20)
     assert list(phases["rank"]) == [0, 1, 2, 3]
     assert list(phases["relative_score"]) == pytest.approx([1.0, 1.0, 1.0, 0.5])
     assert list(phases["comm_wait_s"]) == pytest.approx([0.3, 0.3, 0.3, 0.2])
@@ -110,7 +119,7 @@ def test_the_headline_compares_the_latest_steps_with_the_ones_before(
 ) -> None:
     steps(registered, range(1, 21), step=1.0)
     steps(registered, range(21, 41), step=0.5)
-    figures = views.headline(engine, "run-1", window=20)
+    figures = headline(engine, "run-1", window=20)
     assert figures.last_step == 40
     assert figures.tokens_per_s == pytest.approx(4000 / 0.5)
     assert figures.previous_tokens_per_s == pytest.approx(4000 / 1.0)
@@ -131,7 +140,7 @@ def test_the_checkpoint_timeline_has_blocking_and_background_time_and_the_tiers_
             stamped(event("run-1", "checkpoint_failed", step=10, tier="memory"), 5),
         ]
     )
-    (row,) = views.checkpoint_timeline(engine, "run-1").to_dict("records")
+    (row,) = checkpoint_timeline(engine, "run-1").to_dict("records")
     assert row["step"] == 10
     assert (row["blocking_s"], row["background_s"]) == pytest.approx((0.25, 1.5))
     assert (row["tiers"], row["failed_tiers"]) == ("ssd, s3", "memory")
@@ -156,7 +165,7 @@ def test_two_nodes_commits_of_one_step_are_two_parts_and_the_views_show_both_nod
     ]  # fmt: skip
     assert registered.add_events(first) == 4
     # While one node is all there is, its name says nothing.
-    assert views.checkpoint_timeline(engine, "run-1")["nodes"].tolist() == [""]
+    assert checkpoint_timeline(engine, "run-1")["nodes"].tolist() == [""]
     # The second node commits on memory at the same instant as the first: a second event, not
     # a resent one. Each node reports S3's whole copy once it sees it: the earliest report counts.
     second = [
@@ -166,25 +175,25 @@ def test_two_nodes_commits_of_one_step_are_two_parts_and_the_views_show_both_nod
     assert registered.add_events(second) == 3
     assert registered.add_events(first + second) == 0
 
-    parts = views.checkpoint_parts(engine, "run-1")
-    assert list(parts.columns) == views.PART_COLUMNS
+    parts = checkpoint_parts(engine, "run-1")
+    assert list(parts.columns) == PART_COLUMNS
     assert parts[["step", "tier", "node", "bytes"]].values.tolist() == [
         [4, "memory", "node2", 400], [4, "memory", "node10", 600],
         [4, "ssd", "node2", 400], [4, "ssd", "node10", 600],
         [4, "s3", "", 1000],
     ]  # fmt: skip
     assert parts["committed_at"].iloc[-1] == T0 + timedelta(seconds=5)
-    (row,) = views.checkpoint_timeline(engine, "run-1").to_dict("records")
+    (row,) = checkpoint_timeline(engine, "run-1").to_dict("records")
     assert row["tiers"] == "memory, ssd, s3"
     assert row["nodes"] == "memory: node2, node10 · ssd: node2, node10 · s3"
     assert (row["memory_bytes"], row["ssd_bytes"], row["s3_bytes"]) == (1000, 1000, 1000)
     assert row["blocking_s"] == 0.5
-    (overview,) = views.runs_table(engine).to_dict("records")
+    (overview,) = runs_table(engine).to_dict("records")
     assert (overview["last_checkpoint"], overview["last_checkpoint_at"]) == (
         4,
         T0 + timedelta(seconds=2),
     )
-    assert views.headline(engine, "run-1").last_checkpoint == 4
+    assert headline(engine, "run-1").last_checkpoint == 4
 
 
 def test_beyond_a_handful_of_nodes_the_timeline_counts_them_and_names_the_missing_ones(
@@ -197,7 +206,7 @@ def test_beyond_a_handful_of_nodes_the_timeline_counts_them_and_names_the_missin
             for n in range(nodes)
         ]
     )
-    (row,) = views.checkpoint_timeline(engine, "run-1").to_dict("records")
+    (row,) = checkpoint_timeline(engine, "run-1").to_dict("records")
     assert row["nodes"] == "memory: 9 of 10 nodes, not node9 · ssd: 10 of 10 nodes"
 
 
@@ -205,7 +214,7 @@ def test_the_resume_point_is_the_latest_committed_step_with_each_ranks_offset(
     engine: Engine, registered: TelemetryStore
 ) -> None:
     steps(registered, range(1, 9))
-    assert views.resume_offsets(engine, "run-1")[0] is None
+    assert resume_offsets(engine, "run-1")[0] is None
     registered.add_events(
         [
             stamped(event("run-1", "checkpoint_committed", step=4, tier="ssd"), 1),
@@ -213,7 +222,7 @@ def test_the_resume_point_is_the_latest_committed_step_with_each_ranks_offset(
             stamped(event("run-1", "checkpoint_failed", step=8, tier="s3"), 3),
         ]
     )
-    step, offsets = views.resume_offsets(engine, "run-1")
+    step, offsets = resume_offsets(engine, "run-1")
     assert step == 8
     assert offsets.to_dict("list") == {
         "rank": [0, 1, 2, 3],
@@ -248,22 +257,22 @@ def test_a_restarted_run_is_restarting_until_its_new_attempt_records_a_step(
         ]
     )
     registered.register_run(run_request(world_size=4))
-    (row,) = views.runs_table(engine).to_dict("records")
+    (row,) = runs_table(engine).to_dict("records")
     assert (row["status"], row["attempt"], row["step"]) == ("restarting", 1, 5)
     assert row["last_checkpoint"] == 4
     # The straggler was before the restart; the SDC, the alert and the hardware's loss spike
     # after it. The data's loss spike closed its own alert.
     assert row["open_alerts"] == 3
-    assert views.live(engine) and views.live(engine, "run-1")
+    assert live(engine) and live(engine, "run-1")
 
     steps(registered, range(5, 6), attempt=1)
-    assert views.runs_table(engine)["status"].tolist() == ["running"]
-    assert views.markers(engine, "run-1")[["step", "kind"]].values.tolist() == [
+    assert runs_table(engine)["status"].tolist() == ["running"]
+    assert markers(engine, "run-1")[["step", "kind"]].values.tolist() == [
         [4, "checkpoint"], [4, "restart"], [5, "sdc"], [5, "replay"], [5, "loss_spike"],
         [5, "loss_spike"],
     ]  # fmt: skip
     registered.add_events([stamped(event("run-1", "run_finished", step=5), 30)])
-    assert not views.live(engine)
+    assert not live(engine)
 
 
 def test_the_validation_loss_is_read_by_step_and_a_step_evaluated_again_keeps_the_latest(
@@ -278,6 +287,6 @@ def test_the_validation_loss_is_read_by_step_and_a_step_evaluated_again_keeps_th
             stamped(event("run-1", "eval", step=6, attributes={"loss": "2.125"}), 30),
         ]
     )
-    points = views.eval_points(engine, "run-1")
+    points = eval_points(engine, "run-1")
     assert points.values.tolist() == [[3, 2.5], [6, 2.125]]
-    assert views.eval_points(engine, "run-2").empty
+    assert eval_points(engine, "run-2").empty

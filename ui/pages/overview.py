@@ -6,7 +6,8 @@ import pandas as pd
 import streamlit as st
 from pandas.io.formats.style import Styler
 
-from telemetry import views
+from telemetry.views.common import live
+from telemetry.views.overview import runs_table
 from ui.routes import RUN_PARAM, run_page
 from ui.source import (
     NO_RUNS,
@@ -31,8 +32,8 @@ def render() -> None:
         engine = open_database()
         if engine is None:
             return
-        live = views.live(engine)
-        st.fragment(show, run_every=REFRESH_S if live else None)()
+        running = live(engine)
+        st.fragment(show, run_every=REFRESH_S if running else None)()
 
 
 def show() -> None:
@@ -41,7 +42,7 @@ def show() -> None:
         engine = open_database()
         if engine is None:
             return
-        runs = views.runs_table(engine)
+        runs = runs_table(engine)
         if runs.empty:
             st.info(NO_RUNS)
             return

@@ -6,8 +6,8 @@ from __future__ import annotations
 import streamlit as st
 from sqlalchemy import Engine, select
 
-from telemetry import views
 from telemetry.models import Run
+from telemetry.views.common import live
 from ui.panels import checkpoints, events, headline, loss, nodes, recoveries
 from ui.routes import RUN_PARAM, runs_page
 from ui.source import NO_RUNS, REFRESH_S, explained_errors, open_database
@@ -21,8 +21,8 @@ def render() -> None:
         run_id = pick_run(engine)
         if run_id is None:
             return
-        live = views.live(engine, run_id)
-        st.fragment(lambda: show(engine, run_id), run_every=REFRESH_S if live else None)()
+        running = live(engine, run_id)
+        st.fragment(lambda: show(engine, run_id), run_every=REFRESH_S if running else None)()
 
 
 def pick_run(engine: Engine) -> str | None:

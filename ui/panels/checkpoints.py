@@ -8,7 +8,12 @@ from __future__ import annotations
 import streamlit as st
 from sqlalchemy import Engine
 
-from telemetry import views
+from telemetry.views.checkpoints import (
+    TIERS,
+    checkpoint_copies,
+    checkpoint_timeline,
+    resume_offsets,
+)
 from ui import charts
 
 NO_CHECKPOINTS = (
@@ -19,7 +24,7 @@ NO_CHECKPOINTS = (
 
 def render(engine: Engine, run_id: str) -> None:
     st.subheader("Checkpoints")
-    timeline = views.checkpoint_timeline(engine, run_id)
+    timeline = checkpoint_timeline(engine, run_id)
     if timeline.empty:
         st.info(NO_CHECKPOINTS)
         return
@@ -35,20 +40,17 @@ def render(engine: Engine, run_id: str) -> None:
         spread = bool((timeline["nodes"] != "").any())
         shown = ["step", "tiers", *(["nodes"] if spread else []), "failed_tiers"]
         sizes = timeline[shown].assign(
-            **{f"{tier} MB": timeline[f"{tier}_bytes"] / 1e6 for tier in views.TIERS}
+            **{f"{tier} MB": timeline[f"{tier}_bytes"] / 1e6 for tier in TIERS}
         )
         if spread:
-            copies = views.checkpoint_copies(engine, run_id)
+            copies = checkpoint_copies(engine, run_id)
             sizes = sizes.merge(copies, on="step", how="left")
             sizes["node_loss_safe"] = sizes["node_loss_safe"].map({True: "yes", False: "no"})
         st.dataframe(
             sizes.sort_values("step", ascending=False),
             hide_index=True,
             column_config={
-                **{
-                    f"{tier} MB": st.column_config.NumberColumn(format="%.2f")
-                    for tier in views.TIERS
-                },
+                **{f"{tier} MB": st.column_config.NumberColumn(format="%.2f") for tier in TIERS},
                 "failed_tiers": st.column_config.TextColumn("failed on"),
                 "nodes": st.column_config.TextColumn("held by nodes"),
                 "copies": st.column_config.TextColumn("copies of each node's part"),
@@ -66,7 +68,7 @@ def render(engine: Engine, run_id: str) -> None:
                 else ""
             )
         )
-    step, offsets = views.resume_offsets(engine, run_id)
+    step, offsets = resume_offsets(engine, run_id)
     if step is None:
         st.info(NO_CHECKPOINTS)
         return

@@ -7,15 +7,16 @@ import json
 import streamlit as st
 from sqlalchemy import Engine
 
-from telemetry import queries, views
+from telemetry import queries
 from telemetry.health import HEALTH_EVENT_KINDS
+from telemetry.views.run import event_kinds
 
 LIMIT = 500
 
 
 def render(engine: Engine, run_id: str) -> None:
     st.subheader("Events and alerts")
-    kinds = views.event_kinds(engine, run_id)
+    kinds = event_kinds(engine, run_id)
     if not kinds:
         st.info(
             "No events for this run yet: run starts, checkpoints, restarts and the detectors' "

@@ -11,7 +11,7 @@ import streamlit as st
 from sqlalchemy import Engine
 from streamlit.delta_generator import DeltaGenerator
 
-from telemetry import views
+from telemetry.views.run import headline
 from ui import charts
 from ui.source import cached_goodput, database_url
 
@@ -21,7 +21,7 @@ TREND_WINDOW = 20
 def render(engine: Engine, run_id: str) -> Callable[[], None]:
     """Draw the figures; return what fills in the goodput, to call once the rest is drawn (it is
     the one figure that reads the whole run)."""
-    figures = views.headline(engine, run_id, window=TREND_WINDOW)
+    figures = headline(engine, run_id, window=TREND_WINDOW)
     st.title(f"{run_id}")
     st.caption(
         f"Status **{figures.status}**. Trends compare the latest {TREND_WINDOW} steps with the "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import streamlit as st
 from sqlalchemy import Engine
 
-from telemetry import views
+from telemetry.views import run
 from ui import charts
 
 MAX_POINTS = 1000
@@ -15,16 +15,16 @@ MAX_POINTS = 1000
 
 def render(engine: Engine, run_id: str) -> None:
     st.subheader("Loss and throughput")
-    points = views.loss_points(engine, run_id, max_points=MAX_POINTS)
+    points = run.loss_points(engine, run_id, max_points=MAX_POINTS)
     if points.empty:
         st.info(
             "No steps recorded for this run yet: its ranks report each step as they train. "
             "If the run started minutes ago, check that its telemetry service is reachable."
         )
         return
-    markers = views.markers(engine, run_id)
-    evals = views.eval_points(engine, run_id)
-    recoveries = views.recoveries(engine, run_id)
+    markers = run.markers(engine, run_id)
+    evals = run.eval_points(engine, run_id)
+    recoveries = run.recoveries(engine, run_id)
     st.altair_chart(charts.loss_chart(points, markers, evals, recoveries), width="stretch")
     first, last = int(points["step"].min()), int(points["step"].max())
     sampled = len(points) < last - first + 1

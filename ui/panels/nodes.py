@@ -10,7 +10,15 @@ import pandas as pd
 import streamlit as st
 from sqlalchemy import Engine
 
-from telemetry import views
+from telemetry.views.nodes import (
+    find_ranks,
+    node_steps,
+    rank_phases,
+    rank_steps,
+    ranks_of_node,
+    slowest_now,
+    slowest_over_run,
+)
 from ui import charts
 
 HEATMAP_STEPS = 100
@@ -34,7 +42,7 @@ HEATMAP_METRICS = {
 
 def render(engine: Engine, run_id: str) -> None:
     st.subheader("Nodes")
-    grid, total = views.node_steps(engine, run_id, max_steps=HEATMAP_STEPS, max_nodes=HEATMAP_NODES)
+    grid, total = node_steps(engine, run_id, max_steps=HEATMAP_STEPS, max_nodes=HEATMAP_NODES)
     if grid.empty:
         st.info("No per-rank records yet: each rank reports its step and phase times here.")
         return
@@ -55,8 +63,8 @@ def render(engine: Engine, run_id: str) -> None:
 
 def _slowest(engine: Engine, run_id: str) -> None:
     """The top-k slowest ranks and nodes at the latest step and over the whole run."""
-    ranks_now, nodes_now = views.slowest_now(engine, run_id, k=TOP_K)
-    ranks_run, nodes_run, sampled = views.slowest_over_run(
+    ranks_now, nodes_now = slowest_now(engine, run_id, k=TOP_K)
+    ranks_run, nodes_run, sampled = slowest_over_run(
         engine, run_id, k=TOP_K, max_steps=OVER_RUN_STEPS
     )
     now, over_run = st.columns(2)
@@ -86,7 +94,7 @@ def _chosen_node(engine: Engine, run_id: str, grid: pd.DataFrame) -> str | None:
         grid.groupby("node")["relative"].max().sort_values(ascending=False, kind="stable").index
     )
     if search.strip():
-        found = views.find_ranks(engine, run_id, search)
+        found = find_ranks(engine, run_id, search)
         if found.empty:
             st.warning(f"No rank or host of this run matches {search.strip()!r}.")
         else:
@@ -100,9 +108,9 @@ def _chosen_node(engine: Engine, run_id: str, grid: pd.DataFrame) -> str | None:
 
 def _node(engine: Engine, run_id: str, node: str) -> None:
     """One node's ranks: heatmap relative to the whole job's median rank, phases, scores."""
-    ranks = views.ranks_of_node(engine, run_id, node)
+    ranks = ranks_of_node(engine, run_id, node)
     st.markdown(f"**Node {node}**: ranks {', '.join(map(str, ranks))}")
-    steps = views.rank_steps(engine, run_id, ranks, max_steps=HEATMAP_STEPS)
+    steps = rank_steps(engine, run_id, ranks, max_steps=HEATMAP_STEPS)
     if steps.empty:
         st.info(
             f"No per-rank rows of {node} are kept for the latest steps (retention keeps per-rank "
@@ -117,7 +125,7 @@ def _node(engine: Engine, run_id: str, node: str) -> None:
         f"{node}'s {len(ranks)} ranks x {steps['step'].nunique():,} steps spread over the latest "
         "kept steps, coloured by each rank's time over the median of all ranks at that step."
     )
-    phases = views.rank_phases(engine, run_id, ranks, window=PHASE_WINDOW)
+    phases = rank_phases(engine, run_id, ranks, window=PHASE_WINDOW)
     breakdown, scores = st.columns(2)
     with breakdown:
         st.markdown(f"**Phase breakdown** of {node} (mean of the latest {PHASE_WINDOW} steps)")

@@ -7,7 +7,7 @@ import streamlit as st
 from sqlalchemy import Engine
 
 from ckptd.readpath import describe_sources
-from telemetry import views
+from telemetry.views.run import recoveries
 
 NO_RECOVERIES = (
     "No recoveries recorded for this run: `scaletrain chaos` writes one per fault it injects "
@@ -24,7 +24,7 @@ SHOWN = {
 
 def render(engine: Engine, run_id: str) -> None:
     st.subheader("Recoveries")
-    records = views.recoveries(engine, run_id)
+    records = recoveries(engine, run_id)
     if records.empty:
         st.info(NO_RECOVERIES)
         return
