@@ -57,6 +57,9 @@ from scaletrain.process import (
 PREFIX_ENV = "SCALETRAIN_STORE_PREFIX"
 # The rank's generation: 0 first, one more after each in-job restart.
 GENERATION_ENV = "SCALETRAIN_GENERATION"
+# Set for the rank forked after its keeper ended a frozen one: "STEP:SILENT_S", which the new
+# rank reports to telemetry as the hang it was (the keeper has no telemetry client).
+FROZEN_ENV = "SCALETRAIN_FROZEN"
 # What a rank exits with on an error it has already reported in one line (trainer/__main__.py):
 # the same error would come again, so the keepers end the attempt instead of restarting in-job.
 FINAL_EXIT_CODES = (1, 2)
@@ -86,6 +89,8 @@ FROZEN_AFTER_S = 4.0
 # life (time.monotonic_ns, one clock for every process of the machine; 0: not judged).
 _shared: mmap.mmap | None = None
 _STEP, _ALIVE = slice(0, 8), slice(8, 16)
+# FROZEN_ENV's value for the next fork ("" when the last rank did not freeze).
+_froze = ""
 
 
 @dataclass(frozen=True)
@@ -237,8 +242,10 @@ def _watch(pid: int, store: dist.Store, gen: Generation, stop: _Stop) -> tuple[i
 
 def _end_frozen(pid: int, silent: float) -> int:
     """SIGKILL a frozen rank (the one signal a stopped process cannot hold off), saying so as its
-    watchdog would; returns its wait status."""
+    watchdog would, for the next rank to report; returns its wait status."""
+    global _froze
     rank = os.environ["RANK"]
+    _froze = f"{_last_trained() + 1}:{silent:.3f}"
     print(
         f"trainer: rank {rank}: error: watchdog: rank {rank} shows no sign of life for "
         f"{silent:.1f}s (frozen: stopped, or deadlocked); its keeper ends it",
@@ -252,9 +259,11 @@ def _end_frozen(pid: int, silent: float) -> int:
 
 def _fork_rank(train: Callable[[], int], prefix: str, generation: int) -> int:
     """Fork the rank of `generation`; it dies with its keeper (a lost node takes both)."""
+    global _froze
     alive(False)  # a new rank is not judged before it first signs
     pid = os.fork()
     if pid:
+        _froze = ""  # told once, to this rank
         return pid
     code = FAILED_EXIT_CODE
     try:
@@ -262,6 +271,7 @@ def _fork_rank(train: Callable[[], int], prefix: str, generation: int) -> int:
         name_process(RANK_PROCESS.format(rank=os.environ["RANK"]))
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the keeper's handler is not the rank's
         os.environ[PREFIX_ENV], os.environ[GENERATION_ENV] = prefix, str(generation)
+        os.environ[FROZEN_ENV] = _froze
         code = train()
     except BaseException as exc:  # the keeper hears of any failure by the exit code
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -346,6 +356,12 @@ def alive(judged: bool = True) -> None:
     judged, as when its watchdog stops at the end of training; nothing without a keeper)."""
     if _shared is not None:
         _shared[_ALIVE] = (time.monotonic_ns() if judged else 0).to_bytes(8, "little")
+
+
+def froze_before() -> tuple[int, float] | None:
+    """(step, seconds without a sign of life) of the rank this one replaces, if it froze."""
+    step, _, silent = os.environ.get(FROZEN_ENV, "").partition(":")
+    return (int(step), float(silent)) if silent else None
 
 
 def _silent_s() -> float:

@@ -48,7 +48,7 @@ from trainer.fp8 import Fp8Training
 from trainer.health.guard import StepGuard, replica_groups
 from trainer.health.inject import FaultInjector
 from trainer.health.preflight import check_ranks
-from trainer.health.watchdog import REPORT_WAIT_S, PeerBoard, Watchdog
+from trainer.health.watchdog import REPORT_WAIT_S, Hang, PeerBoard, Watchdog
 from trainer.interop.hf_import import load_hf_weights
 from trainer.model.llama import Transformer
 from trainer.optim import build_optimizer, build_scheduler
@@ -266,6 +266,9 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
         alive=keeper.alive,
     ).start()  # fmt: skip
     cleanup.callback(watchdog.stop)
+    if (froze := keeper.froze_before()) is not None:  # the rank this one replaces, as a hang
+        hang = Hang(rank, froze[0], "frozen", froze[1], keeper.FROZEN_AFTER_S, ())
+        reporter.hang(hang, wait_s=0.0)
 
     # Every rank probes its FP8 paths now: under --compile, a probe inside a step breaks its graph.
     compute_dtype = torch.bfloat16 if cfg.parallel.mixed_precision else torch.float32

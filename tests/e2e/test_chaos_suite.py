@@ -22,6 +22,7 @@ import pytest
 from e2e_runs import TINY, events, injected, restart_after, scaletrain_json
 
 from scaletrain.app.chaos import AGENT_STOPPED_RANKS, can_mount_tmpfs
+from trainer.keeper import FROZEN_AFTER_S
 
 pytestmark = pytest.mark.e2e
 
@@ -119,15 +120,20 @@ def test_two_failures_inside_one_recovery_are_mended_in_job_from_the_same_checkp
     ), restarts
 
 
-def test_case2_a_stopped_rank_is_turned_into_a_failure_by_the_watchdog(drill: dict):
+def test_case2_a_stopped_rank_is_ended_by_its_keeper_before_the_watchdogs_deadline(drill: dict):
     fault = injected(drill, "stop-rank")
     assert "a watchdog fired" in fault["detail"]
     hangs = events(drill, "hang")
     assert hangs, "no hang event in telemetry"
-    # The diagnostic names the rank and the phase it was stuck in.
+    # The diagnostic names the rank and the step it froze in; its keeper judged it after
+    # FROZEN_AFTER_S without a sign of life, not the peers' watchdogs after their 6 s.
     step, rank, message, attrs = hangs[0]
-    assert f"rank {rank} made no progress in phase {attrs['phase']} of step {step}" in message
-    assert float(attrs["waited_s"]) > float(attrs["deadline_s"]) >= 6
+    assert f"rank {rank} made no progress in phase frozen of step {step}" in message
+    assert float(attrs["waited_s"]) > float(attrs["deadline_s"]) == FROZEN_AFTER_S
+    assert (
+        f"trainer: rank {rank}: error: watchdog: rank {rank} shows no sign of life"
+        in (drill["_log"])
+    )
     restart_after(drill, fault)
 
 
