@@ -280,6 +280,16 @@ class Reporter:
             f"checkpoint of step {step} skipped: the previous save is still streaming",
         )
 
+    def save_abandoned(self, step: int) -> None:
+        """The rank was stopped with the durable save of `step` in flight (the job re-forms, as
+        when a machine joins during a save, or it stops): that save will not commit."""
+        self._event(
+            telemetry_pb2.EVENT_KIND_CHECKPOINT_FAILED,
+            step,
+            f"checkpoint of step {step} abandoned: the ranks were stopped before it committed "
+            "(the job re-forms or stops); the run goes on from its newest committed step",
+        )
+
     def save_done(self, done: SaveDone) -> None:
         """A background save ended; ckptd reports each tier's commit itself."""
         if done.error is not None:

@@ -17,6 +17,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from trainer import keeper, options
 from trainer.checkpoint.checkpointer import (
     Checkpointer,
     SaveDone,
+    SaveKind,
     SavePolicy,
     SaveStarted,
 )
@@ -247,6 +249,7 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
         if cfg.ckptd
         else None
     )  # fmt: skip
+    _flush_on_termination(reporter, checkpointer)
 
     start_step = 0
     # A run whose id has committed checkpoints goes on from its latest, however this process
@@ -474,12 +477,22 @@ def evaluate(
     return EvalLoss(loss, tokens, time.perf_counter() - start)
 
 
-def _flush_on_termination(reporter: Reporter) -> None:
-    """When one rank fails, torchrun's agent stops the others with SIGTERM: first hand telemetry
-    the records it has not received yet (waiting briefly), so the steps before the failure keep
-    their records."""
+def _flush_on_termination(reporter: Reporter, checkpointer: Checkpointer | None = None) -> None:
+    """When one rank fails or the job re-forms (a machine lost, or one joining), torchrun's agent
+    stops the others with SIGTERM: first hand telemetry the records it has not received yet
+    (waiting briefly), so the steps before the failure keep their records, and say that the
+    durable save in flight, if any, is abandoned (installed again once `checkpointer` exists)."""
 
     def stop(signum: int, _frame: object) -> None:
+        started = checkpointer.unfinished() if checkpointer is not None else None
+        if started is not None and started.kind is SaveKind.DURABLE and reporter.rank == 0:
+            reporter.save_abandoned(started.step)
+            print(
+                f"[trainer] checkpoint of step {started.step} abandoned: the ranks were stopped "
+                "before it committed",
+                file=sys.stderr,
+                flush=True,
+            )
         reporter.flush(REPORT_WAIT_S)
         os._exit(128 + signum)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -31,6 +33,7 @@ from scaletrain.app.chaos import (
 )
 from scaletrain.app.cli import main
 from scaletrain.app.stack import Workdir
+from trainer.checkpoint.checkpointer import SaveKind, SaveStarted
 from trainer.health.preflight import check_ranks, matmul_ok
 from trainer.health.watchdog import (
     HANG_EXIT_CODE,
@@ -41,6 +44,7 @@ from trainer.health.watchdog import (
     Watchdog,
     WatchdogPolicy,
 )
+from trainer.train import _flush_on_termination
 
 
 class DictStore:
@@ -291,3 +295,36 @@ def test_a_repeating_fault_is_due_every_n_seconds_after_a_step_and_within_the_re
         assert drill._next_due(once, due, 0) is None
     finally:
         drill.close()
+
+
+@pytest.mark.parametrize(("kind", "said"), [(SaveKind.DURABLE, [20]), (SaveKind.MEMORY, [])])
+def test_a_rank_stopped_with_a_durable_save_in_flight_says_the_save_is_abandoned(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], kind: SaveKind, said
+):
+    """As when a machine joins during a save: the re-form stops the ranks, the save never
+    commits, and the run goes on from its newest committed step; a memory save is no loss."""
+    abandoned: list[int] = []
+    exits: list[int] = []
+
+    class Reporter:
+        rank = 0
+
+        def save_abandoned(self, step: int) -> None:
+            abandoned.append(step)
+
+        def flush(self, timeout_s: float) -> None:
+            pass
+
+    class Saving:
+        def unfinished(self) -> SaveStarted:
+            return SaveStarted(20, 0.0, 0, kind)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(os, "_exit", exits.append)
+    try:
+        _flush_on_termination(Reporter(), Saving())  # type: ignore[arg-type]
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert abandoned == said and exits == [128 + signal.SIGTERM]
+    assert ("checkpoint of step 20 abandoned" in capsys.readouterr().err) == bool(said)

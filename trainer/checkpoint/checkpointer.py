@@ -196,6 +196,7 @@ class Checkpointer:
         self._live: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._inflight: Future[SaveDone] | None = None
+        self._inflight_started: SaveStarted | None = None
         # Set once the save in flight has copied the model and optimizer (`wait_staged`).
         self._staged = threading.Event()
         self._staged.set()
@@ -331,7 +332,14 @@ class Checkpointer:
         self._inflight = self._executor.submit(
             self._stage_and_write, slot, staged, lazy, ready, started, labels
         )
+        self._inflight_started = started
         return started
+
+    def unfinished(self) -> SaveStarted | None:
+        """The save in flight (started, not ended yet), if any."""
+        if self._inflight is None or self._inflight.done():
+            return None
+        return self._inflight_started
 
     def wait_staged(self) -> None:
         """Block until the save in flight has copied the model and optimizer state: the loop
