@@ -59,6 +59,11 @@ BADPUT_CAUSES = (
     "evaluation",
     "other",
 )
+# What "other" is, told wherever a run's badput by cause is shown.
+OTHER_BADPUT = (
+    "the end of the run after its last step (the final checkpoint, the digests), logging, "
+    "gaps without records"
+)
 # The event whose attributes say the trainer threw a step's update away (its batch was skipped).
 SKIPPING_EVENT = "loss_spike"
 SKIPPED = "skipped"

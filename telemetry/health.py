@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import ColumnElement, and_, func, select
 
 from scaletrain.errors import NotFound
-from telemetry.efficiency import Goodput, Mfu, goodput, mfu
+from telemetry.efficiency import OTHER_BADPUT, Goodput, Mfu, goodput, mfu
 from telemetry.models import Event, RankStep, Run
 from telemetry.queries import Bind, connection_of
 
@@ -138,10 +138,7 @@ def render(health: RunHealth) -> str:
         + (", ".join(f"{cause} {seconds:,.1f} s" for seconds, cause in badput) or "none"),
     ]
     if g.badput_s.get("other", 0.0) > 0:
-        lines.append(
-            "  other      the end of the run after its last step (the final checkpoint, the "
-            "digests), logging, gaps without records"
-        )
+        lines.append(f"  other      {OTHER_BADPUT}")
     if g.badput_by_fault_s:
         lines.append(
             "faults       "

@@ -286,26 +286,83 @@ def verify(
     tiers = _tiers_of(info)
     if not tiers:
         raise NotFound(f"{run}@{step} has no committed copy on any tier")
-    results: dict[str, str] = {}
-    with contextlib.ExitStack() as stack:
-        if ckptd:
-            client = stack.enter_context(CkptdClient(ckptd))
+    with _reader(workdir, ckptd, common_pb2.TIER_S3 in tiers) as read:
+        return _verify_tiers(info, read, out)
 
-            def read(path: str, tier: int) -> Iterator[bytes]:
+
+def every_checkpoint(workdir: Path, ckptd: str | None) -> list[checkpoint_pb2.CheckpointInfo]:
+    """Every committed checkpoint of every run, by run then step; NotFound when there is none."""
+    infos = sorted(_infos(workdir, ckptd, ""), key=lambda i: (i.ref.run, i.ref.step))
+    if not infos:
+        raise NotFound(f"no checkpoint of any run in {_where(workdir, ckptd)}")
+    return infos
+
+
+def verify_each(
+    workdir: Path,
+    ckptd: str | None,
+    infos: list[checkpoint_pb2.CheckpointInfo],
+    out: IO[str] | None = None,
+) -> Iterator[tuple[checkpoint_pb2.CheckpointInfo, dict[str, str]]]:
+    """`verify` for each of `infos` in turn, the store (and S3 server) or the connection to
+    ckptd opened once for them all: (info, {tier: verdict}) as each is done. A checkpoint with
+    no committed copy on any tier has nothing to read: its verdicts are the states of the tiers
+    that are not ABSENT (a copy found damaged before is FAILED), {} if none."""
+    needs_s3 = any(common_pb2.TIER_S3 in _tiers_of(info) for info in infos)
+    with _reader(workdir, ckptd, needs_s3) as read:
+        for info in infos:
+            if not _tiers_of(info):
+                yield info, _no_copy(info)
+                continue
+            yield info, _verify_tiers(info, read, out)
+
+
+def _no_copy(info: checkpoint_pb2.CheckpointInfo) -> dict[str, str]:
+    """The verdicts of a checkpoint with no committed copy: each tier's state and error."""
+    return {
+        TIER_NAMES[t.tier]: "marked "
+        + checkpoint_pb2.TierState.Name(t.state).removeprefix("TIER_STATE_")
+        + (f" ({t.error})" if t.error else "")
+        for t in info.tiers
+        if t.state not in (checkpoint_pb2.TIER_STATE_ABSENT, TIER_COMMITTED)
+    }
+
+
+# Reads one file of a checkpoint from one tier: (run, step, path, tier) -> its bytes in pieces.
+Reader = Callable[[str, int, str, int], Iterator[bytes]]
+
+
+@contextlib.contextmanager
+def _reader(workdir: Path, ckptd: str | None, needs_s3: bool) -> Iterator[Reader]:
+    """Reads from a running ckptd, else from the work directory's data dir as a store (with its
+    S3 server if `needs_s3`)."""
+    if ckptd:
+        with CkptdClient(ckptd) as client:
+
+            def from_ckptd(run: str, step: int, path: str, tier: int) -> Iterator[bytes]:
                 return client.read_stream(run, step, path, tier=tier)
 
-        else:
-            store = stack.enter_context(_offline_store(workdir, common_pb2.TIER_S3 in tiers))
+            yield from_ckptd
+        return
+    with _offline_store(workdir, needs_s3) as store:
+
+        def from_store(run: str, step: int, path: str, tier: int) -> Iterator[bytes]:
             ref = checkpoint_pb2.CheckpointRef(run=run, step=step)
+            return (piece.data for piece in store.iter_range(ref, path, tier=tier))
 
-            def read(path: str, tier: int) -> Iterator[bytes]:
-                return (piece.data for piece in store.iter_range(ref, path, tier=tier))
+        yield from_store
 
-        for tier in tiers:
-            name = TIER_NAMES[tier]
-            progress = Progress(f"verify {run}@{step} on {name}", info.total_bytes, out)
-            results[name] = _verify_tier(info, lambda path, t=tier: read(path, t), progress)
-            progress.finish()
+
+def _verify_tiers(
+    info: checkpoint_pb2.CheckpointInfo, read: Reader, out: IO[str] | None
+) -> dict[str, str]:
+    run, step = info.ref.run, info.ref.step
+    results: dict[str, str] = {}
+    for tier in _tiers_of(info):
+        name = TIER_NAMES[tier]
+        progress = Progress(f"verify {run}@{step} on {name}", info.total_bytes, out)
+        results[name] = _verify_tier(info, lambda path, t=tier: read(run, step, path, t), progress)
+        progress.finish()
     return results
 
 

@@ -391,10 +391,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument("--json", action="store_true", help="print the checkpoint as JSON")
     verify = _ckpt_parser(
-        ckpt_sub, "verify", "read every copy and check its checksums", _ckpt_verify
+        ckpt_sub,
+        "verify",
+        "read every copy of a checkpoint and check its checksums; with no RUN, of every "
+        "checkpoint of every run",
+        _ckpt_verify,
     )
-    _checkpoint_args(verify, required=False)
-    verify.add_argument("--json", action="store_true", help="print each tier's verdict as JSON")
+    _checkpoint_args(verify, required=False, no_run="every checkpoint of every run")
+    verify.add_argument(
+        "--json",
+        action="store_true",
+        help="print each tier's verdict as JSON (with no RUN: a list, one object a checkpoint)",
+    )
     export = _ckpt_parser(
         ckpt_sub,
         "export",
@@ -549,14 +557,20 @@ def _ckpt_parser(
     return parser
 
 
-def _checkpoint_args(parser: argparse.ArgumentParser, required: bool) -> None:
+def _checkpoint_args(
+    parser: argparse.ArgumentParser, required: bool, no_run: str | None = None
+) -> None:
     """RUN and STEP naming a checkpoint; "latest" or "last" for either names the newest (the
     work directory's last run, the run's newest step), as leaving them out does where they may
-    be."""
+    be, unless `no_run` says what leaving RUN out means instead."""
     optional = {} if required else {"nargs": "?"}
-    parser.add_argument(
-        "run", help="a run id, or latest/last" + ("" if required else " (default)"), **optional
-    )
+    if required:
+        default = ""
+    elif no_run:
+        default = f" (none: {no_run})"
+    else:
+        default = " (default)"
+    parser.add_argument("run", help="a run id, or latest/last" + default, **optional)
     parser.add_argument(
         "step",
         type=_step,
@@ -873,6 +887,7 @@ def _print_summary(s) -> None:
     print(f"wall time    {s.wall_s:.1f} s")
     print(f"mfu          {s.mfu_label}")
     print(f"goodput      {fmt(s.goodput, '.1%')}  badput: {_badput(s.badput_s)}")
+    _print_other(s.badput_s, indent=13)
     print(f"health       {_findings(s.health_events, s.data_spikes)}")
     print(f"checkpoints  {len(s.checkpoints)} committed")
     for c in s.checkpoints:
@@ -949,6 +964,7 @@ def _print_report(r) -> None:
     print(f"steps replayed       {r.steps_replayed} after restarts, "
           f"{r.steps_replayed_in_place} in place (step guard)")  # fmt: skip
     print(f"goodput              {goodput}  badput: {_badput(r.badput_s)}")
+    _print_other(r.badput_s, indent=21)
     print(f"badput by fault      {_badput(r.badput_by_fault_s)}")
     effective = "n/a" if r.effective_training is None else f"{r.effective_training:.1%}"
     print(f"effective training   {effective} of the job's wall time in steps that were kept")
@@ -987,6 +1003,14 @@ def _recovery_line(rec: dict) -> str:
 def _badput(seconds: dict[str, float]) -> str:
     shown = [f"{cause} {value:.1f}s" for cause, value in seconds.items() if value >= 0.05]
     return ", ".join(shown) or "none"
+
+
+def _print_other(seconds: dict[str, float], indent: int) -> None:
+    """Under a badput line that shows "other": what it is."""
+    if seconds.get("other", 0.0) >= 0.05:
+        from telemetry.efficiency import OTHER_BADPUT
+
+        print(f"{'':{indent}}other: {OTHER_BADPUT}")
 
 
 def _findings(counts: dict[str, int], data_spikes: int) -> str:
@@ -1211,6 +1235,8 @@ def _named(args: argparse.Namespace) -> tuple[str, int]:
 def _ckpt_verify(args: argparse.Namespace) -> int:
     from scaletrain.app import checkpoints
 
+    if args.run is None:
+        return _ckpt_verify_all(args)
     run, step = _named(args)
     results = checkpoints.verify(args.workdir, args.ckptd, run, step)
     if args.json:
@@ -1222,6 +1248,42 @@ def _ckpt_verify(args: argparse.Namespace) -> int:
     bad = [tier for tier, verdict in results.items() if verdict != "ok"]
     if bad:
         raise UserError(f"{run}@{step}: damaged copy on {', '.join(bad)}")
+    return 0
+
+
+def _ckpt_verify_all(args: argparse.Namespace) -> int:
+    """`ckpt verify` with no RUN: every checkpoint of every run, a line each as it is done
+    (its verdict, then each tier's), and a summary line; an error when any copy failed."""
+    from scaletrain.app import checkpoints
+
+    infos = checkpoints.every_checkpoint(args.workdir, args.ckptd)
+    width = max(len(f"{i.ref.run}@{i.ref.step}") for i in infos)
+    shown, failed = [], []
+    for info, results in checkpoints.verify_each(args.workdir, args.ckptd, infos):
+        name = f"{info.ref.run}@{info.ref.step}"
+        bad = [tier for tier, verdict in results.items() if verdict != "ok"]
+        ok = bool(results) and not bad
+        if not ok:
+            failed.append(f"{name} ({', '.join(bad) or 'no copy'})")
+        if args.json:
+            shown.append({"run": info.ref.run, "step": info.ref.step, "ok": ok, "tiers": results})
+            continue
+        tiers = "; ".join(
+            f"{tier} ok" if verdict == "ok" else f"{tier}: {verdict}"
+            for tier, verdict in results.items()
+        )
+        tiers = tiers or "no committed copy on any tier"
+        print(f"{name:<{width}}  {'ok' if ok else 'FAILED':<6}  {tiers}", flush=True)
+    runs = len({i.ref.run for i in infos})
+    if args.json:
+        print(json.dumps(shown, indent=2))
+    else:
+        print(
+            f"verified {len(infos)} checkpoint(s) of {runs} run(s): "
+            f"{len(infos) - len(failed)} ok, {len(failed)} failed"
+        )
+    if failed:
+        raise UserError(f"{len(failed)} of {len(infos)} checkpoint(s) failed: {', '.join(failed)}")
     return 0
 
 

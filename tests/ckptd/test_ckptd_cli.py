@@ -67,6 +67,11 @@ def test_against_a_running_ckptd_every_command_works_and_verify_names_a_damaged_
     assert "fails its checksum" in verified.stdout
     assert verified.stderr.strip().splitlines()[-1].endswith("damaged copy on ssd")
     assert "verify run@10 on s3 [####################]" in verified.stderr  # progress
+    # With no run named, every checkpoint ckptd holds (here the one; the damaged SSD copy
+    # is marked FAILED by now, so only the good copies are left to read).
+    line, summary = ckpt("verify", *at).stdout.splitlines()
+    assert line.startswith("run@10  ") and "memory ok" in line and "s3 ok" in line
+    assert summary.startswith("verified 1 checkpoint(s) of 1 run(s): ")
 
     exported = ckpt("export", *at, "run", "10", str(tmp_path / "out"))
     assert exported.returncode == 0, exported.stderr
@@ -109,19 +114,27 @@ def test_on_a_work_directory_with_no_ckptd_running_every_command_works(
     assert len(unknown.stderr.strip().splitlines()) == 1 and "Traceback" not in unknown.stderr
 
 
-def test_latest_names_the_newest_and_a_wrong_name_lists_the_nearest_that_exist(
-    open_store: OpenStore, tmp_path: Path
-) -> None:
+def _three_checkpoints(open_store: OpenStore, tmp_path: Path) -> Path:
+    """A work directory whose store holds other@1, run@3 and run@6 (ckptd not running)."""
     workdir = tmp_path / "wd"
     store = open_store(data_dir=workdir / "ckptd")
     for run, step in (("other", 1), ("run", 3), ("run", 6)):
         store_save(store, run, step, checkpoint_files(world_size=1, shard_bytes=1 << 16))
     store.close()
+    return workdir
+
+
+def test_latest_names_the_newest_and_a_wrong_name_lists_the_nearest_that_exist(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    workdir = _three_checkpoints(open_store, tmp_path)
     at = ("--workdir", str(workdir))
 
-    # The run committed last, its newest step: by name, or with nothing named.
+    # The run committed last, its newest step: by name, or with nothing named (verify with
+    # nothing named checks every checkpoint instead).
     assert json.loads(ckpt("show", *at, "latest", "last", "--json").stdout)["step"] == 6
-    assert ckpt("verify", *at).stdout.splitlines()[0] == "run@6"
+    assert json.loads(ckpt("show", *at, "--json").stdout)["step"] == 6
+    assert ckpt("verify", *at, "latest").stdout.splitlines()[0] == "run@6"
     step = ckpt("show", *at, "run", "5")
     assert step.returncode == 1 and step.stderr.strip().endswith(
         "no committed checkpoint run@5 in " + str(workdir) + "; the nearest steps: 3, 6 (newest 6)"
@@ -147,6 +160,57 @@ def test_latest_names_the_newest_and_a_wrong_name_lists_the_nearest_that_exist(
     # A mistyped work directory is an error, not an empty one.
     missing = ckpt("ls", "--workdir", str(tmp_path / "typo"))
     assert missing.returncode == 1 and "no work directory" in missing.stderr
+
+
+def test_verify_with_no_run_checks_every_checkpoint_of_every_run(
+    open_store: OpenStore, tmp_path: Path
+) -> None:
+    workdir = _three_checkpoints(open_store, tmp_path)
+    damaged = workdir / "ckptd" / "ssd" / "run" / "3" / "__0_0.distcp"
+    at = ("--workdir", str(workdir))
+
+    everything = ckpt("verify", *at)
+    assert everything.stdout.splitlines() == [
+        "other@1  ok      ssd ok",
+        "run@3    ok      ssd ok",
+        "run@6    ok      ssd ok",
+        "verified 3 checkpoint(s) of 2 run(s): 3 ok, 0 failed",
+    ]
+    assert everything.returncode == 0, everything.stderr
+
+    with open(damaged, "r+b") as f:
+        f.seek(1 << 10)
+        f.write(b"bit rot")
+    failed = ckpt("verify", *at)
+    assert failed.returncode == 1
+    lines = failed.stdout.splitlines()
+    assert lines[0] == "other@1  ok      ssd ok" and lines[2] == "run@6    ok      ssd ok"
+    assert lines[1].startswith("run@3    FAILED  ssd: ") and "__0_0.distcp" in lines[1]
+    assert lines[3] == "verified 3 checkpoint(s) of 2 run(s): 2 ok, 1 failed"
+    assert failed.stderr.strip().splitlines()[-1] == (
+        "scaletrain ckpt: error: 1 of 3 checkpoint(s) failed: run@3 (ssd)"
+    )
+    # The store marked the damaged copy FAILED: a later verify has nothing of it to read, and
+    # says so.
+    again = ckpt("verify", *at, "--json")
+    assert again.returncode == 1 and json.loads(again.stdout) == [
+        {"run": "other", "step": 1, "ok": True, "tiers": {"ssd": "ok"}},
+        {"run": "run", "step": 3, "ok": False,
+         "tiers": {"ssd": "marked FAILED (__0_0.distcp fails its checksum in block 0)"}},
+        {"run": "run", "step": 6, "ok": True, "tiers": {"ssd": "ok"}},
+    ]  # fmt: skip
+
+    # A run or a step named: that checkpoint alone, as before.
+    assert ckpt("verify", *at, "run").stdout.strip() == "run@6\nssd     ok"
+    assert ckpt("verify", *at, "other", "1").stdout.strip() == "other@1\nssd     ok"
+
+    # No checkpoint at all: one line, no traceback.
+    (tmp_path / "empty").mkdir()
+    empty = ckpt("verify", "--workdir", str(tmp_path / "empty"))
+    assert empty.returncode == 1 and empty.stdout == ""
+    assert empty.stderr.strip() == (
+        f"scaletrain ckpt: error: no checkpoint of any run in {tmp_path / 'empty'}"
+    )
 
 
 def test_resume_at_a_step_goes_on_only_from_the_runs_newest_checkpoint(

@@ -148,3 +148,24 @@ def test_the_summarys_health_line_shows_a_data_spike_closed_and_no_open_alert():
         "the data, closed, 1 step(s) replayed"
     )
     assert _findings(counts | {"sdc": 1}, data_spikes=0).startswith("1 loss_spike, 1 sdc; ")
+
+
+def test_the_summary_says_what_its_other_badput_is_where_it_shows_some(
+    capsys: pytest.CaptureFixture[str],
+):
+    from scaletrain.app.cli import _print_summary
+    from scaletrain.app.summary import RunSummary
+
+    def goodput_lines(badput_s: dict[str, float]) -> list[str]:
+        _print_summary(RunSummary("r", "w", 0, 3, 5.6, 5.0, 3e3, "sha", 17.2, [], "ui",
+                                  goodput=0.552, badput_s=badput_s))  # fmt: skip
+        lines = capsys.readouterr().out.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("goodput"))
+        return lines[at : at + 2]
+
+    assert goodput_lines({"startup": 0.9, "other": 0.6}) == [
+        "goodput      55.2%  badput: startup 0.9s, other 0.6s",
+        "             other: the end of the run after its last step (the final checkpoint, the "
+        "digests), logging, gaps without records",
+    ]
+    assert goodput_lines({"startup": 0.9, "other": 0.01})[1].startswith("health ")

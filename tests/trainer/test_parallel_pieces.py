@@ -2,10 +2,14 @@
 
 Ring attention's per-block forward and backward are run for every rank of a simulated ring and
 reassembled; the MoE block's routing, capacity, balancing and dispatch permutation; the pipeline's
-stage placement; and the command line reaching every parallel option.
+stage placement; the command line reaching every parallel option; and a whole training step on
+the probe's one-process model.
 """
 
 from __future__ import annotations
+
+import math
+import warnings
 
 import pytest
 import torch
@@ -23,6 +27,8 @@ from trainer.parallel.pipeline import (
     stage_layers,
     stage_sizes,
 )
+from trainer.parallel.probe import OneProcess
+from trainer.step import train_step
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -192,3 +198,32 @@ def test_stages_split_evenly_or_with_fewer_blocks_where_the_embedding_and_head_s
         stage_sizes(4, 2, explicit=("4", "0"))
     with pytest.raises(ValueError, match="expected whole numbers"):
         stage_sizes(4, 2, explicit=("a", "b"))
+
+
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_a_step_reports_its_loss_without_torchs_requires_grad_warning(grad_accum_steps: int):
+    """The step's loss is reported from a detached tensor (`ParallelModel.mean_of`): float() of
+    one that requires grad makes torch print "Consider using tensor.detach() first" on every
+    rank of a normal run."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32))
+    model.init_weights(0)
+    tokens = torch.randint(0, 32, (2, 9))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # torch gives this warning once per process; another test may have had it already.
+    warn_always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = train_step(
+                OneProcess(model),
+                optimizer,
+                (tokens[:, :-1], tokens[:, 1:]),
+                max_grad_norm=1.0,
+                grad_accum_steps=grad_accum_steps,
+            )
+    finally:
+        torch.set_warn_always(warn_always)
+    assert math.isfinite(result.loss) and result.loss == pytest.approx(result.global_loss)
+    assert [str(w.message) for w in caught] == []
