@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptd.client import CkptdClient
+from ckptd.states import METADATA, SHARD
 from scaletrain.transport import CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
@@ -63,11 +64,7 @@ class _UploadStream(io.RawIOBase):
 
     def __init__(self, client: CkptdClient, save_id: str, name: str, rank: int) -> None:
         super().__init__()
-        kind = (
-            checkpoint_pb2.FILE_KIND_METADATA
-            if name == METADATA_NAME
-            else checkpoint_pb2.FILE_KIND_SHARD
-        )
+        kind = METADATA if name == METADATA_NAME else SHARD
         self._file = client.open_file(save_id, name, rank, kind)
 
     def writable(self) -> bool:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 from ckptd.manifest import FileRecord, file_crc32c
 from ckptd.metrics import Metrics
+from ckptd.states import SSD
 from ckptd.tiers import BLOCK_BYTES, BlockCrcs, block_crcs_of
 from ckptd.tiers.memory import MemoryBudget, MemoryFile
 from ckptd.tiers.ssd import IncomingFile
@@ -42,12 +43,12 @@ from ckptd.wire import BlockChunk, Chunk, crc32c
 from scaletrain.errors import InvalidArgument, ScaletrainError, Unavailable
 from scaletrain.names import TIER_LABELS
 from scaletrain.transport import MAX_CHUNK_BYTES
-from scaletrain.v1 import checkpoint_pb2, common_pb2
+from scaletrain.v1 import checkpoint_pb2
 
 # A chunk's bytes: a view into the received message (ckptd.wire), or bytes from protobuf.
 Data = bytes | memoryview
 # The SSD tier's metrics label, for the bytes and seconds this pipeline's writer spends on it.
-_SSD = TIER_LABELS[common_pb2.TIER_SSD]
+_SSD = TIER_LABELS[SSD]
 
 
 class FileUpload:

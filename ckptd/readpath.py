@@ -35,11 +35,12 @@ import grpc
 
 from ckptd.config import DataLimits
 from ckptd.limits import OverShare, Owner, Shares
+from ckptd.states import S3
 from ckptd.tiers import BLOCK_BYTES
 from ckptd.wire import crc32c
 from scaletrain.errors import DataLoss, ScaletrainError, Unavailable
 from scaletrain.names import TIER_LABELS
-from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc, common_pb2
+from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ Pieces = Iterator[Piece]
 def source_label(tier: int, node: str) -> str:
     """Whose copy served bytes, as restores report it: "memory@node0", "SSD@node1", "S3"."""
     name = TIER_LABELS.get(tier, f"tier {tier}")
-    return name if tier == common_pb2.TIER_S3 or not node else f"{name}@{node}"
+    return name if tier == S3 or not node else f"{name}@{node}"
 
 
 def describe_sources(sources: Mapping[str, int]) -> str:
