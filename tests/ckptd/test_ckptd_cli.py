@@ -15,7 +15,7 @@ from ckptd.config import S3Config
 from ckptd.server import RunningCkptd
 from ckptd.store import CheckpointStore
 from ckptd.tiers import CheckpointKey
-from scaletrain.app.cli import RUN_DEFAULTS
+from scaletrain.app.commands.launch import RUN_DEFAULTS
 from scaletrain.app.stack import Workdir
 from scaletrain.v1 import telemetry_pb2
 from telemetry.db import connect, migrate

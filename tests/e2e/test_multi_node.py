@@ -28,7 +28,8 @@ from scaletrain.app.chaos import (
     default_schedule,
     parse_schedule,
 )
-from scaletrain.app.cli import _print_summary, main
+from scaletrain.app.cli import main
+from scaletrain.app.commands.run import _print_summary
 from scaletrain.app.stack import Stack, Workdir
 from scaletrain.app.summary import RunSummary, checkpoint_row, whole_tiers
 from scaletrain.names import TIER_NAMES

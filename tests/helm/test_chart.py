@@ -1353,7 +1353,8 @@ def test_every_fair_share_of_ckptd_is_a_named_value_with_ckptds_own_default(char
     not through extraArgs, and the chart's defaults are ckptd's: what ckptd parses from the
     rendered pod is `DataLimits()`; a value set in the chart reaches it."""
     from ckptd.config import DataLimits
-    from scaletrain.app.cli import _LIMIT_FLAGS, _limits, build_parser
+    from scaletrain.app.cli import build_parser
+    from scaletrain.app.commands.ckptd import _LIMIT_FLAGS, _limits
 
     def parsed(values: dict[str, Any]) -> DataLimits:
         c = container(workload(parse(render_raw(chart, values)), "ckptd"))

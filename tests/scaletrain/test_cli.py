@@ -140,7 +140,7 @@ def test_health_with_no_run_to_show_says_so(tmp_path: Path):
 
 
 def test_the_summarys_health_line_shows_a_data_spike_closed_and_no_open_alert():
-    from scaletrain.app.cli import _findings
+    from scaletrain.app.commands.run import _findings
 
     counts = {"straggler": 0, "loss_spike": 1, "sdc": 0, "replay": 1, "alert": 0, "restart": 0}
     assert _findings(counts, data_spikes=1) == (
@@ -153,7 +153,7 @@ def test_the_summarys_health_line_shows_a_data_spike_closed_and_no_open_alert():
 def test_the_summary_says_what_its_other_badput_is_where_it_shows_some(
     capsys: pytest.CaptureFixture[str],
 ):
-    from scaletrain.app.cli import _print_summary
+    from scaletrain.app.commands.run import _print_summary
     from scaletrain.app.summary import RunSummary
 
     def goodput_lines(badput_s: dict[str, float]) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from test_cli import assert_one_line_error, scaletrain
 
-from scaletrain.app.cli import RUN_DEFAULTS
+from scaletrain.app.commands.launch import RUN_DEFAULTS
 from scaletrain.app.stack import Workdir
 from scaletrain.v1 import telemetry_pb2
 from telemetry.db import connect, migrate

@@ -13,6 +13,8 @@ import pytest
 import yaml
 
 from scaletrain.app import cli
+from scaletrain.app.commands.chaos import CHAOS_DEFAULTS, CHAOS_SHADOWED
+from scaletrain.app.commands.launch import RUN_DEFAULTS, resolve_job
 from trainer import options
 from trainer.config import TrainConfig, from_args, from_values, parser
 from trainer.data.prepare import PrepareOptions, prepare
@@ -116,8 +118,8 @@ def test_every_option_reaches_the_run_from_the_trainers_flags_and_from_a_config_
 def test_scaletrain_run_and_chaos_pass_every_option_on_or_take_it_from_the_config_file(
     command: str, tmp_path: Path
 ) -> None:
-    defaults = cli.RUN_DEFAULTS if command == "run" else cli.CHAOS_DEFAULTS
-    shadowed = cli.CHAOS_SHADOWED if command == "chaos" else ()
+    defaults = RUN_DEFAULTS if command == "run" else CHAOS_DEFAULTS
+    shadowed = CHAOS_SHADOWED if command == "chaos" else ()
     for o in OPTIONS:
         value = sample(o)
         base = {k: v for k, v in base_of(o).items() if k != "run_id"}
@@ -133,7 +135,7 @@ def test_scaletrain_run_and_chaos_pass_every_option_on_or_take_it_from_the_confi
             path = config(tmp_path, base | {o.dest: value})
             args = cli.build_parser().parse_args([command, "--config", str(path)])
             reached = "by the config file"
-        job = cli._job(args, defaults)
+        job = resolve_job(args, defaults)
         assert job[o.dest] == value, f"scaletrain {command} misses {o.flag} ({reached})"
         # The launcher adds its run id and its stack's ckptd.
         launched = ["--run-id", "r", "--ckptd", "127.0.0.1:1", *_handed_on(job)]
