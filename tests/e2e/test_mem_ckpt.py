@@ -115,7 +115,9 @@ def test_machines_lost_cost_at_most_one_step_each_the_state_coming_from_own_and_
         # At most one step, plus the memory saves skipped before the strike (one due while the
         # durable save before it still streamed, on a loaded machine).
         skipped = unsaved_steps(log, record["resumed_from"] + 1, record["step"])
-        assert record["steps_lost"] <= 1 + skipped, (record, skipped)
+        # Rank 0 says why when no step is whole in memory on every rank (what it finds, where).
+        why = [line for line in log.splitlines() if "no step every rank can restore" in line]
+        assert record["steps_lost"] <= 1 + skipped, (record, skipped, why)
         # The survivors' ranks from their own memory; a lost node's ranks, on the machine that
         # took its place, from the copies their buddies kept: nothing from ckptd's tiers.
         copies = {source.split("@")[0] for source in record["restored_from"]}
