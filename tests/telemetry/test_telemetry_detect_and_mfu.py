@@ -15,6 +15,7 @@ from telemetry import live as live_module
 from telemetry import mfu
 from telemetry.client import rank_step
 from telemetry.detect import (
+    Cusum,
     NodeFlag,
     StragglerDetector,
     StragglerFlag,
@@ -92,8 +93,9 @@ def test_ranks_without_a_measured_time_are_not_scored() -> None:
 
 
 def test_a_node_whose_ranks_are_all_slow_is_one_slow_node_naming_its_host() -> None:
-    # 64 nodes of 8 ranks; every rank of host5 (ranks 40-47) and rank 3 alone take 1.6x.
-    cluster = detector(512, StragglerPolicy(patience=3), per_node=8)
+    # 64 nodes of 8 ranks; every rank of host5 (ranks 40-47) and rank 3 alone take 1.6x. The
+    # scores alone (no CUSUMs, which flag a step sooner): flagged after `patience` steps.
+    cluster = detector(512, StragglerPolicy(patience=3, cusums=()), per_node=8)
     work = np.full(512, 0.1)
     work[40:48] = work[3] = 0.16
     flags = [flag for step in range(1, 10) for flag in cluster.observe(step, work)]
@@ -106,6 +108,66 @@ def test_a_node_whose_ranks_are_all_slow_is_one_slow_node_naming_its_host() -> N
     assert [(f.step, f.rank, f.node) for f in ranks] == [(3, 3, "host0")]
 
 
+def noisy_steps(
+    cluster: StragglerDetector, steps: range, slow: dict[int, float], seed: int = 0
+) -> list[StragglerFlag | NodeFlag]:
+    """Feed `steps` of compute times with 3.5% log-normal noise per rank and step, as measured on
+    this machine (bench/data/compute_noise.json), the ranks of `slow` slowed by their factor;
+    return every flag raised."""
+    rng = np.random.default_rng(seed)
+    world = len(cluster.nodes.of_rank)
+    factors = np.ones(world)
+    factors[list(slow)] = list(slow.values())
+    return [
+        flag
+        for step in steps
+        for flag in cluster.observe(step, 0.06 * np.exp(rng.normal(0, 0.035, world)) * factors)
+    ]
+
+
+def test_a_rank_slowed_by_a_third_in_a_noisy_world_is_flagged_within_six_steps() -> None:
+    # A 1.3x rank is 7.5 noise sigmas slow: the scores (flagging 1.43x) never see it; the CUSUMs
+    # flag it by its 6th slow step (each adds the small CUSUM's most, h / 6), most often by its
+    # 3rd (the large CUSUM: two or three steps; bench/straggler_scale.py).
+    steps = []
+    for seed in range(8):
+        cluster = detector(512, per_node=8)
+        assert noisy_steps(cluster, range(1, 11), {}, seed) == []
+        flags = noisy_steps(cluster, range(11, 17), {77: 1.3}, seed)
+        assert [(type(f), f.rank, f.node) for f in flags] == [(StragglerFlag, 77, "host9")]
+        assert 5 <= flags[0].since_step <= 11
+        steps.append(flags[0].step - 10)
+    assert max(steps) <= 6 and sorted(steps)[len(steps) // 2] <= 3, steps
+    # A 1.1x rank (2.7 sigmas) takes longer, but not forever.
+    cluster = detector(512, per_node=8)
+    flags = noisy_steps(cluster, range(1, 31), {300: 1.1})
+    assert [(f.rank, f.step <= 25) for f in flags] == [(300, True)]
+
+
+def test_a_clean_noisy_world_flags_nobody() -> None:
+    cluster = detector(512, per_node=8)
+    assert noisy_steps(cluster, range(1, 501), {}, seed=11) == []
+
+
+def test_a_whole_slow_node_is_one_node_flag_not_a_flag_per_rank() -> None:
+    for factor in (1.1, 1.3, 2.0):
+        cluster = detector(512, per_node=8)
+        slow = dict.fromkeys(range(40, 48), factor)
+        flags = noisy_steps(cluster, range(1, 41), slow, seed=3)
+        assert [(type(f), f.node, f.ranks) for f in flags] == [
+            (NodeFlag, "host5", list(range(40, 48)))
+        ], factor
+        assert flags[0].relative == pytest.approx(1 / factor, rel=0.1)
+
+
+def test_a_hiccup_of_one_step_is_no_straggler_however_slow() -> None:
+    # One step 3x slower, a rank or a whole node: never flagged (one step never alarms a CUSUM).
+    cluster = detector(512, per_node=8)
+    assert noisy_steps(cluster, range(1, 5), {}) == []
+    assert noisy_steps(cluster, range(5, 6), {3: 3.0, **dict.fromkeys(range(40, 48), 3.0)}) == []
+    assert noisy_steps(cluster, range(6, 30), {}) == []
+
+
 def test_a_policy_outside_its_range_is_refused() -> None:
     with pytest.raises(ValueError, match="between 0 and 1"):
         StragglerPolicy(slow_below=1.5)
@@ -113,6 +175,10 @@ def test_a_policy_outside_its_range_is_refused() -> None:
         StragglerPolicy(patience=0)
     with pytest.raises(ValueError, match="node_share"):
         StragglerPolicy(node_share=0)
+    with pytest.raises(ValueError, match="one step alarms"):
+        Cusum(k=1.0, h=2.0, clip=3.0)
+    with pytest.raises(ValueError, match="clip > k"):
+        Cusum(k=1.0, h=2.0, clip=0.5)
 
 
 def test_the_median_of_the_others_matches_the_plain_median_for_every_value() -> None:
