@@ -115,6 +115,16 @@ def test_the_detection_cost_benchmark_prints_its_ratio_per_world_size() -> None:
     assert all(sizes["ratio_scoring_to_baseline"] > 0 for sizes in report.values())
 
 
+def test_the_straggler_benchmark_flags_every_slowed_rank_and_node_of_a_small_world() -> None:
+    printed = run_bench(
+        "straggler_scale.py", "--ranks", "512", "--clean-steps", "200", "--trials", "2",
+        "--max-steps", "30",
+    )  # fmt: skip
+    report = json.loads(printed[printed.index('{"ranks"') :])
+    assert report["ranks"] == 512 and report["false_flags"] == {"rank_flags": 0, "node_flags": 0}
+    assert all(case["never"] == 0 for case in report["cases"].values()), report["cases"]
+
+
 def test_the_page_benchmark_fills_a_small_cluster_run_and_prints_its_ratios(tmp_path: Path) -> None:
     printed = run_bench(
         "telemetry_pages.py", "--db", f"sqlite:///{tmp_path / 'pages.db'}", "--ranks", "64",
