@@ -62,6 +62,15 @@ def test_a_value_that_is_not_finite_always_spikes_and_nothing_spikes_before_enou
     assert young.spike(math.nan) is not None
 
 
+def test_the_step_after_a_data_spike_is_excused_once_but_never_a_value_that_is_not_finite() -> None:
+    signal = warmed([2.0] * 20)
+    signal.excuse_next()
+    assert signal.spike(3.0) is None  # the data spike's aftermath
+    assert signal.spike(3.0) is not None  # only once
+    signal.excuse_next()
+    assert signal.spike(math.inf) is not None
+
+
 def test_a_rise_must_exceed_the_minimum_relative_rise_when_the_signal_is_flat() -> None:
     flat = warmed([2.0] * 20)
     assert flat.spike(2.2) is None

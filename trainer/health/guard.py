@@ -190,6 +190,9 @@ class StepGuard:
             self._loss.add(second.loss)
             self._grad_norm.add(second.grad_norm)
             return "replayed", second.state
+        # The data's spike: the next step still feels its update, and is not judged a spike.
+        self._loss.excuse_next()
+        self._grad_norm.excuse_next()
         return "kept", second.state
 
     def _verify_at_rest(self, before_restore: Callable[[], None]) -> bool:

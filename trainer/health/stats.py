@@ -45,12 +45,14 @@ class RollingSignal:
     def __init__(self, rule: SpikeRule) -> None:
         self.rule = rule
         self._values: deque[float] = deque(maxlen=rule.window)
+        self._excused = False
 
     def spike(self, value: float) -> Spike | None:
         """The spike `value` would be against the recent values, or None; does not add it."""
         if not math.isfinite(value):
             return Spike(value, self._median(), math.nan)
-        if len(self._values) < self.rule.min_history:
+        excused, self._excused = self._excused, False
+        if excused or len(self._values) < self.rule.min_history:
             return None
         median = self._median()
         values = list(self._values)
@@ -59,6 +61,13 @@ class RollingSignal:
         noise = _MAD_TO_SIGMA * statistics.median(abs(c - center) for c in changes)
         threshold = median + max(self.rule.z * noise, self.rule.min_rise * abs(median))
         return Spike(value, median, threshold) if value > threshold else None
+
+    def excuse_next(self) -> None:
+        """Let the next value rise without counting as a spike (a non-finite one still does):
+        the step after a spike the data caused carries that large update's aftermath, and
+        judging it against the calm before replays a step for nothing (bench/false_alarms.py:
+        the two replays of each clean 1,000 steps were such a pair)."""
+        self._excused = True
 
     def add(self, value: float) -> None:
         """Take a value that belongs to normal training (never a spike: it would widen the MAD)."""
