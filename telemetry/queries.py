@@ -253,6 +253,9 @@ class KeptRankStep:
     rank_sample: int
     loss: float
     lr: float
+    # The ranks of the attempt that kept the step (those that recorded any step of it): more
+    # than the step's records where ranks died before they sent them (a node lost at once).
+    world: int = 0
 
 
 def kept_steps(bind: Bind, run_id: str) -> dict[int, list[KeptRankStep]]:
@@ -267,12 +270,17 @@ def kept_steps(bind: Bind, run_id: str) -> dict[int, list[KeptRankStep]]:
             ).where(RankStep.run_id == run_id)
         ).all()  # fmt: skip
     latest: dict[int, int] = {}
-    for step, attempt, *_ in rows:
+    ranks_of: dict[int, set[int]] = {}
+    for step, attempt, rank, *_ in rows:
         latest[step] = max(latest.get(step, attempt), attempt)
+        ranks_of.setdefault(attempt, set()).add(rank)
     kept: dict[int, list[KeptRankStep]] = {}
     for step, attempt, rank, sample, loss, lr in rows:
         if attempt == latest[step]:
-            kept.setdefault(step, []).append(KeptRankStep(rank, sample, _float(loss), _float(lr)))
+            world = len(ranks_of[attempt])
+            kept.setdefault(step, []).append(
+                KeptRankStep(rank, sample, _float(loss), _float(lr), world)
+            )
     return {step: sorted(ranks, key=lambda r: r.rank) for step, ranks in sorted(kept.items())}
 
 
@@ -280,14 +288,21 @@ def consumed_samples(kept: dict[int, list[KeptRankStep]], global_batch: int) -> 
     """Every index of the global sample order the kept steps read, in order: each rank's slice
     of a step is its share of the global batch, and its `rank_sample` after the step is where
     its slice of the next one starts, one global batch on. A run that resized (elastic) reads
-    each sample once only if this is `range(steps x global_batch)`."""
+    each sample once only if this is `range(steps x global_batch)`, less the slices of ranks
+    whose records of a step were lost (`unrecorded`)."""
     consumed: list[int] = []
     for ranks in kept.values():
-        share = global_batch // len(ranks)
+        share = global_batch // max(ranks[0].world, len(ranks))
         for record in ranks:
             start = record.rank_sample - global_batch
             consumed += range(start, start + share)
     return consumed
+
+
+def unrecorded(kept: dict[int, list[KeptRankStep]]) -> list[int]:
+    """The kept steps some of whose ranks' records never reached telemetry (a node lost right
+    after the step takes its ranks' unsent records with it): what they read is not known."""
+    return [step for step, ranks in kept.items() if len(ranks) < ranks[0].world]
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from e2e_runs import TINY, events, scaletrain, scaletrain_json
 from scaletrain.app.growth import GROW_HOLD_BASE_S
 from telemetry import queries
 from telemetry.db import reading
-from telemetry.queries import KeptRankStep, consumed_samples
+from telemetry.queries import KeptRankStep, consumed_samples, unrecorded
 
 pytestmark = pytest.mark.e2e
 
@@ -148,7 +148,15 @@ def test_every_sample_is_consumed_exactly_once_across_every_resize(
     drill: str, request: pytest.FixtureRequest
 ):
     run = request.getfixturevalue(drill)
-    assert consumed_samples(kept_steps(run), BATCH) == list(range(STEPS * BATCH))
+    kept = kept_steps(run)
+    consumed = consumed_samples(kept, BATCH)
+    # A node lost at once may take its ranks' unsent records of the step before with it: those
+    # slices are not known (at most one step a lost node), every other sample read exactly once.
+    unknown = unrecorded(kept)
+    assert len(unknown) <= sum(f["kind"] == "lose-node" for f in run["faults"]), unknown
+    assert len(consumed) == len(set(consumed)), "a sample read twice"
+    never = set(range(STEPS * BATCH)) - set(consumed)
+    assert {sample // BATCH + 1 for sample in never} <= set(unknown), sorted(never)[:20]
 
 
 @pytest.mark.parametrize("drill", ["shrink_and_grow", "shrink_twice"])
@@ -160,8 +168,10 @@ def test_a_resized_run_trains_as_the_uninterrupted_one_within_fp32_noise(
     assert list(ours) == list(theirs) == list(range(1, STEPS + 1))
     # The schedule counts the same steps: the learning rate of each step is the reference's.
     assert [ranks[0].lr for ranks in ours.values()] == [ranks[0].lr for ranks in theirs.values()]
-    # Losses: each rank's is the mean over its own slice; the global batch's is their mean.
-    gaps = [abs(_mean_loss(ours[s]) - _mean_loss(theirs[s])) for s in ours]
+    # Losses: each rank's is the mean over its own slice; the global batch's is their mean (of
+    # the steps whose every rank's record arrived).
+    known = set(ours) - set(unrecorded(ours))
+    gaps = [abs(_mean_loss(ours[s]) - _mean_loss(theirs[s])) for s in sorted(known)]
     assert max(gaps) < 1e-4, gaps
     assert abs(run["last_loss"] - reference["last_loss"]) < 1e-4
 

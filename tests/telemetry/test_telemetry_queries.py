@@ -117,8 +117,13 @@ def test_kept_steps_take_each_step_from_the_latest_attempt_that_trained_it(
     store.add_steps(record(1, 2, 0) + record(2, 2, 0) + record(2, 4, 1) + record(3, 4, 1))
     kept = queries.kept_steps(engine, "run-1")
     assert {step: len(ranks) for step, ranks in kept.items()} == {1: 2, 2: 4, 3: 4}
-    assert kept[3][1] == queries.KeptRankStep(rank=1, rank_sample=13, loss=3.0, lr=0.375)
+    assert kept[3][1] == queries.KeptRankStep(rank=1, rank_sample=13, loss=3.0, lr=0.375, world=4)
     assert queries.consumed_samples(kept, 4) == list(range(12))
+    assert queries.unrecorded(kept) == []
+    # Rank 3's record of step 3 lost: its slice is not known, the others' still are.
+    lost = {**kept, 3: kept[3][:3]}
+    assert queries.unrecorded(lost) == [3]
+    assert queries.consumed_samples(lost, 4) == list(range(11))
     # A step whose slice was read twice, and one never read, show in the order.
     kept[2] = kept[1]
     assert queries.consumed_samples(kept, 4) == [0, 1, 2, 3, 0, 1, 2, 3, 8, 9, 10, 11]
