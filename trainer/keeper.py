@@ -89,8 +89,6 @@ FROZEN_AFTER_S = 4.0
 # life (time.monotonic_ns, one clock for every process of the machine; 0: not judged).
 _shared: mmap.mmap | None = None
 _STEP, _ALIVE = slice(0, 8), slice(8, 16)
-# FROZEN_ENV's value for the next fork ("" when the last rank did not freeze).
-_froze = ""
 
 
 @dataclass(frozen=True)
@@ -160,12 +158,12 @@ def _generations(
 ) -> int:
     """The rank's generations, until one ends well, or not in a way an in-job restart mends."""
     rank = os.environ["RANK"]
-    generation = 0
+    generation, froze = 0, ""
     while True:
         gen = Generation(generation, f"{attempt}/gen-{generation}")
         store.add(gen.joined, 1)
-        pid = _fork_rank(train, gen.prefix, generation)
-        code, cause = _watch(pid, store, gen, stop)
+        pid = _fork_rank(train, gen.prefix, generation, froze)
+        code, cause, froze = _watch(pid, store, gen, stop)
         if code == 0 or stop.is_set():
             return code
         if code in FINAL_EXIT_CODES:
@@ -195,10 +193,11 @@ class NotFormed(Exception):
     """A generation's keepers did not all come: a machine of the job is lost."""
 
 
-def _watch(pid: int, store: dist.Store, gen: Generation, stop: _Stop) -> tuple[int, str]:
+def _watch(pid: int, store: dist.Store, gen: Generation, stop: _Stop) -> tuple[int, str, str]:
     """Wait until rank `pid` ends, or another rank of its generation failed (then stop it);
-    returns the rank's exit code and what failed. The rank is stopped too when the store is lost
-    (the error is raised) or when the generation does not form in time (NotFormed)."""
+    returns the rank's exit code, what failed, and FROZEN_ENV's value for the next rank ("" but
+    when its keeper ended it frozen). The rank is stopped too when the store is lost (the error
+    is raised) or when the generation does not form in time (NotFormed)."""
     rank, world = os.environ["RANK"], int(os.environ["WORLD_SIZE"])
     wait_s = JOIN_S if gen.index else FIRST_JOIN_S
     deadline, formed = time.monotonic() + wait_s, False
@@ -214,25 +213,25 @@ def _watch(pid: int, store: dist.Store, gen: Generation, stop: _Stop) -> tuple[i
                         f"within {wait_s:g}s (a machine lost?)"
                     )
             ended, status = os.waitpid(pid, os.WNOHANG)
+            why = froze = ""
             if not ended and (silent := _silent_s()) > FROZEN_AFTER_S:
-                status, why = _end_frozen(pid, silent), f"froze (no sign of life for {silent:.1f}s)"
-            else:
-                why = ""
+                status, froze = _end_frozen(pid, silent)
+                why = f"froze (no sign of life for {silent:.1f}s)"
             if ended or why:
                 code = os.waitstatus_to_exitcode(status)
                 if code != 0 and code not in FINAL_EXIT_CODES:
                     _mark(store, gen.failed, f"rank {rank} {why or _describe(code)}")
                     if code != PEER_LOST_EXIT_CODE:  # a peer's failure is not its machine's
                         record_failure(int(rank), _last_trained(), why or _describe(code))
-                return code, _read(store, gen.failed)
+                return code, _read(store, gen.failed), froze
             if stop.is_set():
-                return _stop_rank(pid), "the agent stopped this rank"
+                return _stop_rank(pid), "the agent stopped this rank", ""
             if store.check([gen.final]):
                 _stop_rank(pid)
-                return 1, _read(store, gen.final)
+                return 1, _read(store, gen.final), ""
             if store.check([gen.failed]):
                 _stop_rank(pid)
-                return FAILED_EXIT_CODE, _read(store, gen.failed)
+                return FAILED_EXIT_CODE, _read(store, gen.failed), ""
             time.sleep(POLL_S)
     except dist.DistError:
         with contextlib.suppress(ChildProcessError):
@@ -240,12 +239,12 @@ def _watch(pid: int, store: dist.Store, gen: Generation, stop: _Stop) -> tuple[i
         raise
 
 
-def _end_frozen(pid: int, silent: float) -> int:
+def _end_frozen(pid: int, silent: float) -> tuple[int, str]:
     """SIGKILL a frozen rank (the one signal a stopped process cannot hold off), saying so as its
-    watchdog would, for the next rank to report; returns its wait status."""
-    global _froze
+    watchdog would; returns its wait status and what the next rank reports (FROZEN_ENV: the step
+    it froze in, the seconds it was silent)."""
     rank = os.environ["RANK"]
-    _froze = f"{_last_trained() + 1}:{silent:.3f}"
+    froze = f"{_last_trained() + 1}:{silent:.3f}"
     print(
         f"trainer: rank {rank}: error: watchdog: rank {rank} shows no sign of life for "
         f"{silent:.1f}s (frozen: stopped, or deadlocked); its keeper ends it",
@@ -254,16 +253,15 @@ def _end_frozen(pid: int, silent: float) -> int:
     )
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    return os.waitpid(pid, 0)[1]
+    return os.waitpid(pid, 0)[1], froze
 
 
-def _fork_rank(train: Callable[[], int], prefix: str, generation: int) -> int:
-    """Fork the rank of `generation`; it dies with its keeper (a lost node takes both)."""
-    global _froze
+def _fork_rank(train: Callable[[], int], prefix: str, generation: int, froze: str) -> int:
+    """Fork the rank of `generation`, told (FROZEN_ENV) that the rank before it froze when
+    `froze`; it dies with its keeper (a lost node takes both)."""
     alive(False)  # a new rank is not judged before it first signs
     pid = os.fork()
     if pid:
-        _froze = ""  # told once, to this rank
         return pid
     code = FAILED_EXIT_CODE
     try:
@@ -271,7 +269,7 @@ def _fork_rank(train: Callable[[], int], prefix: str, generation: int) -> int:
         name_process(RANK_PROCESS.format(rank=os.environ["RANK"]))
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the keeper's handler is not the rank's
         os.environ[PREFIX_ENV], os.environ[GENERATION_ENV] = prefix, str(generation)
-        os.environ[FROZEN_ENV] = _froze
+        os.environ[FROZEN_ENV] = froze
         code = train()
     except BaseException as exc:  # the keeper hears of any failure by the exit code
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
