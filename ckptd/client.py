@@ -26,6 +26,7 @@ from ckptd.upload import Bytes, FileWriter, RpcFile, SocketFile
 from ckptd.wire import encode_write_request
 from scaletrain.errors import DataLoss, ScaletrainError, Unavailable, error_from_rpc
 from scaletrain.security import ClientSecurity
+from scaletrain.tls import client_context
 from scaletrain.transport import DEFAULT_TIMEOUT_S, make_channel
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
@@ -59,7 +60,10 @@ class CkptdClient:
         # Bytes read so far per copy that served them ("memory@node0", "S3"): what a restore
         # reports it used.
         self.served: Counter[str] = Counter()
+        security = security if security is not None else ClientSecurity.from_env()
         self._channel = make_channel(address, security)
+        # The data socket speaks TLS when gRPC does, with the same files.
+        self._tls = client_context(security.tls) if security.tls is not None else None
         self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
         # WriteFile with a serializer that puts chunk bytes on the wire in one copy (ckptd.wire).
         self._write_file = self._channel.stream_unary(
@@ -204,7 +208,7 @@ class CkptdClient:
         (the ticket, never presented, expires on its own)."""
         try:
             return data_connection(
-                opened.data_host or self._host, opened.data_port, DEFAULT_TIMEOUT_S
+                opened.data_host or self._host, opened.data_port, DEFAULT_TIMEOUT_S, self._tls
             )
         except OSError:
             self.fast_path = False
@@ -363,10 +367,11 @@ class CkptdClient:
             ref=ref, path=path, offset=offset, length=length, tier=tier, direct=direct
         )
         try:
-            fast = open_range(self._stub, request, self._host, _stream_timeout(0), what)
+            timeout_s = _stream_timeout(0)
+            fast = open_range(self._stub, request, self._host, timeout_s, what, self._tls)
             if fast is None and direct:  # perhaps the peer's socket alone was out of reach
                 request.direct = False
-                fast = open_range(self._stub, request, self._host, _stream_timeout(0), what)
+                fast = open_range(self._stub, request, self._host, timeout_s, what, self._tls)
         except grpc.RpcError as exc:
             raise self._error(exc, what) from None
         if fast is None:

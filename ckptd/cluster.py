@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -54,6 +55,7 @@ from scaletrain.errors import (
     error_from_rpc,
 )
 from scaletrain.security import ClientSecurity
+from scaletrain.tls import client_context
 from scaletrain.transport import DEFAULT_TIMEOUT_S, make_channel
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
@@ -92,6 +94,8 @@ class Peer:
     reachable: bool = False
     error: str = ""
     channel: grpc.Channel | None = field(default=None, repr=False)
+    # Its data socket's TLS, as the channel has it (None: plaintext).
+    tls: ssl.SSLContext | None = field(default=None, repr=False)
 
     def connect(self, timeout_s: float) -> None:
         """Wait for a connection (a peer just restarted may take a reconnect backoff), or raise
@@ -179,8 +183,10 @@ class Peers:
         with self._lock:
             for address in self._addresses():
                 if address not in self._peers:
-                    channel = make_channel(address, self._security)
-                    self._peers[address] = Peer(address, channel=channel)
+                    security = self._security or ClientSecurity.from_env()
+                    tls = client_context(security.tls) if security.tls is not None else None
+                    channel = make_channel(address, security)
+                    self._peers[address] = Peer(address, channel=channel, tls=tls)
             return list(self._peers.values())
 
     def greet(self, strict: bool) -> None:
@@ -548,7 +554,7 @@ def open_peer_range(
         length=length,
         local_only=True,
     )
-    return open_range(peer.checkpoints(), request, _host_of(peer), _PEER_TIMEOUT_S, what)
+    return open_range(peer.checkpoints(), request, _host_of(peer), _PEER_TIMEOUT_S, what, peer.tls)
 
 
 def open_peer_read(
@@ -557,7 +563,7 @@ def open_peer_read(
     """`peer`'s ticket for the range of `request` from its own copy of the file, with the node
     and the address of its data socket filled in, for a caller that connects to it itself
     (OpenReadRequest.direct). Raises grpc.RpcError for a refusal (NOT_FOUND: no copy there;
-    UNIMPLEMENTED: its data socket serves no caller of this node's host)."""
+    UNIMPLEMENTED: it runs without a data socket)."""
     asked = checkpoint_pb2.OpenReadRequest()
     asked.CopyFrom(request)
     asked.local_only, asked.direct = True, False

@@ -1,14 +1,14 @@
-"""ckptd's data socket: the same-host fast path of WriteFile (OpenUpload, then FinishUpload),
-and of ReadFile (OpenRead, `ckptd.readpath`).
+"""ckptd's data socket: the fast path of WriteFile (OpenUpload, then FinishUpload), and of
+ReadFile (OpenRead, `ckptd.readpath`).
 
 Why it exists: grpcio's Python transport moves bytes at a fraction of what a plain loopback socket
 does (bench/ckptd_ingest.py), and a save is almost all bytes. So the control stays on gRPC
 (authentication, authorization, the header's checks, the trailer's check, the reply) and only the
-bytes of one file take a plain TCP socket, into the same `FileUpload` pipeline as WriteFile:
-CRC-32C per block, the file's checksum, memory budget and backpressure, SSD write. A file joins its
-save only through FinishUpload's trailer, exactly as with WriteFile's trailer. Frames are received
-into buffers the memory budget lends and takes back (`MemoryBudget.buffer`), so a steady stream of
-saves does not touch fresh memory.
+bytes of one file take a TCP socket (TLS when gRPC has it), into the same `FileUpload` pipeline as
+WriteFile: CRC-32C per block, the file's checksum, memory budget and backpressure, SSD write. A
+file joins its save only through FinishUpload's trailer, exactly as with WriteFile's trailer.
+Frames are received into buffers the memory budget lends and takes back (`MemoryBudget.buffer`),
+so a steady stream of saves does not touch fresh memory.
 
 The socket trusts nothing it did not issue: a connection must open with a ticket that OpenUpload
 issued (32 random bytes) less than `ttl_s` ago and that no connection used before; it carries
@@ -27,6 +27,15 @@ per connection (`scaletrain.throttle`).
 A read's ticket (OpenRead's, kept by the `ReadPlane`) opens the same socket the other way: the
 connection then receives the range's frames (`ckptd.readpath`). Tickets of both kinds are 32
 random bytes from one generator, so a connection's ticket names one of them or none, never both.
+
+With TLS on (`ServerSecurity.tls`) the socket speaks TLS with gRPC's files and rules
+(`scaletrain.tls`), so it may serve callers on other nodes (peer reads, replicas, spares) as
+safely as gRPC does. The accept loop does each handshake without blocking, within the time a
+ticket may take; a handshake that fails (a wrong CA, a plaintext client) is refused and counted
+(`tls`). The ticket stays the authorization; with mutual TLS the connection's certificate must
+also name the client the ticket was issued to over gRPC (`identity`), so a ticket that leaks is
+worth nothing to another holder of a certificate. The certificate files are checked once a
+second: new connections get a renewed certificate, open ones finish on theirs.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import mmap
 import secrets
 import selectors
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -47,7 +57,7 @@ from ckptd.config import DataLimits
 from ckptd.limits import OverShare, Owner, Shares
 from ckptd.manifest import FileRecord
 from ckptd.names import key_of
-from ckptd.readpath import TICKET_BYTES, Pieces, ReadPlane, _ReadTicket, timeval
+from ckptd.readpath import TICKET_BYTES, Pieces, ReadPlane, _ReadTicket, receive, set_timeout
 from ckptd.reads import READ_PIECE_BYTES
 from ckptd.store import CheckpointStore
 from ckptd.tiers import BLOCK_BYTES
@@ -55,11 +65,14 @@ from ckptd.wire import BlockChunk
 from scaletrain.errors import (
     FailedPrecondition,
     InvalidArgument,
+    PermissionDenied,
     ScaletrainError,
     UserError,
 )
 from scaletrain.guard import Caller
+from scaletrain.security import ServerSecurity
 from scaletrain.throttle import Throttled
+from scaletrain.tls import Identity, reloading_server_context, socket_identity
 from scaletrain.transport import MAX_CHUNK_BYTES
 from scaletrain.v1 import checkpoint_pb2
 
@@ -90,21 +103,23 @@ Buffer = bytearray | memoryview | mmap.mmap
 
 
 def _recv_into(conn: socket.socket, buffer: Buffer, deadline: float) -> None:
-    """Fill `buffer` by `deadline` (time.monotonic()), waiting in the kernel for all of it
-    (MSG_WAITALL on a blocking socket, SO_RCVTIMEO set to the time left): a thread that took the
-    GIL back after each piece the socket delivers would wait for it behind the hashing threads
-    again and again."""
+    """Fill `buffer` by `deadline` (time.monotonic()). A plain socket waits in the kernel for all
+    of it (MSG_WAITALL on a blocking socket, SO_RCVTIMEO set to the time left): a thread that
+    took the GIL back after each piece the socket delivers would wait for it behind the hashing
+    threads again and again. A TLS socket hands over a record at a time (`receive`)."""
     view, got = memoryview(buffer), 0
     try:
         while got < len(view):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _Short(silent=True)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(max(left, 0.001)))
-            n = conn.recv_into(view[got:], 0, socket.MSG_WAITALL)
+            set_timeout(conn, max(left, 0.001), socket.SO_RCVTIMEO)
+            n = receive(conn, view[got:])
             if n == 0:
                 raise _Short
             got += n
+    except TimeoutError:  # a TLS socket's timeout
+        raise _Short(silent=True) from None
     except OSError as exc:  # a timeout (EAGAIN) or a reset: the bytes did not come
         raise _Short(silent=exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)) from None
 
@@ -150,9 +165,15 @@ class _Ticket:
     brings its bytes and the FinishUpload call that brings its trailer."""
 
     def __init__(
-        self, header: checkpoint_pb2.FileHeader, size: int, ttl_s: float, owner: Owner
+        self,
+        header: checkpoint_pb2.FileHeader,
+        size: int,
+        ttl_s: float,
+        owner: Owner,
+        identity: Identity | None,
     ) -> None:
         self.header, self.size, self.owner = header, size, owner
+        self.identity = identity  # the certificate of the gRPC call that got it (mutual TLS)
         self.holds_slot = True  # counted in the upload shares until it ends or fails
         self.issued = time.monotonic()
         self.deadline = self.issued + ttl_s
@@ -178,10 +199,23 @@ def _expired(found: _Ticket, now: float) -> bool:
 class _Waiting:
     """A data connection that has not brought its whole ticket yet (the accept loop's)."""
 
-    def __init__(self, conn: socket.socket, peer: tuple) -> None:
+    def __init__(self, conn: socket.socket, peer: tuple, handshaking: bool) -> None:
         self.conn, self.peer, self.host = conn, peer, str(peer[0])
         self.since = time.monotonic()
         self.ticket = bytearray()
+        self.handshaking = handshaking  # its TLS handshake comes first
+        self.events = selectors.EVENT_READ  # what the accept loop waits for from it
+
+
+def _decrypted(conn: socket.socket) -> int:
+    """Bytes a TLS socket has decrypted and not handed over: the selector does not see them."""
+    return conn.pending() if isinstance(conn, ssl.SSLSocket) else 0
+
+
+def _tls_error(exc: OSError) -> str:
+    """A failed handshake in a few words ("certificate verify failed", "wrong version number")."""
+    reason = getattr(exc, "verify_message", None) or getattr(exc, "reason", None)
+    return str(reason or exc.strerror or exc)
 
 
 class DataPlane:
@@ -194,8 +228,10 @@ class DataPlane:
         ttl_s: float = 30.0,
         limits: DataLimits | None = None,
         idle_s: float = 120.0,
+        security: ServerSecurity | None = None,
     ) -> None:
-        """`idle_s`: how long a read's client may leave its frames unreceived."""
+        """`idle_s`: how long a read's client may leave its frames unreceived; `security`: TLS
+        (and client certificates) as gRPC has them (None or no `tls`: plaintext)."""
         self._store = store
         self.ttl_s = ttl_s
         self._idle_s = idle_s
@@ -211,6 +247,9 @@ class DataPlane:
         )  # fmt: skip
         self._refused = store.metrics.refused_connections
         self._warnings = Throttled(log, limits.log_every_s)
+        tls = security.tls if security is not None else None
+        self._client_auth = tls is not None and security is not None and security.client_auth
+        self._tls = reloading_server_context(tls, self._client_auth) if tls else None
         try:
             bare = host.strip("[]")
             family = socket.AF_INET6 if ":" in bare else socket.AF_INET
@@ -239,9 +278,16 @@ class DataPlane:
 
     # -- the gRPC side ---------------------------------------------------------------------------
 
-    def issue(self, header: checkpoint_pb2.FileHeader, size: int, caller: Caller) -> bytes:
+    def issue(
+        self,
+        header: checkpoint_pb2.FileHeader,
+        size: int,
+        caller: Caller,
+        identity: Identity | None = None,
+    ) -> bytes:
         """A ticket for `size` bytes of the file `header` names, once the header passes and the
-        caller, the save's run and the node have room for one more upload."""
+        caller, the save's run and the node have room for one more upload. `identity`: the
+        caller's client certificate, which the connection must show too (mutual TLS)."""
         if size < UNKNOWN_SIZE:
             raise InvalidArgument(
                 f"{header.path}: size must be >= 0, or {UNKNOWN_SIZE} when not known, got {size}"
@@ -257,7 +303,7 @@ class DataPlane:
                 self._store.metrics.refused_uploads.labels(exc.scope).inc()
                 raise OverShare(exc.scope, f"{header.path}: {exc}") from None
             ticket = secrets.token_bytes(TICKET_BYTES)
-            self._tickets[ticket] = _Ticket(header, size, self.ttl_s, owner)
+            self._tickets[ticket] = _Ticket(header, size, self.ttl_s, owner, identity)
         return ticket
 
     def held(self, owner: Owner) -> dict[str, int]:
@@ -269,11 +315,14 @@ class DataPlane:
         return self._reads.held(owner)
 
     def open_read(
-        self, request: checkpoint_pb2.OpenReadRequest, caller: Caller
+        self,
+        request: checkpoint_pb2.OpenReadRequest,
+        caller: Caller,
+        identity: Identity | None = None,
     ) -> tuple[bytes, int, int]:
         """A ticket for a range of a committed file once the request passes ReadFile's checks
         (they raise here, in one line) and the caller, the run and the node have room for one
-        more open read, and the range's offset and length."""
+        more open read, and the range's offset and length. `identity` as for `issue`."""
 
         def read(offset: int, length: int) -> Pieces:
             return self._store.iter_range(
@@ -293,7 +342,7 @@ class DataPlane:
         offset, length = request.offset, request.length or record.size - request.offset
         owner = Owner(caller.key, caller.label, request.ref.run)
         try:
-            ticket = self._reads.issue(read, offset, length, request.path, owner)
+            ticket = self._reads.issue(read, offset, length, request.path, owner, identity)
         except OverShare as exc:
             self._store.metrics.refused_reads.labels(exc.scope).inc()
             raise
@@ -371,8 +420,8 @@ class DataPlane:
     def _accept_loop(self) -> None:
         """Accept connections and read their tickets, all in this one thread: a connection costs
         a thread of its own only once its ticket is good, so idle connections and connections of
-        garbage cost ckptd almost nothing. Once a second, expired tickets are dropped and the
-        warnings' counts written."""
+        garbage cost ckptd almost nothing. Once a second, expired tickets are dropped, the
+        warnings' counts written and the TLS files checked for a renewed certificate."""
         selector = selectors.DefaultSelector()
         selector.register(self._listener, selectors.EVENT_READ)
         tidied = time.monotonic()
@@ -382,7 +431,7 @@ class DataPlane:
                     if key.fileobj is self._listener:
                         self._accept(selector)
                     else:
-                        self._read_ticket(selector, key.data)
+                        self._advance(selector, key.data)
                 now = time.monotonic()
                 self._close_idle(selector, now)
                 if now - tidied >= 1.0:
@@ -391,6 +440,8 @@ class DataPlane:
                         self._drop_expired()
                     self._reads.drop_expired()
                     self._warnings.flush()
+                    if self._tls is not None:
+                        self._tls.refresh()
         finally:
             for waiting in list(self._waiting.values()):
                 self._forget(selector, waiting)
@@ -411,7 +462,16 @@ class DataPlane:
                     return
                 raise
             conn.setblocking(False)
-            waiting = _Waiting(conn, peer)
+            if self._tls is not None:  # the handshake happens in `_advance`, never blocking
+                try:
+                    conn = self._tls.value.wrap_socket(
+                        conn, server_side=True, do_handshake_on_connect=False
+                    )
+                except OSError as exc:  # gone already
+                    conn.close()
+                    self._refuse("tls", "refused a data connection from %s: %s", peer, exc)
+                    continue
+            waiting = _Waiting(conn, peer, handshaking=self._tls is not None)
             oldest = None
             if self._hosts[waiting.host] >= limits.waiting_connections_per_host:
                 oldest = next(w for w in self._waiting.values() if w.host == waiting.host)
@@ -426,7 +486,7 @@ class DataPlane:
             self._waiting[id(waiting)] = waiting
             self._hosts[waiting.host] += 1
             selector.register(conn, selectors.EVENT_READ, waiting)
-            self._read_ticket(selector, waiting)  # a client's ticket is usually there already
+            self._advance(selector, waiting)  # a client's first bytes are usually there already
 
     def _forget(
         self, selector: selectors.BaseSelector, waiting: _Waiting, close: bool = True
@@ -441,51 +501,115 @@ class DataPlane:
             waiting.conn.close()
 
     def _close_idle(self, selector: selectors.BaseSelector, now: float) -> None:
+        """Close connections that brought no ticket (with TLS: finished no handshake and sent no
+        ticket) within `ticket_wait_s`."""
         wait_s = self.limits.ticket_wait_s
         while self._waiting:
             oldest = next(iter(self._waiting.values()))
             if now - oldest.since < wait_s:
                 return
             self._forget(selector, oldest)
-            self._refuse("no_ticket", "closed a data connection from %s: it brought no ticket "
-                         "within %gs", oldest.peer, wait_s)  # fmt: skip
+            what = "finished no TLS handshake" if oldest.handshaking else "brought no ticket"
+            self._refuse("no_ticket", "closed a data connection from %s: it %s within %gs",
+                         oldest.peer, what, wait_s)  # fmt: skip
+
+    def _advance(self, selector: selectors.BaseSelector, waiting: _Waiting) -> None:
+        """Take a waiting connection as far as its bytes go: its TLS handshake, then its ticket."""
+        if waiting.handshaking and not self._handshake(selector, waiting):
+            return
+        self._read_ticket(selector, waiting)
+
+    def _watch(self, selector: selectors.BaseSelector, waiting: _Waiting, events: int) -> None:
+        if events != waiting.events:
+            selector.modify(waiting.conn, events, waiting)
+            waiting.events = events
+
+    def _handshake(self, selector: selectors.BaseSelector, waiting: _Waiting) -> bool:
+        """Go on with a connection's TLS handshake as far as it can without blocking; True once
+        it is done. A failed one closes the connection (counted as `tls`)."""
+        conn = waiting.conn
+        assert isinstance(conn, ssl.SSLSocket)
+        try:
+            conn.do_handshake()
+        except ssl.SSLWantReadError:
+            self._watch(selector, waiting, selectors.EVENT_READ)
+            return False
+        except ssl.SSLWantWriteError:
+            self._watch(selector, waiting, selectors.EVENT_WRITE)
+            return False
+        except OSError as exc:  # ssl.SSLError included: a bad certificate, not TLS at all
+            self._forget(selector, waiting)
+            self._refuse("tls", "refused a data connection from %s: its TLS handshake failed "
+                         "(%s)", waiting.peer, _tls_error(exc))  # fmt: skip
+            return False
+        waiting.handshaking = False
+        self._watch(selector, waiting, selectors.EVENT_READ)
+        return True
 
     def _read_ticket(self, selector: selectors.BaseSelector, waiting: _Waiting) -> None:
         """Read what a waiting connection has of its ticket; with all of it, hand the connection
         to a thread of its own (a read's or an upload's), or close it for a bad ticket."""
-        try:
-            got = waiting.conn.recv(TICKET_BYTES - len(waiting.ticket))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            got = b""
-        if not got:
-            self._forget(selector, waiting)
-            self._refuse("no_ticket", "closed a data connection from %s: it hung up before its "
-                         "ticket", waiting.peer)  # fmt: skip
-            return
-        waiting.ticket += got
-        if len(waiting.ticket) < TICKET_BYTES:
-            return
+        conn = waiting.conn
+        while len(waiting.ticket) < TICKET_BYTES:
+            if waiting.ticket and not _decrypted(conn):
+                return  # the selector says when more comes
+            try:
+                got = conn.recv(TICKET_BYTES - len(waiting.ticket))
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                return
+            except ssl.SSLWantWriteError:  # TLS has something to say first
+                self._watch(selector, waiting, selectors.EVENT_WRITE)
+                return
+            except OSError:
+                got = b""
+            if not got:
+                self._forget(selector, waiting)
+                self._refuse("no_ticket", "closed a data connection from %s: it hung up before "
+                             "its ticket", waiting.peer)  # fmt: skip
+                return
+            waiting.ticket += got
         ticket = bytes(waiting.ticket)
         read = self._reads.claim(ticket)
         found = self._claim(ticket) if read is None else None
         if read is None and found is None:
             self._forget(selector, waiting)
-            self._refuse("bad_ticket", "refused a data connection from %s: unknown, used or "
-                         "expired ticket", waiting.peer)  # fmt: skip
+            if self._tls is None and ticket.startswith(b"\x16\x03"):  # a TLS ClientHello
+                self._refuse("tls", "refused a data connection from %s: it speaks TLS, the data "
+                             "socket plaintext (is TLS on for ckptd?)", waiting.peer)  # fmt: skip
+            else:
+                self._refuse("bad_ticket", "refused a data connection from %s: unknown, used "
+                             "or expired ticket", waiting.peer)  # fmt: skip
             return
         self._forget(selector, waiting, close=False)
-        waiting.conn.setblocking(True)  # for MSG_WAITALL; kernel timeouts bound each wait
+        conn.setblocking(True)  # for MSG_WAITALL; timeouts bound each wait
         serve = self._send_read if read is not None else self._serve_upload
         threading.Thread(
-            target=serve, args=(waiting.conn, waiting.peer, read or (ticket, found)),
+            target=serve, args=(conn, waiting.peer, read or (ticket, found)),
             name="ckptd-data-conn", daemon=True,
         ).start()  # fmt: skip
 
+    def _stranger(self, conn: socket.socket, issued_to: Identity | None) -> str | None:
+        """Why a connection may not spend a ticket with mutual TLS: its certificate names
+        another client than the gRPC call the ticket was issued to; None when it may."""
+        if not self._client_auth:
+            return None
+        assert isinstance(conn, ssl.SSLSocket)
+        shown = socket_identity(conn)
+        if shown == issued_to:
+            return None
+        return (
+            f"the data connection's client certificate names {shown}, the ticket was issued "
+            f"to {issued_to}"
+        )
+
     def _send_read(self, conn: socket.socket, peer: object, read: _ReadTicket) -> None:
         with conn:
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self._idle_s))
+            set_timeout(conn, self._idle_s, socket.SO_SNDTIMEO)
+            stranger = self._stranger(conn, read.identity)
+            if stranger is not None:
+                self._refuse("identity", "refused a read to %s: %s", peer, stranger)
+                self._reads.refuse(conn, read, PermissionDenied(stranger))
+                return
             self._reads.send(conn, read, peer)
 
     def _refuse(self, reason: str, message: str, *args: object) -> None:
@@ -507,6 +631,10 @@ class DataPlane:
         ticket, found = claimed
         with conn:
             try:
+                stranger = self._stranger(conn, found.identity)
+                if stranger is not None:
+                    error = PermissionDenied(f"{found.header.path}: {stranger}")
+                    raise self._dropped("identity", found, peer, error)
                 found.record = self._receive(conn, found, peer)
             except ScaletrainError as exc:
                 self._failed_upload(ticket, found, exc)

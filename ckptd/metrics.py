@@ -74,7 +74,9 @@ class Metrics:
             "Data socket connections dropped, by reason: bad_ticket (unknown, used or expired), "
             "no_ticket (none within --ticket-wait-s, or closed first), evicted (the oldest "
             "waiting for a ticket, past the waiting limit), bad_frame, cut (closed or silent "
-            "mid-upload), over_limit (bytes in flight past a share for too long)",
+            "mid-upload), over_limit (bytes in flight past a share for too long), tls (a "
+            "failed TLS handshake, or TLS to a plaintext socket), identity (mutual TLS: the "
+            "certificate of another client than the ticket's)",
             ["reason"], registry=self.registry,
         )  # fmt: skip
         self.refused_uploads = Counter(

@@ -1,4 +1,4 @@
-"""The read side of ckptd's data socket: byte ranges of committed files over plain TCP (OpenRead).
+"""The read side of ckptd's data socket: byte ranges of committed files over TCP (OpenRead).
 
 Why it exists: a restore is almost all bytes, and grpcio's Python transport carries ReadFile's
 chunks at a fraction of what a loopback socket does (bench/ckptd_restore.py). So the control stays
@@ -16,6 +16,10 @@ socket (`ckptd.datapath.DataPlane` hands it the connections that bring a read's 
 `open_range` and `RangeConnection` for its clients (a trainer's `CkptdClient`, and a ckptd reading
 a peer's part, `ckptd.cluster.read_from_peer`). Nothing here imports the store: the cluster
 module, which the store imports, reads through it too.
+
+A connection is plain TCP, or TLS when the process has TLS on (`scaletrain.tls`). An SSL socket
+takes no MSG_WAITALL and no sendmsg, so both ends move its bytes a record at a time (`receive`,
+`_send`) with Python's timeouts (`set_timeout`); a plain one keeps the kernel's.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import queue
 import secrets
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -40,6 +45,7 @@ from ckptd.tiers import BLOCK_BYTES
 from ckptd.wire import crc32c
 from scaletrain.errors import DataLoss, ScaletrainError, Unavailable
 from scaletrain.names import TIER_LABELS
+from scaletrain.tls import Identity
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -99,16 +105,45 @@ def timeval(seconds: float) -> bytes:
     return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
 
 
-def data_connection(host: str, port: int, timeout_s: float) -> socket.socket:
-    """A connection to a data socket, set up for big frames; raises OSError if none.
+def set_timeout(conn: socket.socket, seconds: float, option: int) -> None:
+    """Bound each wait of `conn` to `seconds`: the kernel's `option` (SO_RCVTIMEO, SO_SNDTIMEO)
+    on a plain socket, whose waits stay in the kernel (MSG_WAITALL); Python's timeout, for sends
+    and receives alike, on a TLS socket, whose waits OpenSSL's records break up anyway."""
+    if isinstance(conn, ssl.SSLSocket):
+        conn.settimeout(seconds)
+    else:
+        conn.setsockopt(socket.SOL_SOCKET, option, timeval(seconds))
+
+
+def receive(conn: socket.socket, view: memoryview) -> int:
+    """Receive into `view`; 0 at the end of the stream. A plain socket waits in the kernel until
+    all of `view` is there (MSG_WAITALL); a TLS socket hands over one record at most."""
+    if isinstance(conn, ssl.SSLSocket):
+        return conn.recv_into(view)
+    return conn.recv_into(view, 0, socket.MSG_WAITALL)
+
+
+def data_connection(
+    host: str, port: int, timeout_s: float, tls: ssl.SSLContext | None = None
+) -> socket.socket:
+    """A connection to a data socket, set up for big frames; raises OSError if none (an
+    ssl.SSLError for a failed handshake).
 
     A frame's head is a small write after a big one: without NODELAY, Nagle holds it until the
-    other end's delayed ACK, 40 ms a frame. The socket is blocking with kernel timeouts
+    other end's delayed ACK, 40 ms a frame. A plain socket is blocking with kernel timeouts
     (SO_SNDTIMEO, SO_RCVTIMEO) so that a whole frame moves in one call (MSG_WAITALL), without
-    taking the GIL back in between.
+    taking the GIL back in between. With `tls` (`scaletrain.tls.client_context`) it is a TLS
+    socket that checked ckptd's certificate against `host`, as a gRPC channel does, with
+    Python's timeout of `timeout_s`.
     """
     conn = socket.create_connection((host, port), timeout=timeout_s)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls is not None:
+        try:
+            return tls.wrap_socket(conn, server_hostname=host)
+        except BaseException:
+            conn.close()
+            raise
     conn.settimeout(None)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(timeout_s))
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(timeout_s))
@@ -133,12 +168,19 @@ class Frame(NamedTuple):
 
 class _ReadTicket:
     def __init__(
-        self, read: ReadSpan, offset: int, length: int, ttl_s: float, owner: Owner
+        self,
+        read: ReadSpan,
+        offset: int,
+        length: int,
+        ttl_s: float,
+        owner: Owner,
+        identity: Identity | None,
     ) -> None:
         self.read, self.offset, self.length = read, offset, length
         self.deadline = time.monotonic() + ttl_s
         # Whose share of the open reads it holds until it is sent, or expires unused.
         self.owner = owner
+        self.identity = identity  # the certificate of the gRPC call that got it (mutual TLS)
 
 
 def spans_of(offset: int, length: int, piece_bytes: int) -> list[tuple[int, int]]:
@@ -178,7 +220,13 @@ def _error_frame(exc: Exception, peer: object) -> Frame:
 
 
 def _send(conn: socket.socket, frame: Frame) -> None:
-    """Send a frame in as few calls as the kernel takes it (no copy of its bytes)."""
+    """Send a frame in as few calls as the kernel takes it (no copy of its bytes). A TLS socket
+    has no sendmsg: its head and block CRCs (a few hundred bytes) go in one record, its data
+    after them, in place."""
+    if isinstance(conn, ssl.SSLSocket):
+        conn.sendall(frame.head + frame.crcs)
+        conn.sendall(memoryview(frame.data).cast("B"))
+        return
     views = [memoryview(b) for b in (frame.head, frame.crcs) if b]
     views.append(memoryview(frame.data).cast("B"))
     while views:
@@ -209,9 +257,18 @@ class ReadPlane:
             "reads open", limits.reads_per_caller, limits.reads_per_run, limits.reads
         )
 
-    def issue(self, read: ReadSpan, offset: int, length: int, what: str, owner: Owner) -> bytes:
+    def issue(
+        self,
+        read: ReadSpan,
+        offset: int,
+        length: int,
+        what: str,
+        owner: Owner,
+        identity: Identity | None = None,
+    ) -> bytes:
         """A ticket for the pieces of [offset, offset+length), as `read` serves them, once the
-        caller, its run and the node have room for one more open read (OverShare otherwise)."""
+        caller, its run and the node have room for one more open read (OverShare otherwise).
+        `identity`: the caller's client certificate (mutual TLS)."""
         with self._lock:
             self._drop_expired()
             try:
@@ -219,7 +276,7 @@ class ReadPlane:
             except OverShare as exc:
                 raise OverShare(exc.scope, f"{what}: {exc}") from None
             ticket = secrets.token_bytes(TICKET_BYTES)
-            self._tickets[ticket] = _ReadTicket(read, offset, length, self.ttl_s, owner)
+            self._tickets[ticket] = _ReadTicket(read, offset, length, self.ttl_s, owner, identity)
         return ticket
 
     def held(self, owner: Owner) -> dict[str, int]:
@@ -245,6 +302,15 @@ class ReadPlane:
         now = time.monotonic()
         for ticket in [t for t, found in self._tickets.items() if now > found.deadline]:
             self._open.give(self._tickets.pop(ticket).owner)
+
+    def refuse(self, conn: socket.socket, found: _ReadTicket, error: ScaletrainError) -> None:
+        """End a claimed read with `error` as its only frame, and give its share back."""
+        try:
+            _send(conn, _error_frame(error, None))
+        except OSError:
+            pass  # the client hung up: it learns nothing, and needs to
+        finally:
+            self._open.give(found.owner)
 
     def send(self, conn: socket.socket, found: _ReadTicket, peer: object) -> None:
         """Send the range's frames in order; a piece that fails ends the range with an error
@@ -317,6 +383,7 @@ class RangeConnection:
         self, conn: socket.socket, opened: checkpoint_pb2.OpenReadResponse, what: str
     ) -> None:
         self._conn, self._what = conn, what
+        self._tls = isinstance(conn, ssl.SSLSocket)
         self.offset, self.length = opened.offset, opened.length
         self._pos = opened.offset
         self.tier = 0  # the tier of the last frame received
@@ -347,7 +414,7 @@ class RangeConnection:
         got = 0
         try:
             while got < len(view):
-                n = self._conn.recv_into(view[got:], 0, socket.MSG_WAITALL)
+                n = receive(self._conn, view[got:])
                 if n == 0:
                     break
                 got += n
@@ -414,11 +481,15 @@ class RangeConnection:
         """Yield the range frame by frame, each piece verified, in a buffer of its own."""
         while self._pos < self.offset + self.length:
             length = self._head()
-            data = self._conn.recv(length, socket.MSG_WAITALL)  # filled in place, not copied
-            if len(data) < length:
-                rest = bytearray(length - len(data))
-                self._fill(memoryview(rest))
-                data += rest
+            if self._tls:  # an SSL socket takes no flags
+                data: bytes | bytearray = bytearray(length)
+                self._fill(memoryview(data))
+            else:
+                data = self._conn.recv(length, socket.MSG_WAITALL)  # filled in place, not copied
+                if len(data) < length:
+                    rest = bytearray(length - len(data))
+                    self._fill(memoryview(rest))
+                    data += rest
             self._check(data)
             yield data
 
@@ -452,18 +523,24 @@ def open_range(
     default_host: str,
     timeout_s: float,
     what: str,
+    tls: ssl.SSLContext | None = None,
 ) -> RangeConnection | None:
-    """OpenRead, connect and present the ticket: the range on its way; None when ckptd does not
-    offer its data socket to this caller (UNIMPLEMENTED) or it cannot be reached, and ReadFile
-    must serve it. Other refusals raise grpc.RpcError."""
+    """OpenRead, connect (over TLS with `tls`) and present the ticket: the range on its way;
+    None when ckptd does not offer its data socket to this caller (UNIMPLEMENTED) or it cannot
+    be reached, and ReadFile must serve it. Other refusals raise grpc.RpcError."""
     try:
         opened = stub.OpenRead(request, timeout=timeout_s)
     except grpc.RpcError as exc:
         if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
             raise
         return None
+    host = opened.data_host or default_host
     try:
-        conn = data_connection(opened.data_host or default_host, opened.data_port, timeout_s)
+        conn = data_connection(host, opened.data_port, timeout_s, tls)
+    except ssl.SSLError as exc:  # gRPC took the same files: a data socket of another config
+        log.warning("%s: no TLS with the data socket at %s (%s); through ReadFile", what, host,
+                    exc)  # fmt: skip
+        return None
     except OSError:
         return None  # the ticket, never presented, expires on its own
     try:

@@ -25,10 +25,11 @@ from ckptd.retention import RetentionPolicy
 from ckptd.store import CheckpointStore, TierCommit
 from ckptd.wire import decode_write_request
 from scaletrain.errors import InvalidArgument, maps_errors
-from scaletrain.guard import Limits, Rule, caller_of, peer_is_loopback
+from scaletrain.guard import Limits, Rule, caller_of
 from scaletrain.names import TIER_LABELS
 from scaletrain.security import ALL_RUNS, Role, ServerSecurity, TokenTable
 from scaletrain.serving import HttpEndpoint, serve_until_signalled
+from scaletrain.tls import call_identity
 from scaletrain.transport import CHUNK_BYTES, add_health, bind, make_server
 from scaletrain.v1 import checkpoint_pb2, checkpoint_pb2_grpc, telemetry_pb2
 from telemetry.client import TelemetryClient, event
@@ -55,15 +56,13 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
         self,
         store: CheckpointStore,
         data: DataPlane | None = None,
-        loopback_only: bool = False,
         tokens: TokenTable | None = None,
     ) -> None:
-        """`data`: the data socket of the fast path (None: off); `loopback_only`: issue tickets
-        only to callers on this host (TLS is on, and the data socket is plaintext); `tokens`:
-        the server's tokens, whose holders are the callers uploads count against (None: hosts)."""
+        """`data`: the data socket of the fast path (None: off), which speaks TLS when gRPC does
+        and so serves every caller gRPC serves; `tokens`: the server's tokens, whose holders are
+        the callers uploads count against (None: hosts)."""
         self._store = store
         self._data = data
-        self._loopback_only = loopback_only
         self._tokens = tokens
 
     @maps_errors
@@ -127,10 +126,10 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     def OpenUpload(
         self, request: checkpoint_pb2.OpenUploadRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.OpenUploadResponse:
-        data = self._data_plane_for_caller(context)
+        data = self._data_plane(context)
+        caller, identity = caller_of(context, self._tokens), call_identity(context)
         return checkpoint_pb2.OpenUploadResponse(
-            ticket=data.issue(request.header, request.size, caller_of(context, self._tokens)),
-            data_host="127.0.0.1" if self._loopback_only else "",
+            ticket=data.issue(request.header, request.size, caller, identity),
             data_port=data.port,
             ticket_ttl_s=data.ttl_s,
         )
@@ -145,15 +144,15 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     def OpenRead(
         self, request: checkpoint_pb2.OpenReadRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.OpenReadResponse:
-        data = self._data_plane_for_caller(context)
+        data = self._data_plane(context)
         if request.direct:
             elsewhere = self._store.open_elsewhere(request)
             if elsewhere is not None:
                 return elsewhere
-        ticket, offset, length = data.open_read(request, caller_of(context, self._tokens))
+        caller, identity = caller_of(context, self._tokens), call_identity(context)
+        ticket, offset, length = data.open_read(request, caller, identity)
         return checkpoint_pb2.OpenReadResponse(
             ticket=ticket,
-            data_host="127.0.0.1" if self._loopback_only else "",
             data_port=data.port,
             ticket_ttl_s=data.ttl_s,
             offset=offset,
@@ -166,17 +165,6 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "ckptd runs without a data socket")
         assert self._data is not None  # abort raised
         return self._data
-
-    def _data_plane_for_caller(self, context: grpc.ServicerContext) -> DataPlane:
-        """The data socket if it serves this caller (with TLS, only one on ckptd's host), or
-        UNIMPLEMENTED (the client then uses WriteFile or ReadFile)."""
-        data = self._data_plane(context)
-        if self._loopback_only and not peer_is_loopback(context.peer()):
-            context.abort(
-                grpc.StatusCode.UNIMPLEMENTED,
-                "with TLS on, the data socket serves only clients on ckptd's host",
-            )
-        return data
 
     @maps_errors
     def CommitSave(
@@ -458,19 +446,19 @@ def start(config: CkptdConfig) -> RunningCkptd:
         raise
     security = config.security if config.security is not None else ServerSecurity.from_env()
     host = config.listen.rsplit(":", 1)[0]
-    # With TLS the data socket (plaintext) stays on loopback, for clients on this host only.
-    loopback_only = security.tls is not None
     data: DataPlane | None = None
     metrics: HttpEndpoint | None = None
     try:
         if config.data_socket:
-            data = DataPlane(store, "127.0.0.1" if loopback_only else host,
-                             ttl_s=config.upload_ticket_ttl_s, limits=config.limits)  # fmt: skip
+            # Beside gRPC, on its host and with its TLS: a plaintext one is on loopback unless
+            # plaintext is allowed, as `bind` refuses gRPC in plaintext anywhere else.
+            data = DataPlane(store, host, ttl_s=config.upload_ticket_ttl_s,
+                             limits=config.limits, security=security)  # fmt: skip
         limits = Limits(
             calls_per_client=config.limits.calls_per_client, log_every_s=config.limits.log_every_s
         )
         server = make_server(policy=access_rules(store, data), security=security, limits=limits)
-        servicer = CheckpointServicer(store, data, loopback_only, security.tokens)
+        servicer = CheckpointServicer(store, data, security.tokens)
         checkpoint_pb2_grpc.add_CheckpointServiceServicer_to_server(servicer, server)
         # WriteFile again, with a deserializer that hands chunk bytes over as views (ckptd.wire).
         server.add_registered_method_handlers(

@@ -10,8 +10,8 @@
 - it answers a request message that does not parse with INVALID_ARGUMENT (`Malformed`) instead of
   gRPC's INTERNAL.
 
-The health service needs no token, so that probes work. `caller_of` and `peer_is_loopback` tell a
-servicer who called, as the guard counted them.
+The health service needs no token, so that probes work. `caller_of` tells a servicer who called,
+as the guard counted them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from scaletrain.security import (
     Role,
     ServerSecurity,
     TokenTable,
-    is_loopback,
     token_hash,
 )
 from scaletrain.throttle import Throttled
@@ -269,11 +268,6 @@ def caller_of(context: grpc.ServicerContext, tokens: TokenTable | None) -> Calle
         return Caller(f"token:{token_hash(token)[:16]}", name)
     host = _host(context.peer()).partition(":")[2]  # "ipv4:127.0.0.1" -> "127.0.0.1"
     return Caller(f"host:{host}", f"host {host}")
-
-
-def peer_is_loopback(peer: str) -> bool:
-    """Whether a gRPC peer string names a loopback address (the caller is on this host)."""
-    return is_loopback(_host(peer).partition(":")[2])
 
 
 _HANDLER_KINDS = {

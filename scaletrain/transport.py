@@ -5,15 +5,21 @@ client of scaletrain behaves the same on the wire:
 
 - TLS (mutual TLS as an option) from `ServerSecurity` / `ClientSecurity` (`scaletrain.security`,
   read from the environment by default); plaintext only on loopback unless explicitly allowed.
+  A server re-reads its certificate files when they change (a renewed certificate in a
+  Kubernetes Secret volume): new connections get the new certificate, open ones keep theirs, and
+  nothing restarts. A channel reads the files when it is made.
 - Every server has the guard (`scaletrain.guard`) in front of its services: authentication,
   authorization and per-client limits.
 - Clients send their token as `authorization: Bearer ...` metadata, never on a command line.
+- `python -m scaletrain.transport HOST:PORT` checks a service's gRPC health through the same
+  channel and credentials: the Helm chart's probes under TLS.
 
 A status code and the domain error it stands for map both ways in `scaletrain.errors`.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Mapping
 from concurrent import futures
@@ -23,8 +29,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from scaletrain.errors import UserError
+from scaletrain.filewatch import Reloaded
 from scaletrain.guard import Guard, Limits, Rule
-from scaletrain.security import ClientSecurity, ServerSecurity, is_loopback
+from scaletrain.security import ClientSecurity, ServerSecurity, TlsFiles, is_loopback
 
 MiB = 1 << 20
 # Payload of one streamed chunk. The message limit leaves room for framing around a chunk.
@@ -34,6 +41,8 @@ MAX_MESSAGE_BYTES = 16 * MiB
 MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - MiB
 # Default deadline of a unary call; streams set their own from the bytes they carry.
 DEFAULT_TIMEOUT_S = 30.0
+# How long `probe` waits: under the probes' timeoutSeconds (5) in the Helm chart.
+PROBE_TIMEOUT_S = 3.0
 
 _COMMON_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -94,12 +103,7 @@ def bind(server: grpc.Server, address: str) -> int:
     security = _SECURITY.get(server) or ServerSecurity()
     try:
         if security.tls is not None:
-            tls = security.tls
-            credentials = grpc.ssl_server_credentials(
-                [(tls.read(tls.server_key), tls.read(tls.server_cert))],
-                root_certificates=tls.read(tls.ca) if security.client_auth else None,
-                require_client_auth=security.client_auth,
-            )
+            credentials = _server_credentials(security.tls, security.client_auth)
             port = server.add_secure_port(address, credentials)
         else:
             if not is_loopback(address.rpartition(":")[0]) and not security.allow_plaintext:
@@ -114,6 +118,52 @@ def bind(server: grpc.Server, address: str) -> int:
     if port == 0:
         raise UserError(f"cannot listen on {address}: the port is in use or the host is not local")
     return port
+
+
+def _certificate_configuration(
+    tls: TlsFiles, client_auth: bool
+) -> grpc.ServerCertificateConfiguration:
+    """The server's key and certificate (and, with `client_auth`, the CA its clients' certificates
+    must chain to). Raises UserError for a key that is not the certificate's: gRPC would only fail
+    each handshake, so a rotation caught between its key and its certificate is not taken."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import (
+        Encoding,
+        PublicFormat,
+        load_pem_private_key,
+    )
+
+    key, chain = tls.read(tls.server_key), tls.read(tls.server_cert)
+
+    def public(k: Any) -> bytes:
+        return k.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+
+    try:
+        matched = public(load_pem_private_key(key, None)) == public(
+            x509.load_pem_x509_certificate(chain)
+        )
+    except ValueError as exc:
+        raise UserError(f"TLS: cannot load {tls.server_key} or {tls.server_cert}: {exc}") from None
+    if not matched:
+        raise UserError(f"TLS: {tls.server_key} is not the key of {tls.server_cert}")
+    return grpc.ssl_server_certificate_configuration(
+        [(key, chain)], root_certificates=tls.read(tls.ca) if client_auth else None
+    )
+
+
+def _server_credentials(tls: TlsFiles, client_auth: bool) -> grpc.ServerCredentials:
+    """TLS credentials of a server whose certificate files are re-read when they change.
+
+    gRPC asks for the configuration before every new connection's handshake; it gets a new one
+    only when a file has changed and the new files load (key and certificate match), so renewing a
+    certificate in place (cert-manager, a Secret volume) needs no restart and open connections go
+    on.
+    """
+    paths = [tls.server_key, tls.server_cert, *([tls.ca] if client_auth else [])]
+    config = Reloaded(paths, lambda: _certificate_configuration(tls, client_auth))
+    return grpc.dynamic_ssl_server_credentials(
+        config.value, config.refresh, require_client_authentication=client_auth
+    )
 
 
 def add_health(server: grpc.Server, *service_names: str) -> health.HealthServicer:
@@ -215,3 +265,23 @@ def wait_until_healthy(
             raise UserError(f"service at {address} did not become healthy: {exc}") from None
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
         raise UserError(f"service at {address} is not serving (status {reply.status})")
+
+
+def probe(argv: list[str]) -> int:
+    """`python -m scaletrain.transport HOST:PORT`: exit 0 when the gRPC service there is SERVING,
+    1 with one line why otherwise. Kubernetes' native gRPC probes speak only plaintext: a pod whose
+    service has TLS runs this as an exec probe, with its own certificates from the environment
+    (SCALETRAIN_TLS_DIR: the CA, and the client certificate mutual TLS asks for)."""
+    if len(argv) != 1:
+        print("usage: python -m scaletrain.transport HOST:PORT", file=sys.stderr)
+        return 2
+    try:
+        wait_until_healthy(argv[0], timeout_s=PROBE_TIMEOUT_S)
+    except UserError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(probe(sys.argv[1:]))

@@ -10,6 +10,7 @@ rendered once per session (`rendered`).
 
 from __future__ import annotations
 
+import argparse
 import base64
 import copy
 import itertools
@@ -1348,22 +1349,27 @@ def test_bad_values_are_rejected_with_a_message_naming_them(
         render_raw(chart, copy.deepcopy(values))
 
 
+def ckptd_parsed(chart: helm.Chart, values: dict[str, Any]) -> argparse.Namespace:
+    """What `scaletrain ckptd` parses from the rendered pod's command line."""
+    from scaletrain.app.cli import build_parser
+
+    c = container(workload(parse(render_raw(chart, values)), "ckptd"))
+    pod = {"NODE_NAME": "node-1", "POD_IP": "10.0.0.1"}
+    argv = [
+        re.sub(r"\$\((\w+)\)", lambda m: pod[m.group(1)], a) for a in c["command"][1:] + c["args"]
+    ]
+    return build_parser().parse_args(argv)
+
+
 def test_every_fair_share_of_ckptd_is_a_named_value_with_ckptds_own_default(chart) -> None:
     """ckptd's limits reach it from `ckptd.fairShare` (one value each, checked by the schema),
     not through extraArgs, and the chart's defaults are ckptd's: what ckptd parses from the
     rendered pod is `DataLimits()`; a value set in the chart reaches it."""
     from ckptd.config import DataLimits
-    from scaletrain.app.cli import build_parser
     from scaletrain.app.commands.ckptd import _LIMIT_FLAGS, _limits
 
     def parsed(values: dict[str, Any]) -> DataLimits:
-        c = container(workload(parse(render_raw(chart, values)), "ckptd"))
-        pod = {"NODE_NAME": "node-1", "POD_IP": "10.0.0.1"}
-        argv = [
-            re.sub(r"\$\((\w+)\)", lambda m: pod[m.group(1)], a)
-            for a in c["command"][1:] + c["args"]
-        ]
-        return _limits(build_parser().parse_args(argv))
+        return _limits(ckptd_parsed(chart, values))
 
     defaults = yaml.safe_load((CHART_DIR / "values.yaml").read_text())["ckptd"]["fairShare"]
     assert len(defaults) == len(_LIMIT_FLAGS)
@@ -1371,3 +1377,28 @@ def test_every_fair_share_of_ckptd_is_a_named_value_with_ckptds_own_default(char
     assert parsed({"ckptd": {"fairShare": {"uploadsPerRun": 64}}}).uploads_per_run == 64
     with pytest.raises(Exception, match="uploadsPerRunn"):
         render_raw(chart, {"ckptd": {"fairShare": {"uploadsPerRunn": 64}}})
+
+
+def test_ckptds_memory_budget_and_replication_default_to_ckptds_own(chart) -> None:
+    """The chart's other ckptd values that ckptd's configuration also defaults (memoryBudgetMb,
+    cluster.replicas, cluster.replicaMbS) hold the same defaults, and a value set reaches ckptd."""
+    from ckptd.config import CkptdConfig, ClusterConfig
+
+    args = ckptd_parsed(chart, {})
+    assert args.memory_budget_mb << 20 == CkptdConfig(data_dir=Path(".")).memory_budget_bytes
+    assert args.replicas == ClusterConfig().replicas
+    assert args.replica_mb_s * (1 << 20) == ClusterConfig().replica_bytes_s
+    changed = {"memoryBudgetMb": 2048, "cluster": {"replicas": 3, "replicaMbS": 64.5}}
+    args = ckptd_parsed(chart, {"ckptd": changed})
+    assert (args.memory_budget_mb, args.replicas, args.replica_mb_s) == (2048, 3, 64.5)
+
+
+def test_the_charts_schema_of_the_fair_shares_is_ckptds_flags() -> None:
+    """Generated from ckptd's flags, as the trainer's options are: a limit added to ckptd is one
+    the chart names, types and describes alike."""
+    from scaletrain.app.commands import ckptd
+
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    assert schema["properties"]["ckptd"]["properties"]["fairShare"] == ckptd.helm_schema(), (
+        "run `python -m scaletrain.app.commands.ckptd` to update the chart's schema"
+    )

@@ -260,26 +260,88 @@ The metrics container port and Service port of ckptd or telemetry: include ... .
 {{- end }}
 
 {{/*
-Native gRPC probes of a gRPC service: startup (covers migrations and loading the catalog), then
-liveness and readiness. include "scaletrain.grpcProbes" port
+Probes of a gRPC service: startup (covers migrations and loading the catalog), then liveness and
+readiness, each asking the standard grpc.health.v1 service. Kubernetes' native gRPC probes speak
+only plaintext; with tls.enabled each probe runs `python -m scaletrain.transport` in the pod, which
+asks the same service over TLS with the pod's certificates (its client certificate for mutual TLS).
+include "scaletrain.grpcProbes" (list . port)
 */}}
 {{- define "scaletrain.grpcProbes" -}}
+{{- $root := index . 0 }}
+{{- $port := index . 1 }}
+{{- $check := dict "grpc" (dict "port" $port) }}
+{{- if $root.Values.tls.enabled }}
+{{- $check = dict "exec" (dict "command" (list "python" "-m" "scaletrain.transport" (printf "localhost:%v" $port))) }}
+{{- end -}}
 startupProbe:
-  grpc:
-    port: {{ . }}
+  {{- toYaml $check | nindent 2 }}
   periodSeconds: 5
+  timeoutSeconds: 5
   failureThreshold: 60
 livenessProbe:
-  grpc:
-    port: {{ . }}
+  {{- toYaml $check | nindent 2 }}
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6
 readinessProbe:
-  grpc:
-    port: {{ . }}
+  {{- toYaml $check | nindent 2 }}
   periodSeconds: 5
   timeoutSeconds: 5
+{{- end }}
+
+{{/*
+TLS (values tls) of a gRPC component: the Secret of its certificate, and its pod's volume, mount
+and environment. The volume maps the Secret's keys to the names scaletrain.security.TlsFiles reads,
+the certificate doubling as the client certificate. The whole directory is mounted (no subPath)
+and no checksum of the Secret is put on the pod: the kubelet updates the files in place and the
+servers take a renewed certificate without a restart.
+include "scaletrain.tlsSecretName" (list . "ckptd")
+*/}}
+{{- define "scaletrain.tlsSecretName" -}}
+{{- $root := index . 0 }}
+{{- $component := index . 1 }}
+{{- index $root.Values.tls.secretNames $component | default (include "scaletrain.componentName" (list $root (printf "%s-tls" $component))) }}
+{{- end }}
+
+{{- define "scaletrain.tlsEnv" -}}
+{{- if .Values.tls.enabled -}}
+- name: SCALETRAIN_TLS_DIR
+  value: {{ .Values.tls.mountPath | quote }}
+{{- if .Values.tls.clientAuth }}
+- name: SCALETRAIN_TLS_CLIENT_AUTH
+  value: "1"
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "scaletrain.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled -}}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath | quote }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "scaletrain.tlsVolume" -}}
+{{- $root := index . 0 }}
+{{- if $root.Values.tls.enabled -}}
+- name: tls
+  secret:
+    secretName: {{ include "scaletrain.tlsSecretName" . }}
+    # Readable by the pod's fsGroup only.
+    defaultMode: 0440
+    items:
+      - key: ca.crt
+        path: ca.pem
+      - key: tls.crt
+        path: server.pem
+      - key: tls.key
+        path: server.key
+      - key: tls.crt
+        path: client.pem
+      - key: tls.key
+        path: client.key
+{{- end }}
 {{- end }}
 
 {{/*
@@ -345,6 +407,16 @@ Checks of values that the schema cannot express; templates/validate.yaml runs th
 {{- end }}
 {{- if and (not .Values.postgresql.enabled) (not $external) }}
 {{- fail "postgresql.enabled is false: set telemetry.database.url or telemetry.database.existingSecret to an external database" }}
+{{- end }}
+{{- end }}
+{{- if .Values.tls.enabled }}
+{{- range $component := list "ckptd" "telemetry" "trainer" }}
+{{- if and (index $.Values $component).enabled (not (index $.Values.tls.secretNames $component)) (not $.Values.tls.certManager.issuerRef.name) }}
+{{- fail (printf "tls.enabled: %s has no certificate; set tls.secretNames.%s or tls.certManager.issuerRef" $component $component) }}
+{{- end }}
+{{- end }}
+{{- if and (include "scaletrain.ckptdCluster" .) (not .Values.ckptd.cluster.peers) }}
+{{- fail "tls.enabled with ckptd.cluster: the peers found through the headless Service are dialed by pod IP, which no certificate names; list them by name in ckptd.cluster.peers, or set ckptd.cluster.enabled=false" }}
 {{- end }}
 {{- end }}
 {{- end }}

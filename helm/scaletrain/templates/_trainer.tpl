@@ -188,6 +188,7 @@ spec:
         # it is, and an agent that joins later (a spare taking over, a replaced pod) waits forever.
         - name: TORCH_DISABLE_SHARE_RDZV_TCP_STORE
           value: "1"
+        {{- with include "scaletrain.tlsEnv" $root }}{{ . | nindent 8 }}{{ end }}
         {{- with $t.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -197,10 +198,12 @@ spec:
         {{- toYaml $resources | nindent 8 }}
       volumeMounts:
         {{- include "scaletrain.tmpVolumeMount" $root | nindent 8 }}
+        {{- with include "scaletrain.tlsVolumeMount" $root }}{{ . | nindent 8 }}{{ end }}
         - name: dshm
           mountPath: /dev/shm
   volumes:
     {{- include "scaletrain.tmpVolume" $root | nindent 4 }}
+    {{- with include "scaletrain.tlsVolume" (list $root "trainer") }}{{ . | nindent 4 }}{{ end }}
     - name: dshm
       emptyDir:
         medium: Memory

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,12 +18,20 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ckptd.config import CkptdConfig, ClusterConfig
+
+    # The defaults are the dataclasses' own (the chart's values are held equal to them by tests).
+    config = {f.name: f.default for f in dataclasses.fields(CkptdConfig)}
+    cluster = ClusterConfig()
     ckptd = sub.add_parser("ckptd", help="serve the checkpoint daemon")
     ckptd.set_defaults(handler=_ckptd)
     ckptd.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT")
     ckptd.add_argument("--data-dir", type=Path, required=True, help="SSD tier and catalog")
     ckptd.add_argument(
-        "--memory-budget-mb", type=int, default=1024, help="memory tier plus data in flight"
+        "--memory-budget-mb",
+        type=int,
+        default=config["memory_budget_bytes"] >> 20,
+        help="memory tier plus data in flight",
     )
     ckptd.add_argument("--s3-endpoint", help="S3 endpoint URL; without it the S3 tier is off")
     ckptd.add_argument("--s3-bucket", default="scaletrain", help="S3 bucket (default scaletrain)")
@@ -59,7 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--s3-every", type=int, default=1, help="S3 keeps every Nth step + the latest (1: all)"
     )
     ckptd.add_argument(
-        "--abandon-after-s", type=float, default=600.0, help="abort a save idle this long"
+        "--abandon-after-s",
+        type=float,
+        default=config["abandon_after_s"],
+        help="abort a save idle this long",
     )
     ckptd.add_argument(
         "--log-format",
@@ -88,13 +101,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     ckptd.add_argument(
         "--sync-interval-s",
         type=float,
-        default=5.0,
+        default=cluster.sync_interval_s,
         help="how often in-doubt saves are resolved and missed commits fetched from peers",
     )
     ckptd.add_argument(
         "--replicas",
         type=int,
-        default=2,
+        default=cluster.replicas,
         help="R of a run that does not ask: copies of each node's part on distinct nodes "
         "(at most the nodes there are; 1: no replicas)",
     )
@@ -107,7 +120,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ckptd.add_argument(
         "--replica-mb-s",
         type=float,
-        default=256.0,
+        default=cluster.replica_bytes_s / (1 << 20),
         help="most MB/s this node copies from its peers to make replicas (0: no limit)",
     )
     security_args(ckptd)
@@ -151,6 +164,36 @@ def _limit_args(parser: argparse.ArgumentParser) -> None:
             default=default // unit if unit > 1 else default,
             help=f"{what} (default: %(default)s)",
         )
+
+
+def _chart_name(flag: str) -> str:
+    """The chart's value of a limit flag (--uploads-per-caller: uploadsPerCaller), which the
+    template turns back into the flag with `kebabcase`."""
+    first, *rest = flag.removeprefix("--").split("-")
+    return first + "".join(word.capitalize() for word in rest)
+
+
+def helm_schema() -> dict[str, object]:
+    """The JSON schema of the chart's `ckptd.fairShare`: every limit flag by its chart name, typed
+    as its DataLimits field and described as here (helm/scaletrain/values.schema.json holds it,
+    so a flag added here is one the chart refuses until the schema is written again)."""
+    from ckptd.config import DataLimits
+
+    defaults = DataLimits()
+    properties: dict[str, object] = {
+        _chart_name(flag): {
+            "type": "integer" if isinstance(getattr(defaults, name), int) else "number",
+            "exclusiveMinimum": 0,
+            "description": what,
+        }
+        for flag, (name, _, what) in _LIMIT_FLAGS.items()
+    }
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": properties,
+        "required": list(properties),
+    }
 
 
 def _limits(args: argparse.Namespace) -> DataLimits:
@@ -210,3 +253,11 @@ def _ckptd(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     serve(config, log_format=args.log_format)
     return 0
+
+
+if __name__ == "__main__":
+    # `python -m scaletrain.app.commands.ckptd`: put `helm_schema()` into the chart's schema after
+    # a change to the limits, as `python -m trainer.options` does for the trainer's options.
+    schema = json.loads(options.SCHEMA_FILE.read_text())
+    schema["properties"]["ckptd"]["properties"]["fairShare"] = helm_schema()
+    options.SCHEMA_FILE.write_text(json.dumps(schema, indent=2) + "\n")
