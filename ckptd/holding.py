@@ -1,10 +1,11 @@
-"""The store's replicas: which parts of committed checkpoints this node should hold, making
-those copies, recovering them at start, and letting them go by the run's retention.
+"""This node's replicas: which parts of committed checkpoints it should hold, making those
+copies, and letting them go under memory pressure.
 
 `ckptd.replicas` has the parts that need no store (placement, the replica tiers, the copying
-thread); this mixin of `CheckpointStore` acts on the store's catalog and tiers under its lock.
-A copy of this node's own part (a replaced machine getting its part back from its peers) lands
-in its own tiers; a copy of another node's part in the replica tiers of that owner.
+thread); `ReplicaHolding` acts on the catalog and the tiers it is given, under the store's lock,
+and `ckptd.retainer` drops the copies a run's retention no longer wants. A copy of this node's
+own part (a replaced machine getting its part back from its peers) lands in its own tiers; a
+copy of another node's part in the replica tiers of that owner.
 """
 
 from __future__ import annotations
@@ -13,67 +14,90 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from ckptd.catalog import COMMITTED, Catalog
 from ckptd.cluster import Peer, Peers
+from ckptd.config import CkptdConfig
 from ckptd.manifest import FileRecord, Manifest
 from ckptd.metrics import Metrics
 from ckptd.names import key_of
+from ckptd.reads import Reader
 from ckptd.replicas import (
     CopyJob,
     ReplicaTiers,
+    Replicator,
     Throttle,
     copy_part,
     copy_to_memory,
     effective_replicas,
     placement,
 )
-from ckptd.retention import MEMORY_ONLY_LAST, RetentionPolicy, droppable
-from ckptd.states import ABSENT, MEMORY, S3, SSD, TIER_COMMITTED
+from ckptd.retainer import Retainer
+from ckptd.retention import MEMORY_ONLY_LAST
+from ckptd.states import ABSENT, MEMORY, SSD, TIER_COMMITTED
 from ckptd.tiers import CheckpointKey
 from ckptd.tiers.memory import MemoryBudget, MemoryFile, MemoryTier, release
 from ckptd.tiers.ssd import SsdTier
 from scaletrain.errors import FailedPrecondition, InvalidArgument
 from scaletrain.v1 import checkpoint_pb2
 
-if TYPE_CHECKING:
-    from ckptd.config import CkptdConfig
-    from ckptd.reads import Reader
-    from ckptd.replicas import Replicator
-
 log = logging.getLogger("ckptd.store")
-
-NODE_TIERS = (MEMORY, SSD)
 
 
 class ReplicaHolding:
     """This node's copies of parts (see the module)."""
 
-    # The store's.
-    node: str
-    config: CkptdConfig
-    peers: Peers
-    catalog: Catalog
-    memory: MemoryTier
-    ssd: SsdTier
-    budget: MemoryBudget
-    metrics: Metrics
-    replicas: ReplicaTiers
-    _lock: threading.RLock
-    _closed: threading.Event
-    _reader: Reader
-    _replicator: Replicator | None
-    policy: Callable[[str], RetentionPolicy]
-    retains: Callable[[str], bool]
-    _notify: Callable[..., None]
+    def __init__(
+        self,
+        config: CkptdConfig,
+        node: str,
+        peers: Peers,
+        catalog: Catalog,
+        memory: MemoryTier,
+        ssd: SsdTier,
+        budget: MemoryBudget,
+        replicas: ReplicaTiers,
+        metrics: Metrics,
+        lock: threading.RLock,
+        closed: threading.Event,
+        reader: Reader,
+        retainer: Retainer,
+        notify: Callable[..., None],
+    ) -> None:
+        self._config, self._node, self._peers = config, node, peers
+        self._catalog, self._memory, self._ssd, self._budget = catalog, memory, ssd, budget
+        self._replicas, self._metrics, self._notify = replicas, metrics, notify
+        self._lock, self._closed = lock, closed
+        self._reader, self._retainer = reader, retainer
+        # The copying thread, on a node that runs upkeep (`start_copying`); None: no copies.
+        self._replicator: Replicator | None = None
+
+    def start_copying(self) -> None:
+        """Start the thread that makes the copies queued here (a node that runs upkeep)."""
+        self._replicator = Replicator(
+            self.copy_job, self._config.cluster.replica_bytes_s, self._closed
+        )
+
+    def stop_copying(self) -> None:
+        """Stop the copying thread (the store is closing: its `closed` event is set)."""
+        if self._replicator is not None:
+            self._replicator.close()
+
+    def set_replica_rate(self, bytes_s: float) -> float:
+        """Copy parts to peers at `bytes_s` from now on (0: no limit); returns the rate before.
+        A node that keeps no replicas (no maintenance thread) has nothing to throttle."""
+        if bytes_s < 0 or bytes_s != bytes_s:
+            raise InvalidArgument(f"replica rate must be >= 0 bytes/s (0: no limit), got {bytes_s}")
+        if self._replicator is None:
+            raise FailedPrecondition(f"node {self._node} copies no replicas (it runs no upkeep)")
+        return self._replicator.set_rate(bytes_s)
 
     # -- who holds what --------------------------------------------------------------------------
 
     def live_zones(self) -> dict[str, str]:
         """The nodes up now (this one and every reachable named peer) -> their zone."""
-        zones = {self.node: self.peers.config.zone}
-        for peer in self.peers.all():
+        zones = {self._node: self._peers.config.zone}
+        for peer in self._peers.all():
             if peer.node and peer.reachable:
                 zones[peer.node] = peer.zone
         return zones
@@ -83,29 +107,29 @@ class ReplicaHolding:
         replaced at another address, under the lost one's name, is still one node). Live or
         not: R is what the run asks of the cluster; placement makes what the live nodes can
         hold, and a step is node-loss safe only once its R copies exist."""
-        return len({self.node} | {peer.name for peer in self.peers.all()})
+        return len({self._node} | {peer.name for peer in self._peers.all()})
 
     def replicas_of(self, run: str) -> int:
         """R for `run`: what it asked for, else ckptd's default, capped at the nodes there are."""
-        asked = self.policy(run).replicas
+        asked = self._retainer.policy(run).replicas
         return (
             min(asked, self.node_count())
             if asked
-            else effective_replicas(0, self.peers.config.replicas, self.node_count())
+            else effective_replicas(0, self._peers.config.replicas, self.node_count())
         )
 
     def copies_wanted(self, key: CheckpointKey) -> int:
         """The nodes that should hold each part of `key`: its run's R, or for a memory-only
         checkpoint 2 (its node's memory and one peer's, whatever R), at most the nodes there
         are."""
-        record = self.catalog.save_of(key)
+        record = self._catalog.save_of(key)
         if record is not None and record.memory_only:
             return min(2, self.node_count())
         return self.replicas_of(key.run)
 
     def check_replicas(self, asked: int) -> None:
         """Refuse, at OpenSave, an R that the cluster cannot hold."""
-        effective_replicas(asked, self.peers.config.replicas, self.node_count())
+        effective_replicas(asked, self._peers.config.replicas, self.node_count())
 
     def holds(self, key: CheckpointKey, owner: str) -> bool:
         """Whether this node has a committed copy (memory or SSD) of `owner`'s part of `key`."""
@@ -119,29 +143,29 @@ class ReplicaHolding:
             return 0
         zones = zones if zones is not None else self.live_zones()
         queued, oldest = 0, None
-        for run in self.catalog.runs():
-            steps = sorted(self.catalog.run_states(run), reverse=True)
-            keep = self.catalog.latest_safe(run).get(run)
-            in_memory = self.catalog.memory_only_steps(run)
+        for run in self._catalog.runs():
+            steps = sorted(self._catalog.run_states(run), reverse=True)
+            keep = self._catalog.latest_safe(run).get(run)
+            in_memory = self._catalog.memory_only_steps(run)
             recent = (
                 [s for s in steps if s in in_memory][:MEMORY_ONLY_LAST]
-                + [s for s in steps if s not in in_memory][: self.policy(run).ssd_last]
+                + [s for s in steps if s not in in_memory][: self._retainer.policy(run).ssd_last]
                 + ([keep] if keep in steps else [])
             )
             for step in dict.fromkeys(recent):
                 key = CheckpointKey(run, step)
                 r = self.copies_wanted(key)
-                manifest = self.catalog.manifest(key)
+                manifest = self._catalog.manifest(key)
                 if manifest is None:
                     continue
                 for owner in sorted({f.node for f in manifest.files if f.node}):
-                    wants_own = owner == self.node  # a replaced machine: its part comes back
-                    if (wants_own or (r > 1 and self.node in placement(owner, zones, r))) and (
+                    wants_own = owner == self._node  # a replaced machine: its part comes back
+                    if (wants_own or (r > 1 and self._node in placement(owner, zones, r))) and (
                         not self.holds(key, owner)
                     ):
                         queued += self._replicator.queue(CopyJob(key, owner))
                         oldest = min(oldest or manifest.committed_at, manifest.committed_at)
-        self.metrics.replication_lag.set(time.time() - oldest if oldest else 0.0)
+        self._metrics.replication_lag.set(time.time() - oldest if oldest else 0.0)
         return queued
 
     def drop_surplus(self, holders_of: Callable[[CheckpointKey, str], set[str]]) -> int:
@@ -152,20 +176,20 @@ class ReplicaHolding:
         were dropped."""
         zones = self.live_zones()
         dropped = 0
-        for key, owners in self.catalog.replicas().items():
+        for key, owners in self._catalog.replicas().items():
             r = self.copies_wanted(key)
             for owner in owners:
                 chosen = placement(owner, zones, r)
                 if (
-                    self.node in chosen
+                    self._node in chosen
                     or len(chosen) < r
                     or not set(chosen) <= holders_of(key, owner)
                 ):
                     continue
                 with self._lock:
-                    self.replicas.memory(owner).delete(key)
-                    self.replicas.ssd(owner).delete(key)
-                    self.catalog.drop_replicas(key, owner)
+                    self._replicas.memory(owner).delete(key)
+                    self._replicas.ssd(owner).delete(key)
+                    self._catalog.drop_replicas(key, owner)
                 log.info(
                     "dropped the replica of %s's part of %s: %s hold the %d copies", owner, key,
                     ", ".join(chosen), r, extra={"run": key.run, "step": key.step},
@@ -177,11 +201,11 @@ class ReplicaHolding:
         """A peer asks this node to copy `owner`'s part of a committed checkpoint; whether a
         copy was queued (False: it holds one already)."""
         key = key_of(ref)
-        manifest = self.catalog.manifest(key)
+        manifest = self._catalog.manifest(key)
         if manifest is None:
             raise FailedPrecondition(
                 f"replica of node {owner}'s part of {key} offered by node {sender or '?'}: node "
-                f"{self.node} does not know {key} as committed; refused"
+                f"{self._node} does not know {key} as committed; refused"
             )
         if not manifest.files_on(owner):
             raise InvalidArgument(f"checkpoint {key} has no part on node {owner!r}")
@@ -204,17 +228,19 @@ class ReplicaHolding:
                     offers.setdefault(holder, []).append(owner)
         if len(zones) < r:
             self._warn_below_r(manifest.key, r, zones)
-        for owner in offers.pop(self.node, []):
-            self.offer_replica(ref, owner, self.node)
-        targets = [p for p in self.peers.all() if p.node in offers]
+        for owner in offers.pop(self._node, []):
+            self.offer_replica(ref, owner, self._node)
+        targets = [p for p in self._peers.all() if p.node in offers]
 
         def offer(peer: Peer) -> None:
             for owner in offers[peer.node]:
-                request = checkpoint_pb2.OfferReplicaRequest(ref=ref, owner=owner, sender=self.node)
+                request = checkpoint_pb2.OfferReplicaRequest(
+                    ref=ref, owner=owner, sender=self._node
+                )
                 peer.cluster().OfferReplica(request, timeout=10.0)
 
         def send() -> None:
-            for address, answer in self.peers.call(targets, offer).items():
+            for address, answer in self._peers.call(targets, offer).items():
                 if isinstance(answer, BaseException):
                     log.warning("replica offer for %s to %s failed: %s", manifest.key, address,
                                 answer)  # fmt: skip
@@ -226,7 +252,7 @@ class ReplicaHolding:
         """Say that a commit has fewer live nodes than its R copies need: it is saved all the
         same, and is not node-loss safe until a node comes back or a replacement joins (each
         node's sync then makes the missing copies)."""
-        down = sorted(p.name for p in self.peers.all() if p.name not in zones)
+        down = sorted(p.name for p in self._peers.all() if p.name not in zones)
         log.warning(
             "%s is below R: its run asks for %d copies of each part, and %d node(s) are live "
             "(down: %s); it becomes node-loss safe once a node comes back or a replacement joins",
@@ -248,15 +274,15 @@ class ReplicaHolding:
         memory budget counts only at the second step."""
         key, owner = job.key, job.owner
         with self._lock:
-            manifest = self.catalog.manifest(key)
+            manifest = self._catalog.manifest(key)
             if manifest is None or self.holds(key, owner):
                 return True  # deleted meanwhile, or already here
         files = manifest.files_on(owner)
         if not files:
             return True
-        own = owner == self.node
-        ssd = self.ssd if own else self.replicas.ssd(owner)
-        memory = self.memory if own else self.replicas.memory(owner)
+        own = owner == self._node
+        ssd = self._ssd if own else self._replicas.ssd(owner)
+        memory = self._memory if own else self._replicas.memory(owner)
         replica_of = "" if own else owner
         started = time.monotonic()
         # Ends the pin on the memory copy's buffers, which its SSD writer reads until done.
@@ -264,7 +290,7 @@ class ReplicaHolding:
 
         def held(kept: dict[str, MemoryFile], total: int) -> bool:
             with self._lock:
-                if self.catalog.manifest(key) is None:  # deleted while it was copied
+                if self._catalog.manifest(key) is None:  # deleted while it was copied
                     return False
                 self._set_copy(key, owner, MEMORY, total)
                 memory.put(key, kept)  # the last step that could fail: the copy is ours now
@@ -281,10 +307,10 @@ class ReplicaHolding:
             return self._copy_to_memory(job, manifest, files, memory, throttle)
         try:
             total = copy_part(
-                manifest, files, ssd, self.budget, self.retains(key.run),
+                manifest, files, ssd, self._budget, self._retainer.retains(key.run),
                 lambda record, sink: self._reader.stream_from_peers(key, record, sink,
-                                                                    self.budget.buffer),
-                throttle, self._closed, self.metrics, held,
+                                                                    self._budget.buffer),
+                throttle, self._closed, self._metrics, held,
             )  # fmt: skip
         except BaseException:
             with self._lock:
@@ -295,14 +321,14 @@ class ReplicaHolding:
             for give_back in unpin:
                 give_back()
         with self._lock:
-            if self.catalog.manifest(key) is None:  # deleted while it was copied
+            if self._catalog.manifest(key) is None:  # deleted while it was copied
                 ssd.delete(key)
                 memory.delete(key)
                 return True
             self._set_copy(key, owner, SSD, total)
-            self.metrics.bytes.labels("replica", "write").inc(total)
+            self._metrics.bytes.labels("replica", "write").inc(total)
             self._notify(key, SSD, total, replica_of=replica_of)
-            self._apply_retention(key.run)
+            self._retainer.apply(key.run)
         log.info(
             "copied node %s's part of %s (%d bytes, %.2fs) from its peers", owner, key, total,
             time.monotonic() - started, extra={"run": key.run, "step": key.step, "bytes": total},
@@ -322,20 +348,20 @@ class ReplicaHolding:
         key, owner = job.key, job.owner
         started = time.monotonic()
         kept = copy_to_memory(
-            files, self.budget,
+            files, self._budget,
             lambda record, sink: self._reader.stream_from_peers(key, record, sink,
-                                                                self.budget.buffer),
-            throttle, self._closed, self.metrics,
+                                                                self._budget.buffer),
+            throttle, self._closed, self._metrics,
         )  # fmt: skip
         total = sum(f.size for f in files)
         with self._lock:
-            if self.catalog.manifest(key) is None:  # deleted while it was copied
-                release(kept, self.budget)
+            if self._catalog.manifest(key) is None:  # deleted while it was copied
+                release(kept, self._budget)
                 return True
             memory.put(key, kept)
             self._set_copy(key, owner, MEMORY, total)
-            self._notify(key, MEMORY, total, replica_of="" if owner == self.node else owner)
-            self._apply_retention(key.run)
+            self._notify(key, MEMORY, total, replica_of="" if owner == self._node else owner)
+            self._retainer.apply(key.run)
         log.info(
             "node %s's part of memory-only %s is held in memory here (%d bytes, %.2fs)", owner,
             key, total, time.monotonic() - started,
@@ -346,63 +372,48 @@ class ReplicaHolding:
     def _set_copy(
         self, key: CheckpointKey, owner: str, tier: int, nbytes: int, state: int = TIER_COMMITTED
     ) -> None:
-        if owner == self.node:
-            self.catalog.set_tier(key, tier, state, nbytes)
+        if owner == self._node:
+            self._catalog.set_tier(key, tier, state, nbytes)
         else:
-            self.catalog.set_replica(key, owner, tier, state, nbytes)
+            self._catalog.set_replica(key, owner, tier, state, nbytes)
 
-    # -- start, memory pressure, retention --------------------------------------------------------
-
-    def recover_replicas(self) -> None:
-        """Bring the catalog in line with the replica directories after a restart: a directory
-        with its marker is a committed copy; memory copies did not survive."""
-        for key, owners in self.catalog.replicas().items():
-            for owner in owners:
-                self.catalog.set_replica(key, owner, MEMORY, ABSENT)
-        for owner in self.replicas.owners_on_disk():
-            tier = self.replicas.ssd(owner)
-            tier.clean_leftovers()
-            for save_id in tier.staged_saves():
-                tier.discard_staging(save_id)
-            on_disk = set()
-            for key in tier.list():
-                try:
-                    manifest = tier.manifest(key)
-                except (OSError, ValueError) as exc:
-                    log.error("replica of %s of %s: unreadable marker (%s)", owner, key, exc)
-                    continue
-                on_disk.add(key)
-                record = self.catalog.save_of(key)
-                if record is None or record.state != COMMITTED:
-                    self.catalog.record_commit(manifest, None)
-                nbytes = sum(f.size for f in manifest.files_on(owner))
-                self.catalog.set_replica(key, owner, SSD, TIER_COMMITTED, nbytes)
-            for key, owners in self.catalog.replicas().items():
-                if owner in owners and key not in on_disk:
-                    self.catalog.drop_replicas(key, owner)
+    # -- memory pressure ---------------------------------------------------------------------------
 
     def relieve_replicas(self) -> bool:
         """Evict the oldest replica held in memory (its SSD copy stays); whether one was."""
-        for owner, tier in self.replicas.memory_tiers().items():
+        for owner, tier in self._replicas.memory_tiers().items():
             for key in tier.list():
                 tier.delete(key)
-                self.catalog.set_replica(key, owner, MEMORY, ABSENT)
+                self._catalog.set_replica(key, owner, MEMORY, ABSENT)
                 log.info("evicted the replica of %s's part of %s from memory", owner, key)
                 return True
         return False
 
-    def retain_replicas(self, run: str, wants: dict[int, set[int]], on_s3: set[int]) -> None:
-        """Drop the replicas of `run` that no tier wants, by the rules of the own copies."""
-        for key, owners in self.catalog.replicas(run).items():
-            for owner, states in owners.items():
-                held = {t: states.get(t) == TIER_COMMITTED for t in NODE_TIERS}
-                held[S3] = key.step in on_s3
-                for tier in droppable(wants.get(key.step, set()), held):
-                    if tier == S3:
-                        continue
-                    if tier == MEMORY:
-                        self.replicas.memory(owner).delete(key)
-                    else:
-                        self.replicas.ssd(owner).delete(key)
-                    self.catalog.set_replica(key, owner, tier, ABSENT)
-                    log.info("retention dropped the replica of %s's part of %s", owner, key)
+
+def recover_replicas(catalog: Catalog, replicas: ReplicaTiers) -> None:
+    """Bring the catalog in line with the replica directories after a restart: a directory
+    with its marker is a committed copy; memory copies did not survive."""
+    for key, owners in catalog.replicas().items():
+        for owner in owners:
+            catalog.set_replica(key, owner, MEMORY, ABSENT)
+    for owner in replicas.owners_on_disk():
+        tier = replicas.ssd(owner)
+        tier.clean_leftovers()
+        for save_id in tier.staged_saves():
+            tier.discard_staging(save_id)
+        on_disk = set()
+        for key in tier.list():
+            try:
+                manifest = tier.manifest(key)
+            except (OSError, ValueError) as exc:
+                log.error("replica of %s of %s: unreadable marker (%s)", owner, key, exc)
+                continue
+            on_disk.add(key)
+            record = catalog.save_of(key)
+            if record is None or record.state != COMMITTED:
+                catalog.record_commit(manifest, None)
+            nbytes = sum(f.size for f in manifest.files_on(owner))
+            catalog.set_replica(key, owner, SSD, TIER_COMMITTED, nbytes)
+        for key, owners in catalog.replicas().items():
+            if owner in owners and key not in on_disk:
+                catalog.drop_replicas(key, owner)

@@ -52,7 +52,7 @@ _SSD = TIER_LABELS[SSD]
 
 
 class FileUpload:
-    """One file being received. The store creates it (`CheckpointStore.begin_file`).
+    """One file being received. The store's saves create it (`Saves.begin_file`).
 
     `on_written(upload)` runs in the writer thread once the file is complete, fsynced and closed;
     it decides (under the store's lock) whether the file joins the save's staging dir. Without

@@ -129,10 +129,10 @@ class Reader:
         self,
         ref: checkpoint_pb2.CheckpointRef,
         path: str,
-        offset: int,
-        length: int,
-        piece_bytes: int,
-        tier: int,
+        offset: int = 0,
+        length: int = 0,
+        piece_bytes: int = READ_PIECE_BYTES,
+        tier: int = 0,
         local_only: bool = False,
         lend: bool = False,
     ) -> Iterator[Piece]:
@@ -333,8 +333,10 @@ class Reader:
             return
 
     def read_range(
-        self, ref: checkpoint_pb2.CheckpointRef, path: str, offset: int, length: int
+        self, ref: checkpoint_pb2.CheckpointRef, path: str, offset: int = 0, length: int = 0
     ) -> bytes:
+        """The bytes of [offset, offset+length) of a committed file (length 0: to its end), each
+        piece verified (`iter_range`)."""
         pieces = self.iter_range(ref, path, offset, length, READ_PIECE_BYTES, tier=0)
         return b"".join(piece.data for piece in pieces)
 

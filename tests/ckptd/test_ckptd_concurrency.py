@@ -98,7 +98,7 @@ def test_a_full_memory_budget_slows_writers_and_spills_to_ssd_without_exceeding_
     assert peak[0] <= budget + streams * chunk  # the budget, plus one chunk per stream at most
     assert tier_states(info)["memory"] == "ABSENT" and tier_states(info)["ssd"] == "COMMITTED"
     for path, (_, _, data) in files.items():
-        assert store.read_range(ref("run", 2), path) == data
+        assert store.reader.read_range(ref("run", 2), path) == data
     assert store.budget.used == store.memory.used_bytes  # nothing in flight is left reserved
 
 

@@ -79,7 +79,7 @@ def assert_every_s3_marker_names_whole_files(s3: S3Config) -> None:
 
 def assert_reads_back(store: CheckpointStore, step: int, files: Files) -> None:
     for path, (_, _, data) in files.items():
-        assert store.read_range(ref("run", step), path) == data, f"step {step} {path}"
+        assert store.reader.read_range(ref("run", step), path) == data, f"step {step} {path}"
 
 
 @pytest.mark.parametrize("phase", PHASES)

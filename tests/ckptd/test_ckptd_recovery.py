@@ -57,7 +57,7 @@ def test_a_lost_catalog_is_rebuilt_from_the_ssd_and_s3_markers(
     assert states[3]["ssd"] == "COMMITTED" and states[1]["ssd"] == "ABSENT"
     for step, step_files in files.items():
         for path, (_, _, data) in step_files.items():
-            assert store.read_range(ref("run", step), path) == data
+            assert store.reader.read_range(ref("run", step), path) == data
     info = store.get(ref("run", 1))
     assert info.world_size == 2 and {f.path for f in info.files} == set(files[1])
 
@@ -79,7 +79,7 @@ def test_uploads_complete_after_s3_is_stopped_for_a_while_and_started_again(
             lambda: tier_states(store.get(ref("run", 20)))["s3"] == "FAILED",
             what="the failed upload to show",
         )
-        assert store.read_range(ref("run", 20), ".metadata") == files[".metadata"][2]
+        assert store.reader.read_range(ref("run", 20), ".metadata") == files[".metadata"][2]
 
         weed.start()
         wait_for(
@@ -89,7 +89,7 @@ def test_uploads_complete_after_s3_is_stopped_for_a_while_and_started_again(
         )
         store.ssd.delete(store.ssd.list()[-1])  # lose the SSD copy: S3 must serve it now
         for path, (_, _, data) in files.items():
-            assert store.read_range(ref("run", 20), path) == data
+            assert store.reader.read_range(ref("run", 20), path) == data
 
 
 def test_a_catalog_of_schema_5_gains_the_memory_only_column_and_keeps_its_checkpoints(
@@ -134,4 +134,4 @@ def test_a_catalog_of_another_schema_is_refused_in_one_line_and_rebuilt_once_mov
         path: data_crc32c(data) for path, (_, _, data) in files.items()
     }
     for path, (_, _, data) in files.items():
-        assert store.read_range(ref("run", 4), path) == data
+        assert store.reader.read_range(ref("run", 4), path) == data

@@ -70,7 +70,10 @@ def test_retention_never_deletes_the_only_copy_while_s3_is_unreachable(
     wait_for(lambda: steps_on(store, "s3") == {1, 2, 3, 4}, what="the uploads after the outage")
     wait_for(lambda: steps_on(store, "ssd") == {3, 4}, what="SSD to keep only its last two")
     for step, step_files in files.items():
-        assert store.read_range(ref("run", step), "__0_0.distcp") == step_files["__0_0.distcp"][2]
+        assert (
+            store.reader.read_range(ref("run", step), "__0_0.distcp")
+            == step_files["__0_0.distcp"][2]
+        )
 
 
 def test_retention_removes_everywhere_what_no_tier_wants_and_each_run_has_its_own_policy(

@@ -80,7 +80,7 @@ def test_an_unreachable_s3_neither_delays_the_commit_nor_hides_its_failure(
     wait_for(lambda: s3_state(store, "run", 1) == "FAILED", what="the S3 failure")
     s3_status = next(t for t in store.get(ref("run", 1)).tiers if t.tier == 3)
     assert "EndpointConnectionError" in s3_status.error or "onnect" in s3_status.error
-    assert store.read_range(ref("run", 1), ".metadata")  # still served locally
+    assert store.reader.read_range(ref("run", 1), ".metadata")  # still served locally
 
 
 def test_a_hanging_s3_never_holds_up_a_commit_or_a_read(open_store: OpenStore) -> None:
@@ -97,7 +97,7 @@ def test_a_hanging_s3_never_holds_up_a_commit_or_a_read(open_store: OpenStore) -
         info = store_save(store, "run", 1, files)  # returns although S3 would hang for minutes
         assert tier_states(info)["ssd"] == "COMMITTED"
         assert s3_state(store, "run", 1) == "PENDING"
-        assert store.read_range(ref("run", 1), "__0_0.distcp") == files["__0_0.distcp"][2]
+        assert store.reader.read_range(ref("run", 1), "__0_0.distcp") == files["__0_0.distcp"][2]
 
 
 def test_delete_removes_the_s3_objects_too(open_store: OpenStore, s3_config: S3Config) -> None:

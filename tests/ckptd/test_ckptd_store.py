@@ -72,18 +72,18 @@ def test_byte_ranges_read_back_bit_exact_from_any_offset(open_store: OpenStore) 
     store_save(store, "run", 1, files)
     data = files["__1_0.distcp"][2]
     for offset, length in [(0, 0), (0, 1), (262_143, 2), (1_000_001, 3 << 20), (len(data) - 1, 1)]:
-        got = store.read_range(ref("run", 1), "__1_0.distcp", offset, length)
+        got = store.reader.read_range(ref("run", 1), "__1_0.distcp", offset, length)
         assert got == data[offset : offset + length if length else None]
-    assert store.read_range(ref("run", 1), "__1_0.distcp", len(data), 0) == b""
+    assert store.reader.read_range(ref("run", 1), "__1_0.distcp", len(data), 0) == b""
 
 
 def test_reading_beyond_the_end_of_a_file_is_an_invalid_argument(open_store: OpenStore) -> None:
     store = open_store()
     store_save(store, "run", 1, checkpoint_files(world_size=1, shard_bytes=100))
     with pytest.raises(InvalidArgument, match="beyond"):
-        store.read_range(ref("run", 1), ".metadata", 900, 200)
+        store.reader.read_range(ref("run", 1), ".metadata", 900, 200)
     with pytest.raises(NotFound, match="no file"):
-        store.read_range(ref("run", 1), "__7_0.distcp")
+        store.reader.read_range(ref("run", 1), "__7_0.distcp")
 
 
 def test_commit_names_the_ranks_that_wrote_nothing_and_the_missing_metadata(
@@ -147,13 +147,13 @@ def test_a_trailer_with_a_wrong_size_or_checksum_is_an_invalid_argument_and_stor
     assert not pending.committed and [f.path for f in pending.files] == [".metadata"]
     assert not (store.ssd.staging_dir(save_id) / "__0_0.distcp").exists()
     for path, (_, _, data) in before.items():
-        assert store.read_range(ref("run", 1), path, 0, 0) == data
+        assert store.reader.read_range(ref("run", 1), path, 0, 0) == data
 
     store_write(store, save_id, "__0_0.distcp", 0, SHARD, shard)
     assert store.commit(save_id).committed
-    assert store.read_range(ref("run", 2), "__0_0.distcp", 0, 0) == shard
+    assert store.reader.read_range(ref("run", 2), "__0_0.distcp", 0, 0) == shard
     for path, (_, _, data) in before.items():
-        assert store.read_range(ref("run", 1), path, 0, 0) == data
+        assert store.reader.read_range(ref("run", 1), path, 0, 0) == data
 
 
 @pytest.mark.parametrize("path", ["../escape", "/abs/file", "a/../../b", "x\x00y", ""])
@@ -215,7 +215,7 @@ def test_reopening_an_uncommitted_save_replaces_the_stale_attempt(open_store: Op
     store_write(store, fresh, ".metadata", 0, METADATA, b"meta")
     info = store.commit(fresh)
     assert dict(info.labels) == {"try": "2"}
-    assert store.read_range(ref("run", 4), "__0_0.distcp") == b"fresh shard"
+    assert store.reader.read_range(ref("run", 4), "__0_0.distcp") == b"fresh shard"
 
 
 def test_a_file_written_again_in_the_same_save_replaces_the_first_copy(
@@ -228,7 +228,7 @@ def test_a_file_written_again_in_the_same_save_replaces_the_first_copy(
     store_write(store, save_id, ".metadata", 0, METADATA, b"meta")
     info = store.commit(save_id)
     assert info.total_bytes == len(b"second, longer") + 4
-    assert store.read_range(ref("run", 1), "__0_0.distcp") == b"second, longer"
+    assert store.reader.read_range(ref("run", 1), "__0_0.distcp") == b"second, longer"
 
 
 def test_an_aborted_save_keeps_no_files_and_lists_only_as_uncommitted(
@@ -313,9 +313,9 @@ def test_a_corrupt_ssd_copy_with_no_other_tier_is_data_loss(open_store: OpenStor
     with open(shard, "r+b") as f:
         f.seek(700_000)
         f.write(b"\x00\x01\x02")
-    assert store.read_range(ref("run", 1), "__0_0.distcp", 0, 1000)  # block 0 is intact
+    assert store.reader.read_range(ref("run", 1), "__0_0.distcp", 0, 1000)  # block 0 is intact
     with pytest.raises(DataLoss, match="block 2"):
-        store.read_range(ref("run", 1), "__0_0.distcp", 600_000, 200_000)
+        store.reader.read_range(ref("run", 1), "__0_0.distcp", 600_000, 200_000)
     info = store.get(ref("run", 1))
     assert tier_states(info)["ssd"] == "FAILED"
     assert "checksum" in next(t.error for t in info.tiers if t.tier == 2)
@@ -330,7 +330,7 @@ def test_delete_removes_the_checkpoint_from_every_tier(open_store: OpenStore) ->
     with pytest.raises(NotFound):
         store.delete(ref("run", 1))
     with pytest.raises(NotFound):
-        store.read_range(ref("run", 1), ".metadata")
+        store.reader.read_range(ref("run", 1), ".metadata")
 
 
 def test_a_second_store_on_the_same_data_dir_is_refused(open_store: OpenStore) -> None:
@@ -355,11 +355,11 @@ def test_a_reopened_store_lists_committed_checkpoints_with_memory_absent(
     store = open_store(memory_budget_bytes=0)
     (info,) = store.list()
     assert info.ref.step == 7 and tier_states(info)["memory"] == "ABSENT"
-    assert store.read_range(ref("run", 7), "__1_0.distcp") == files["__1_0.distcp"][2]
+    assert store.reader.read_range(ref("run", 7), "__1_0.distcp") == files["__1_0.distcp"][2]
     # A save left open survives the restart: its staged files still count.
     store_write(store, open_save, ".metadata", 0, METADATA, b"meta")
     assert store.commit(open_save).committed
-    assert store.read_range(ref("run", 8), "__0_0.distcp") == b"staged before the restart"
+    assert store.reader.read_range(ref("run", 8), "__0_0.distcp") == b"staged before the restart"
 
 
 def test_offline_listing_sees_the_memory_tier_only_while_a_store_holds_the_data_dir(
