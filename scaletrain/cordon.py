@@ -15,12 +15,18 @@ Two observers apply the policy (`FailureStreak`):
   unschedulable (`KubeNode`, where the pod may), stops its ranks and exits `CORDONED_EXIT_CODE`,
   so that a spare takes its place in the next rendezvous round and the pod's replacement is
   scheduled on another node.
+
+A machine whose rank the silent-data-corruption checks keep naming is quarantined
+(`trainer.health.quarantine`): cordoned at once, not after a streak. The rank says so in the
+`quarantine_line` rank 0 prints (the embedded stack reads it) and records a `QUARANTINED` failure
+in its machine's file (the agent reads it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import ssl
 import threading
 import time
@@ -45,6 +51,25 @@ NODE_NAME_ENV = "NODE_NAME"
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # How often an agent reads its machine's failures.
 WATCH_POLL_S = 0.2
+# The cause of a failure record that cordons its machine at once: a quarantined rank's.
+QUARANTINED = "quarantined"
+# Rank 0's line when the silent-data-corruption checks named a rank too often; "cordon" ends it
+# when the rank's machine is to be taken out (--quarantine cordon).
+QUARANTINE_LINE = re.compile(r"\[trainer\] quarantine: rank (\d+) \(([^)]*)\) .*; (cordon|alert)")
+
+
+def quarantine_line(rank: int, host: str, steps: list[int], action: str) -> str:
+    """Rank 0's line about rank `rank` (on machine `host`) named by the silent-data-corruption
+    checks at `steps`; `action` "cordon" or "alert" (QUARANTINE_LINE reads it)."""
+    said = {
+        "cordon": "cordon its machine: a waiting spare takes its place",
+        "alert": "alert only (--quarantine alert): it stays in the job",
+    }[action]
+    return (
+        f"[trainer] quarantine: rank {rank} ({host or 'host unknown'}) named by the "
+        f"silent-data-corruption checks {len(steps)} times (steps "
+        f"{', '.join(map(str, steps))}); {action}: {said}"
+    )
 
 
 class FailureStreak:
@@ -85,10 +110,11 @@ class Failure:
 
 
 class FailureWatch:
-    """An agent's thread that reads its machine's failures file and calls `on_cordon` once the
-    streak reaches `after`; the file is made empty first (an agent's earlier run left nothing)."""
+    """An agent's thread that reads its machine's failures file and calls `on_cordon(why)` once
+    the streak reaches `after`, or at once for a quarantined rank (`QUARANTINED`); the file is
+    made empty first (an agent's earlier run left nothing)."""
 
-    def __init__(self, path: Path, after: int, on_cordon: Callable[[int, Failure], None]) -> None:
+    def __init__(self, path: Path, after: int, on_cordon: Callable[[str], None]) -> None:
         self.path, self._after, self._on_cordon = path, after, on_cordon
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("")
@@ -111,9 +137,13 @@ class FailureWatch:
             offset += len(complete)
             for line in complete.decode().splitlines():
                 failure = Failure(**json.loads(line))
+                last = f"rank {failure.rank} after step {failure.step}: {failure.cause}"
+                if failure.cause.startswith(QUARANTINED):
+                    self._on_cordon(last)
+                    return
                 count = streak.add(failure.step)
                 if count >= self._after:
-                    self._on_cordon(count, failure)
+                    self._on_cordon(f"its ranks failed {count} times in a row (the last: {last})")
                     return
 
 

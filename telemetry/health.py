@@ -16,8 +16,18 @@ from telemetry.efficiency import OTHER_BADPUT, Goodput, Mfu, goodput, mfu
 from telemetry.models import Event, RankStep, Run
 from telemetry.queries import Bind, connection_of
 
+# A rank the corruption checks named too often (`trainer.health.quarantine`).
+QUARANTINE_KIND = "quarantine"
 # Kinds of events that say something went wrong with the run's health.
-HEALTH_EVENT_KINDS = ("straggler", "loss_spike", "sdc", "replay", "alert", "restart")
+HEALTH_EVENT_KINDS = (
+    "straggler",
+    "loss_spike",
+    "sdc",
+    "replay",
+    "alert",
+    "restart",
+    QUARANTINE_KIND,
+)
 # A loss spike the step guard replayed and found reproduced by the same batch: the data's, not
 # the hardware's (its event's `verdict` attribute); reported, never an open alert.
 SPIKE_KIND, DATA_VERDICT = "loss_spike", "data"
@@ -60,6 +70,8 @@ class RunHealth:
     straggler_ranks: list[int]
     slow_nodes: list[str]
     findings: list[Finding]
+    # The ranks quarantined (`QUARANTINE_KIND` findings: node, steps and policy attributes).
+    quarantined: list[Finding]
     # Records the ranks' telemetry clients dropped (their queues overflowed) and so never arrived.
     dropped_records: int
 
@@ -119,6 +131,7 @@ def run_health(bind: Bind, run_id: str, *, max_findings: int = 200) -> RunHealth
             {f.attributes["node"] for f in findings if f.kind == "straggler" and f.rank < 0}
         ),
         findings=findings,
+        quarantined=[f for f in findings if f.kind == QUARANTINE_KIND],
         dropped_records=int(dropped),
     )
 
@@ -151,6 +164,15 @@ def render(health: RunHealth) -> str:
         f"sdc          {counts['sdc']} event(s); loss spikes {counts['loss_spike']} (of which "
         f"{health.data_spikes} the data's, closed), replays {counts['replay']}, alerts "
         f"{counts['alert']}",
+        "quarantine   "
+        + (
+            "; ".join(
+                f"rank {f.rank} ({f.attributes.get('node') or 'host unknown'}) at steps "
+                f"{f.attributes.get('steps', '')}: {f.attributes.get('policy', '')}"
+                for f in health.quarantined
+            )
+            or "none"
+        ),
         f"recoveries   {counts['restart']} restart(s)"
         + (f"; {len(g.badput_by_fault_s)} fault kind(s) drilled" if g.badput_by_fault_s else ""),
         f"telemetry    {health.dropped_records} record(s) dropped by the ranks' clients",

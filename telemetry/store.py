@@ -153,8 +153,11 @@ class TelemetryStore:
                 ).first()
                 is not None
             )
-            attempt = 0
+            attempt, last_step = 0, -1
             if not created:
+                newest = select(func.max(RankStep.step)).where(RankStep.run_id == run_id)
+                last_step = session.execute(newest).scalar()
+                last_step = -1 if last_step is None else int(last_step)
                 attempt = session.execute(
                     update(Run)
                     .where(Run.run_id == run_id)
@@ -179,7 +182,9 @@ class TelemetryStore:
         if self.partitioned():
             # Before the run's first record: its partition and ranges from where it stands.
             self.prepare_partitions(run_id)
-        return telemetry_pb2.RegisterRunResponse(created=created, attempt=attempt)
+        return telemetry_pb2.RegisterRunResponse(
+            created=created, attempt=attempt, last_step=last_step
+        )
 
     def wait_for_partitions(self, timeout_s: float = 30.0) -> None:
         """Until the background thread made the ranges asked for (tests, benchmarks)."""

@@ -97,6 +97,9 @@ class TrainConfig:
     fp8_strict: bool = False
     model: ModelArgs = field(default_factory=ModelArgs)
     health_policy: str = _default("health_policy")
+    check_reductions: bool = _default("check_reductions")
+    quarantine: str = _default("quarantine")
+    quarantine_after: int = _default("quarantine_after")
     # Dense peak FLOP/s of one device for MFU; None: the datasheet table, or calibration on CPU.
     peak_flops: float | None = None
     faults: FaultPlan = field(default_factory=FaultPlan)

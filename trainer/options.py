@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.health import POLICIES
+from trainer.health import POLICIES, QUARANTINE_POLICIES
 from trainer.model.presets import PRESETS, preset
 
 # The ranks an elastic job has at its full size (`--nodes MIN:MAX`: MAX's), set by its launcher
@@ -171,7 +171,8 @@ PP_SCHEDULES = (
 BALANCE_MODES = ("aux_free", "aux_loss", "none")
 DECAYS = ("constant", "linear", "cosine", "wsd")
 FAULT_METAVARS = {
-    "inject_sdc": "step=K,rank=R[,target=grad|param][,bit=B]",
+    "inject_sdc": "step=K,rank=R[,target=TARGET][,bit=B|bits=CLASS][,element=largest|random]"
+    "[,seed=S]",
     "inject_straggler": "rank=R,delay=SECONDS",
     "inject_loss_spike": "step=K",
     "inject_bad_device": "rank=R",
@@ -674,6 +675,31 @@ OPTIONS: tuple[Option, ...] = (
         "rollback",
         "what to do with a suspicious step",
         choices=POLICIES,
+    ),
+    Option(
+        "check_reductions",
+        "health",
+        bool,
+        False,
+        "check that each FSDP reduce-scatter's result sums to its inputs (catches a flip in the "
+        "reduced gradients that no replica sees; adds 1-8 percent to a small CPU step)",
+    ),
+    Option(
+        "quarantine",
+        "health",
+        str,
+        "cordon",
+        "what to do with a rank the silent-data-corruption checks named --quarantine-after times: "
+        "cordon its machine (a waiting spare takes its place), alert only, or off",
+        choices=QUARANTINE_POLICIES,
+    ),
+    Option(
+        "quarantine_after",
+        "health",
+        int,
+        2,
+        "times the silent-data-corruption checks name a rank before it is quarantined",
+        minimum=1,
     ),
     Option(
         "collective_timeout_s",

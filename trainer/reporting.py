@@ -42,6 +42,11 @@ class Reporter:
         self.client = TelemetryClient(address) if address else None
         # Restart generation of this job, stamped on every record (see RegisterRunResponse).
         self.attempt = 0
+        # The newest step the run recorded before this job registered (-1: none, or no
+        # telemetry): a restarted job computes the steps up to it again.
+        self.last_step = -1
+        # Each rank's host (`rank_host`), by rank, once registered.
+        self.hosts: list[str] = []
         # One device's dense peak FLOP/s in the training precision, as rank 0 registered it
         # (0: not known here), for the MFU of its log lines.
         self.peak_flops = 0.0
@@ -102,7 +107,7 @@ class Reporter:
                     ],
                 )
             )
-            self.attempt = reply.attempt
+            self.attempt, self.last_step = reply.attempt, reply.last_step
             self._event(
                 telemetry_pb2.EVENT_KIND_RUN_STARTED,
                 0,
@@ -112,10 +117,11 @@ class Reporter:
                     "fp8_unfit_linears": json.dumps(fp8_unfit or []),
                 },
             )
+        self.hosts = [host or "" for host in hosts]
         if world > 1:
-            shared = [self.attempt]
+            shared = [self.attempt, self.last_step]
             dist.broadcast_object_list(shared, src=0)
-            self.attempt = shared[0]
+            self.attempt, self.last_step = shared
 
     def restarted(self, step: int, restored_from: dict[str, int]) -> None:
         """The job resumed at `step` after an earlier attempt stopped (rank 0 reports it), with

@@ -50,6 +50,7 @@ from trainer.fp8 import Fp8Training
 from trainer.health.guard import StepGuard, replica_groups
 from trainer.health.inject import FaultInjector
 from trainer.health.preflight import check_ranks
+from trainer.health.quarantine import Quarantine
 from trainer.health.watchdog import REPORT_WAIT_S, Hang, PeerBoard, Watchdog
 from trainer.interop.hf_import import load_hf_weights
 from trainer.model.llama import Transformer
@@ -233,11 +234,17 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
         param_bytes=param_bytes, fp8_unfit=fp8.unfit if fp8 is not None else None,
     )  # fmt: skip
     _flush_on_termination(reporter)
-    faults = FaultInjector(cfg.faults, rank, cfg.model.vocab_size, device)
+    faults = FaultInjector(
+        cfg.faults, rank, cfg.model.vocab_size, device, computed_before=reporter.last_step
+    )
     guard = StepGuard(
         cfg.health_policy, model, optimizer,
         replica_groups=replica_groups(mesh.world.mesh, MESH_DIMS.index("dp_replicate")),
         faults=faults, report=reporter.health_event, device=device,
+        check_reductions=cfg.check_reductions,
+        quarantine=Quarantine(
+            cfg.quarantine, cfg.quarantine_after, reporter.hosts, rank, reporter.health_event
+        ),
     )  # fmt: skip
     checkpointer = (
         Checkpointer(
@@ -353,6 +360,7 @@ def _save_if_due(run: Run, step: int) -> tuple[SaveStarted | None, float]:
     _report_saves(checkpointer.poll(), run.reporter, run.rank)
     if not checkpointer.should_save(step):
         return None, 0.0
+    run.guard.verify_before_save()
     saved = checkpointer.save(step, labels={"layout": json.dumps(run.dims.layout())})
     _report_save_start(saved, step, run.reporter, run.rank)
     return saved, time.perf_counter() - t

@@ -16,6 +16,7 @@ MARKER_COLOURS = {
     "loss_spike": "#ff7f0e",
     "sdc": "#d62728",
     "replay": "#9467bd",
+    "quarantine": "#8c564b",
     "recovery": "#e377c2",
 }
 # The validation loss beside the training loss.

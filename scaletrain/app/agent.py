@@ -41,7 +41,6 @@ from scaletrain.app.growth import FLAP_WINDOW_S, GrowthRecord
 from scaletrain.cordon import (
     CORDONED_EXIT_CODE,
     FAILURES_ENV,
-    Failure,
     FailureWatch,
     KubeNode,
     cordon_node,
@@ -133,14 +132,13 @@ def _watch_failures(after: int) -> None:
     FailureWatch(path, after, _cordon).start()
 
 
-def _cordon(count: int, last: Failure) -> None:
+def _cordon(why: str) -> None:
     """Take this machine out of the job: its node marked unschedulable, its ranks stopped, the
     agent gone with CORDONED_EXIT_CODE (a waiting spare takes its place in the next round)."""
     marked = cordon_node(KubeNode.in_cluster())
     print(
-        f"[agent] this machine is cordoned: its ranks failed {count} times in a row (the last: "
-        f"rank {last.rank} after step {last.step}: {last.cause}); {marked}; its ranks are "
-        f"stopped and it leaves the job (exit {CORDONED_EXIT_CODE})",
+        f"[agent] this machine is cordoned: {why}; {marked}; its ranks are stopped and it "
+        f"leaves the job (exit {CORDONED_EXIT_CODE})",
         flush=True,
     )
     for pid in descendants(os.getpid()):

@@ -94,9 +94,10 @@ class Timeline:
         return self.typical_s if done.seconds is None else done.seconds
 
     def step_started(self, step: int) -> float | None:
-        """When the last attempt that completed `step` began it: its previous step line (its
-        start line for the attempt's first step)."""
-        done = next((s for s in reversed(self.steps) if s.step == step), None)
+        """When the first attempt that completed `step` began it: its previous step line (its
+        start line for the attempt's first step). A fault the trainer strikes itself strikes a
+        step once, the first time it is computed (`trainer.health.inject`)."""
+        done = next((s for s in self.steps if s.step == step), None)
         if done is None:
             return None
         if done.seconds is not None:

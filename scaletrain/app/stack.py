@@ -36,7 +36,7 @@ from typing import IO
 from scaletrain.app.recovery import STEP_LINE
 from scaletrain.app.rendezvous import CAPACITY_WAIT_S, wait_listening
 from scaletrain.app.seaweed import SeaweedS3, free_ports
-from scaletrain.cordon import CORDON_AFTER, FailureStreak
+from scaletrain.cordon import CORDON_AFTER, QUARANTINE_LINE, FailureStreak
 from scaletrain.errors import UserError
 from scaletrain.process import PEER_LOST, children_by_parent, descendants, rank_named
 from scaletrain.security import ClientSecurity, EmbeddedCredentials, Role
@@ -688,6 +688,21 @@ class Job:
                     args=(int(failed[2]), cause, self._step),
                     daemon=True,
                 ).start()
+            quarantined = QUARANTINE_LINE.search(line)
+            if quarantined is not None and quarantined[3] == "cordon":
+                threading.Thread(
+                    target=self._quarantine, args=(int(quarantined[1]), line), daemon=True
+                ).start()
+
+    def _node_of(self, rank: int) -> int | None:
+        """The node whose agent runs rank `rank` (waiting a while: a keeper may be forking it
+        again), or None."""
+        node, deadline = None, time.monotonic() + _FIND_RANK_S
+        while node is None and time.monotonic() < deadline and not self._stopped:
+            node = next((n for n in self.serving() if rank in self.rank_pids(n)), None)
+            if node is None:
+                time.sleep(0.1)
+        return node
 
     def _count_failure(self, rank: int, cause: str, step: int) -> None:
         """A rank failed after `step` and its keeper restarted it in the job: once the ranks of
@@ -695,17 +710,28 @@ class Job:
         before (failures further apart are faults of their own, and the count starts again),
         the node is cordoned: its agent stopped for good, so the next rendezvous round takes a
         waiting spare in its place, if a spare waits."""
-        node, deadline = None, time.monotonic() + _FIND_RANK_S
-        while node is None and time.monotonic() < deadline and not self._stopped:
-            # Its keeper forks it again: until then no process trains as that rank.
-            node = next((n for n in self.serving() if rank in self.rank_pids(n)), None)
-            time.sleep(0.1)
+        node = self._node_of(rank)
         if node is None:
             return
         with self._lock:
             failures = self._streaks.setdefault(node, FailureStreak()).add(step)
         if failures < self.stack.cordon_after or node in self.cordoned:
             return
+        why = f"its ranks failed {failures} times (the last: {cause})"
+        self._cordon(node, why, say_if_kept=failures == self.stack.cordon_after)
+
+    def _quarantine(self, rank: int, line: str) -> None:
+        """Rank 0 said the corruption checks quarantined rank `rank` (--quarantine cordon): its
+        node is cordoned at once, if a spare waits to take its place."""
+        node = self._node_of(rank)
+        if node is None or node in self.cordoned:
+            return
+        why = "quarantine: " + line.split("quarantine: ", 1)[1].split(";")[0]
+        self._cordon(node, why, say_if_kept=True)
+
+    def _cordon(self, node: int, why: str, say_if_kept: bool) -> None:
+        """Stop node `node`'s agent for good, so that a waiting spare takes its place in the next
+        rendezvous round; with no spare waiting it stays (said once, when `say_if_kept`)."""
         waiting = self.waiting_spares()
         with self._lock:
             waiting = [n for n in waiting if n not in self._claimed]  # claimed meanwhile
@@ -715,15 +741,12 @@ class Job:
                 self._claimed.add(waiting[0])
                 agent = self.agent(node)
         if not waiting:
-            if failures == self.stack.cordon_after:
-                self._say(
-                    f"{node_name(node)}'s ranks failed {failures} times (the last: {cause}); "
-                    "no spare waits to take its place, so it stays"
-                )
+            if say_if_kept:
+                self._say(f"{node_name(node)}: {why}; no spare waits to take its place: it stays")
             return
         self._say(
-            f"{node_name(node)} cordoned: its ranks failed {failures} times (the last: {cause}); "
-            f"its agent is stopped, and the waiting spare {node_name(waiting[0])} takes its place"
+            f"{node_name(node)} cordoned: {why}; its agent is stopped, and the waiting spare "
+            f"{node_name(waiting[0])} takes its place"
         )
         _kill_agent(agent)
 

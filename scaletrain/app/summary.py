@@ -18,6 +18,17 @@ from telemetry.db import connect
 from telemetry.health import run_health
 
 
+@dataclass(frozen=True)
+class Quarantined:
+    """A rank the corruption checks named too often (`trainer.health.quarantine`): on machine
+    `node`, named at `steps`, and what `policy` did (cordon: its machine taken out)."""
+
+    rank: int
+    node: str
+    steps: list[int]
+    policy: str
+
+
 @dataclass
 class RunSummary:
     run_id: str
@@ -44,6 +55,8 @@ class RunSummary:
     health_events: dict[str, int] = field(default_factory=dict)
     # Of the loss spikes, those the data caused (their alert closed itself).
     data_spikes: int = 0
+    # Ranks the corruption checks quarantined.
+    quarantined: list[Quarantined] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -127,6 +140,15 @@ def summarize(
         },
         health_events=health.event_counts,
         data_spikes=health.data_spikes,
+        quarantined=[
+            Quarantined(
+                rank=f.rank,
+                node=f.attributes.get("node", ""),
+                steps=[int(s) for s in f.attributes.get("steps", "").split(",") if s],
+                policy=f.attributes.get("policy", ""),
+            )
+            for f in health.quarantined
+        ],
     )
 
 

@@ -35,6 +35,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_EVAL: _ClassVar[EventKind]
     EVENT_KIND_RECOVERY: _ClassVar[EventKind]
     EVENT_KIND_ELASTIC: _ClassVar[EventKind]
+    EVENT_KIND_QUARANTINE: _ClassVar[EventKind]
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_RUN_STARTED: EventKind
 EVENT_KIND_RUN_FINISHED: EventKind
@@ -57,6 +58,7 @@ EVENT_KIND_FAULT: EventKind
 EVENT_KIND_EVAL: EventKind
 EVENT_KIND_RECOVERY: EventKind
 EVENT_KIND_ELASTIC: EventKind
+EVENT_KIND_QUARANTINE: EventKind
 
 class RegisterRunRequest(_message.Message):
     __slots__ = ("run_id", "name", "config_json", "world_size", "layout", "model_params", "hardware", "started_at", "ranks", "precision", "peak_flops", "peak_flops_source", "recompute_fraction")
@@ -99,12 +101,14 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class RegisterRunResponse(_message.Message):
-    __slots__ = ("created", "attempt")
+    __slots__ = ("created", "attempt", "last_step")
     CREATED_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     created: bool
     attempt: int
-    def __init__(self, created: _Optional[bool] = ..., attempt: _Optional[int] = ...) -> None: ...
+    last_step: int
+    def __init__(self, created: _Optional[bool] = ..., attempt: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class PhaseTimes(_message.Message):
     __slots__ = ("step", "data", "forward", "backward", "optimizer", "comm_wait", "checkpoint", "compute", "replay")

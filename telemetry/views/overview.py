@@ -21,7 +21,7 @@ from telemetry.views.common import (
 )
 
 # Events that say something is wrong now; counted as a run's open alerts since its latest start.
-ALERT_KINDS = ("alert", "straggler", "sdc", "loss_spike")
+ALERT_KINDS = ("alert", "straggler", "sdc", "loss_spike", "quarantine")
 OVERVIEW_COLUMNS = [
     "run_id", "name", "status", "world_size", "attempt", "step", "loss", "tokens_per_s", "mfu",
     "last_checkpoint", "last_checkpoint_at", "open_alerts", "started_at",

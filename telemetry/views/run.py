@@ -28,7 +28,7 @@ from telemetry.views.common import (
 )
 
 # Events drawn as markers on the loss curve (besides committed checkpoints).
-MARKER_KINDS = ("restart", "loss_spike", "sdc", "replay")
+MARKER_KINDS = ("restart", "loss_spike", "sdc", "replay", "quarantine")
 LOSS_POINT_COLUMNS = ["step", "loss", "loss_min", "loss_max", "tokens_per_s", "ranks"]
 EVAL_POINT_COLUMNS = ["step", "eval_loss"]
 MARKER_COLUMNS = ["step", "kind", "label"]

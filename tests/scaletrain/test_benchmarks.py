@@ -37,6 +37,7 @@ def run_bench(script: str, *args: str) -> str:
         ("ckptd_ingest.py", SMALL, "ratio ckptd fast path/raw"),
         ("ckptd_ssd.py", SMALL, "ratio SSD tier / dd"),
         ("ckptd_restore.py", SMALL, "ratio memory/SSD"),
+        ("datapath_tls.py", SMALL, "ratio peer TLS/bare TLS"),
         ("ckptd_s3.py", SMALL, "ratio S3 tier / boto3"),
         ("ckptd_cluster.py", SMALL, "ratio commit latency 2 nodes/1 node"),
         ("ckptd_tenants.py", ["--mib", "1", "--saves", "1", "--rounds", "1"], "without abuser"),
@@ -123,6 +124,16 @@ def test_the_straggler_benchmark_flags_every_slowed_rank_and_node_of_a_small_wor
     report = json.loads(printed[printed.index('{"ranks"') :])
     assert report["ranks"] == 512 and report["false_flags"] == {"rank_flags": 0, "node_flags": 0}
     assert all(case["never"] == 0 for case in report["cases"].values()), report["cases"]
+
+
+def test_the_sdc_coverage_benchmark_prints_its_matrix_and_catches_every_flip_at_rest() -> None:
+    printed = run_bench("sdc_coverage.py", "--quick")
+    assert "per target, all layouts and bit classes:" in printed
+    report = json.loads(printed[printed.index('{"totals"') :])
+    assert report["false_alarms"] == {"hsdp2x2": 0}
+    assert all(report["totals"][t][m]["detected_pct"] == 100 for t in ("param", "optim")
+               for m in ("before", "after"))  # fmt: skip
+    assert report["cost"]["hsdp2x2"]["cpu_ratio"] > 0
 
 
 def test_the_page_benchmark_fills_a_small_cluster_run_and_prints_its_ratios(tmp_path: Path) -> None:

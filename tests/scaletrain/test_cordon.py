@@ -14,11 +14,13 @@ import pytest
 
 from scaletrain.cordon import (
     FAILURES_ENV,
-    Failure,
+    QUARANTINE_LINE,
+    QUARANTINED,
     FailureStreak,
     FailureWatch,
     KubeNode,
     cordon_node,
+    quarantine_line,
     record_failure,
 )
 
@@ -33,12 +35,17 @@ def test_a_failure_far_from_the_last_starts_a_new_streak():
     assert [streak.add(step) for step in (10, 30, 35, 90)] == [1, 1, 2, 1]
 
 
+def _watching(path: Path, after: int) -> tuple[list[str], threading.Event, FailureWatch]:
+    cordoned: list[str] = []
+    done = threading.Event()
+    watch = FailureWatch(path, after, lambda why: (cordoned.append(why), done.set()))
+    watch.start()
+    return cordoned, done, watch
+
+
 def test_the_agent_cordons_once_its_keepers_record_enough_failures_in_a_row(tmp_path, monkeypatch):
     path = tmp_path / "agent" / "failures"
-    cordoned: list[tuple[int, Failure]] = []
-    done = threading.Event()
-    watch = FailureWatch(path, 3, lambda n, last: (cordoned.append((n, last)), done.set()))
-    watch.start()
+    cordoned, done, watch = _watching(path, 3)
     monkeypatch.setenv(FAILURES_ENV, str(path))
     record_failure(2, 10, "was killed by SIGKILL")
     record_failure(3, 60, "exited 75")  # a new streak: 50 steps later
@@ -47,8 +54,31 @@ def test_the_agent_cordons_once_its_keepers_record_enough_failures_in_a_row(tmp_
     assert cordoned == []
     record_failure(2, 62, "was killed by SIGSEGV")
     assert done.wait(5)
-    assert cordoned == [(3, Failure(rank=2, step=62, cause="was killed by SIGSEGV"))]
+    assert cordoned == [
+        "its ranks failed 3 times in a row (the last: rank 2 after step 62: was killed by SIGSEGV)"
+    ]
     watch.stop()
+
+
+def test_the_agent_cordons_a_machine_whose_rank_was_quarantined_at_once(tmp_path, monkeypatch):
+    path = tmp_path / "agent" / "failures"
+    cordoned, done, watch = _watching(path, 3)
+    monkeypatch.setenv(FAILURES_ENV, str(path))
+    record_failure(1, 14, f"{QUARANTINED}: named by the silent-data-corruption checks 2 times")
+    assert done.wait(5)
+    assert cordoned == [
+        f"rank 1 after step 14: {QUARANTINED}: named by the silent-data-corruption checks 2 times"
+    ]
+    watch.stop()
+
+
+def test_the_quarantine_line_names_the_rank_its_machine_and_the_action():
+    line = quarantine_line(3, "node1", [12, 14], "cordon")
+    found = QUARANTINE_LINE.match(line)
+    assert found is not None and found.groups() == ("3", "node1", "cordon"), line
+    assert "steps 12, 14" in line
+    found = QUARANTINE_LINE.match(quarantine_line(0, "", [5, 9], "alert"))
+    assert found is not None and found.groups() == ("0", "host unknown", "alert")
 
 
 def test_a_keeper_without_an_agent_watching_records_nothing(tmp_path, monkeypatch):

@@ -72,9 +72,11 @@ def test_a_fault_the_job_never_showed_has_no_detection_and_the_record_goes_to_te
 
 def test_a_slow_step_is_what_a_fault_inside_a_step_cost_and_kept_steps_are_effective_time():
     # Step 3 took 3 s (a silent data corruption replayed): its start is the fault's strike.
-    timeline = Timeline([(100.0, RUN), (101.0, step(1)), (102.0, step(2)), (105.0, step(3)),
-                         (106.0, step(4))])  # fmt: skip
+    lines = [(100.0, RUN), (101.0, step(1)), (102.0, step(2)), (105.0, step(3)), (106.0, step(4))]
+    timeline = Timeline(lines)
     assert timeline.step_started(3) == 102.0 and timeline.step_started(1) == 100.0
+    # Computed again after a restart: the strike was the first time.
+    assert Timeline([*lines, (110.0, RUN), (111.0, step(3))]).step_started(3) == 102.0
     signs = [Sign(103.0, "event sdc: rank 1's gradients differ")]
     got = record("sdc", timeline, signs, step=3, injected_at=102.0, ended_at=102.0)
     assert (got.detected_at, got.first_step, got.mttr_s, got.badput_s) == (103.0, 3, 3.0, 2.0)

@@ -276,6 +276,7 @@ def test_run_health_counts_findings_stragglers_and_dropped_records(
         "replay": 0,
         "alert": 0,
         "restart": 1,
+        "quarantine": 0,
     }
     assert health.straggler_ranks == [1]
     assert [(f.step, f.kind) for f in health.findings] == [
@@ -329,3 +330,37 @@ def test_checkpoint_events_fill_one_row_per_tier_with_the_trainers_stall(
 def test_events_can_be_filtered_by_kind(run: TelemetryStore, engine: Engine) -> None:
     listed = queries.events(engine, "run-1", kinds=["straggler", "loss_spike"])
     assert list(listed["kind"]) == ["loss_spike", "straggler"]
+
+
+def test_a_run_registering_again_learns_the_newest_step_it_recorded(
+    store: TelemetryStore, run_request: RegisterRun
+) -> None:
+    request = registered_at_t0(store, run_request)
+    store.add_steps([record(step, 0, 0, 10 + step) for step in (1, 2, 3)])
+    again = store.register_run(request)
+    assert (again.created, again.attempt, again.last_step) == (False, 1, 3)
+    assert store.register_run(run_request("run-2")).last_step == -1  # a new run: none
+
+
+def test_a_quarantined_rank_is_reported_with_its_machine_and_evidence(
+    store: TelemetryStore, run_request: RegisterRun, engine: Engine
+) -> None:
+    registered_at_t0(store, run_request)
+    store.add_events(
+        [
+            event("run-1", "sdc", step=12, rank=1, message="silent data corruption on rank 1"),
+            event("run-1", "sdc", step=14, rank=1, message="silent data corruption on rank 1"),
+            event(
+                "run-1",
+                "quarantine",
+                step=14,
+                rank=1,
+                message="rank 1 (node0) named twice",
+                attributes={"node": "node0", "steps": "12,14", "policy": "cordon"},
+            ),
+        ]
+    )
+    health = run_health(engine, "run-1")
+    assert health.event_counts["quarantine"] == 1
+    assert [(f.rank, f.attributes["node"]) for f in health.quarantined] == [(1, "node0")]
+    assert "quarantine   rank 1 (node0) at steps 12,14: cordon" in render(health)

@@ -137,7 +137,7 @@ def test_minority_is_everyone_on_a_tie_and_nobody_when_all_agree() -> None:
     [
         ("sdc", "step=3", "missing rank"),
         ("sdc", "step=0,rank=1", "step: must be a step number of 1 or more"),
-        ("sdc", "step=3,rank=1,target=activations", "target: must be grad or param"),
+        ("sdc", "step=3,rank=1,target=activations", "target: must be one of grad, param, "),
         ("sdc", "step=3,rank=1,colour=red", "expected step=...,rank=...,target=...,bit=..."),
         ("straggler", "rank=1,delay=-2", "delay: must be a positive number of seconds"),
         ("loss_spike", "step=x", "step: invalid literal"),
@@ -185,6 +185,18 @@ def test_a_gradient_flip_hits_the_largest_element_whose_top_exponent_bit_is_clea
     assert zeros.grad.tolist() == [0.0] * 4
     assert weights.grad[0] == 0.5 and weights.grad[2] == 3.0
     assert weights.grad[1] == -0.75 * 2.0**128
+
+
+def test_a_restarted_job_computing_a_step_again_is_not_struck_again() -> None:
+    # The run computed steps up to 5 before this job: the flip of step 4 struck then, once.
+    plan = FaultPlan(sdc=(SdcFault(4, 0), SdcFault(6, 0)))
+    injector = FaultInjector(plan, 0, 256, torch.device("cpu"), computed_before=5)
+    weights = torch.nn.Parameter(torch.zeros(2))
+    weights.grad = torch.tensor([0.5, 0.25])
+    injector.flip_gradient(4, [weights])
+    assert weights.grad.tolist() == [0.5, 0.25]
+    injector.flip_gradient(6, [weights])
+    assert weights.grad[0] == 0.5 * 2.0**128
 
 
 def test_a_snapshot_sees_any_change_at_rest_and_restores_state_bit_for_bit() -> None:

@@ -45,10 +45,15 @@ class Outcome:
     losses: list[float]
     events: list[tuple[str, int, int, dict[str, str]]]
     replay_seconds: list[float]
+    # The checksum of the parameters a checkpoint after step `save_at` copied.
+    saved: int | None = None
 
 
-def train(policy: str, *faults: str, loss_spike: int | None = None) -> Outcome:
-    """STEPS steps of a tiny model under a guard with `policy` and the --inject-sdc `faults`."""
+def train(
+    policy: str, *faults: str, loss_spike: int | None = None, save_at: int | None = None
+) -> Outcome:
+    """STEPS steps of a tiny model under a guard with `policy` and the --inject-sdc `faults`;
+    with `save_at`, a checkpoint copies the parameters after that step, as the loop saves."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -67,7 +72,7 @@ def train(policy: str, *faults: str, loss_spike: int | None = None) -> Outcome:
         device=torch.device("cpu"),
     )
     data = torch.Generator().manual_seed(1)
-    losses, replays = [], []
+    losses, replays, saved = [], [], None
     for step in range(1, STEPS + 1):
         # Counting sequences over the first half of the vocabulary: learnable in a few steps.
         starts = torch.randint(0, VOCAB // 2, (4, 1), generator=data)
@@ -76,7 +81,10 @@ def train(policy: str, *faults: str, loss_spike: int | None = None) -> Outcome:
         guarded = guard.run(step, functools.partial(step_body, model, optimizer, inputs, targets))
         losses.append(guarded.kept.global_loss)
         replays.append(guarded.health.replay_s)
-    return Outcome(checksum(model.parameters()), losses, events, replays)
+        if step == save_at:
+            guard.verify_before_save()
+            saved = checksum(model.parameters())
+    return Outcome(checksum(model.parameters()), losses, events, replays, saved)
 
 
 def step_body(
@@ -157,3 +165,15 @@ def test_a_bad_batch_is_classified_as_data_and_the_skip_policy_drops_its_update(
         assert "sdc" not in [kind for kind, *_ in outcome.events]
     assert kept.losses[:12] == skipped.losses[:12] == [*clean.losses[:11], kept.losses[11]]
     assert skipped.params != kept.params
+
+
+def test_a_parameter_changed_at_rest_before_a_save_is_put_right_before_the_checkpoint_copies_it(
+    clean: Outcome,
+) -> None:
+    # The flip lands after step 8, before the save of step 8 copies the state: the checkpoint
+    # must hold the state step 8 left, or a restore of step 8 would bring the corruption back.
+    hit = train("rollback", "step=8,rank=0,target=param", save_at=8)
+    assert hit.saved == train("rollback", save_at=8).saved
+    assert hit.params == clean.params
+    assert kinds(hit) == [("sdc", 8)]
+    assert hit.events[0][3]["stage"] == "at_rest"

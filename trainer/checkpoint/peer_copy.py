@@ -12,9 +12,11 @@ only once every byte has arrived. A lost node takes its ranks' own copies and th
 it held with it; every rank's state is then still whole on some node.
 
 A restore (`newest_in_memory`) asks every rank which steps its own copies hold and every node
-which peer copies it holds, each verified against its CRCs; the newest step that every rank
-can have is chosen, and a rank without its own copy of it gets it from the node holding its
-peer copy. Point-to-point traffic is bytes that DCP would also have to move; what a memory save
+which other copies it holds (peer copies, and own copies that ranks now running elsewhere left
+behind: a job re-formed with a spare may number its machines' ranks anew), each verified against
+its CRCs; the newest step that every rank can have is chosen, and a rank without its own copy
+of it gets it from the node holding one (copied locally when that is its own node).
+Point-to-point traffic is bytes that DCP would also have to move; what a memory save
 saves is DCP's planning, the gRPC calls and the commit, which cost more than the copy itself
 on a small model (bench/mem_ckpt.py).
 """
@@ -118,11 +120,12 @@ class PeerCopies:
         held: dict[tuple[int, int], Path] = {}
         if self._scanner:
             here = world_dir(self.run_id, self.host, self.world)
-            for slot in sorted(here.glob(f"rank*/{_PEER}/slot*")):
-                owner = int(slot.parent.parent.name.removeprefix("rank"))
+            slots = sorted(here.glob(f"rank*/{_PEER}/slot*")) + sorted(here.glob("rank*/slot*"))
+            for slot in slots:
+                rank_dir = slot.parent.parent if slot.parent.name == _PEER else slot.parent
                 step = sealed_step(slot, verify=True)
                 if step is not None:
-                    held.setdefault((owner, step), slot)
+                    held.setdefault((int(rank_dir.name.removeprefix("rank")), step), slot)
         self._held = held
         mine = (sorted(own_steps), sorted(held))
         gathered: list[tuple[list[int], list[tuple[int, int]]] | None] = [None] * self.world
@@ -138,7 +141,7 @@ class PeerCopies:
                 holder = holders.get((rank, step))
                 if step in own:
                     hosts[rank] = self.hosts[rank]
-                elif holder is not None and self.hosts[holder] != self.hosts[rank]:
+                elif holder is not None:
                     senders[rank], hosts[rank] = holder, self.hosts[holder]
                 else:
                     break
@@ -150,10 +153,12 @@ class PeerCopies:
     def bring_back(self, plan: MemoryRestore, into: Path) -> int:
         """Send the peer copies of `plan` this rank serves; receive this rank's own into `into`
         (a slot of its own copy) if it lacks it; bytes received. A collective of every rank."""
+        if plan.senders.get(self.rank) == self.rank:  # a copy on this rank's own node, found here
+            return _copy_sealed(self._held[(self.rank, plan.step)], into)
         sends = [
             (rank, self._held[(rank, plan.step)])
             for rank, sender in plan.senders.items()
-            if sender == self.rank
+            if sender == self.rank and rank != self.rank
         ]
         sender = plan.senders.get(self.rank)
         recvs = [(sender, into)] if sender is not None else []
@@ -227,6 +232,23 @@ class PeerCopies:
         if reuse:
             self._maps[path] = tensor
         return tensor
+
+
+def _copy_sealed(source: Path, into: Path) -> int:
+    """Copy the sealed copy in `source` into `into` (unsealed first, sealed once whole, as a
+    transfer does); bytes copied."""
+    manifest = _manifest(source)
+    into.mkdir(parents=True, exist_ok=True)
+    (into / MANIFEST).unlink(missing_ok=True)
+    nbytes = 0
+    for name, size in files_of(pickle.loads(manifest)[1]):
+        (into / name).unlink(missing_ok=True)  # another process may have it mapped
+        shutil.copyfile(source / name, into / name)
+        nbytes += size
+    temp = into / f"{MANIFEST}.tmp"
+    temp.write_bytes(manifest)
+    temp.rename(into / MANIFEST)
+    return nbytes
 
 
 def _manifest(directory: Path | None) -> bytes:

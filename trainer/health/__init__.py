@@ -11,3 +11,5 @@ from __future__ import annotations
 # What the step guard may do with a suspicious step (see trainer.health.guard). This module imports
 # no torch, so that trainer.options (which `scaletrain run` reads) can offer the same choices.
 POLICIES = ("rollback", "skip", "alert", "off")
+# What is done with a rank the corruption checks keep naming (trainer.health.quarantine).
+QUARANTINE_POLICIES = ("cordon", "alert", "off")

@@ -1,9 +1,20 @@
 """Faults injected on purpose, to prove that the health checks catch them.
 
-    --inject-sdc step=K,rank=R[,target=grad|param][,bit=B]
-        flip bit B (default: the top exponent bit) of the largest element of rank R's first
-        gradient shard right after step K's backward pass (target=grad: corruption in compute),
-        or of its first parameter shard after step K (target=param: corruption in memory).
+    --inject-sdc step=K,rank=R[,target=T][,bit=B|bits=CLASS][,element=largest|random][,seed=S]
+        flip one bit of one element on rank R, in step K, where target T says:
+          grad        its gradient shards right after backward (what the optimizer reads: the
+                      reductions' result as it lies in memory; the default),
+          param       its parameter shards after step K (corruption in memory, at rest),
+          optim       its optimizer state after step K (at rest),
+          activation  the output of one of its transformer blocks in step K's forward,
+          backward    the gradient arriving at one of its blocks' output in step K's backward
+                      (compute, before any reduction),
+          reduction   the output of one of its FSDP reduce-scatters in step K (the collective's
+                      result, before HSDP's all-reduce across replicas).
+        The bit: B, or one drawn from CLASS (sign, exponent, mantissa-high: the upper half of the
+        mantissa, mantissa-low: its lower half), else the top exponent bit. The element: the
+        largest whose bit is 0 (the flip then adds to its magnitude and shows: the default), or
+        one drawn uniformly; the block too is drawn. Draws are seeded by S, K, R and T.
     --inject-straggler rank=R,delay=SECONDS
         make rank R do SECONDS more work in every step (a busy loop: a slow device computes, it
         does not sleep).
@@ -18,8 +29,13 @@ Each flag may be given several times. This module parses them and imports no tor
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+# Where --inject-sdc can strike (see the module docstring); bit classes; element choices.
+SDC_TARGETS = ("grad", "param", "optim", "activation", "backward", "reduction")
+BIT_CLASSES = ("sign", "exponent", "mantissa-high", "mantissa-low")
+ELEMENTS = ("largest", "random")
 
 
 @dataclass(frozen=True)
@@ -27,8 +43,11 @@ class SdcFault:
     step: int
     rank: int
     target: str = "grad"
-    # None: the top exponent bit of the tensor's float width.
+    # None: a bit of class `bits`, or the top exponent bit of the tensor's float width.
     bit: int | None = None
+    element: str = "largest"
+    bits: str | None = None
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,7 +92,7 @@ class FaultPlan:
                 for text in loss_spikes
             ),
             bad_devices=tuple(
-                BadDeviceFault(**_fields("--inject-bad-device", text, {"rank": _rank}))
+                BadDeviceFault(**_fields("--inject-bad-device", text, {"rank": _non_negative}))
                 for text in bad_devices
             ),
         )
@@ -96,14 +115,23 @@ def _parse_sdc(text: str) -> SdcFault:
     values = _fields(
         "--inject-sdc",
         text,
-        {"step": _step, "rank": _rank},
-        {"target": _target, "bit": _bit},
+        {"step": _step, "rank": _non_negative},
+        {
+            "target": _choice(SDC_TARGETS),
+            "bit": _bit,
+            "element": _choice(ELEMENTS),
+            "bits": _choice(BIT_CLASSES),
+            "seed": _non_negative,
+        },
     )
+    if "bit" in values and "bits" in values:
+        raise ValueError(f"--inject-sdc {text!r}: give bit or bits, not both")
     return SdcFault(**values)
 
 
 def _parse_straggler(text: str) -> StragglerFault:
-    return StragglerFault(**_fields("--inject-straggler", text, {"rank": _rank, "delay": _seconds}))
+    fields = {"rank": _non_negative, "delay": _seconds}
+    return StragglerFault(**_fields("--inject-straggler", text, fields))
 
 
 def _fields(flag: str, text: str, required: dict, optional: dict | None = None) -> dict:
@@ -134,7 +162,7 @@ def _step(raw: str) -> int:
     return value
 
 
-def _rank(raw: str) -> int:
+def _non_negative(raw: str) -> int:
     value = int(raw)
     if value < 0:
         raise ValueError(f"must not be negative, got {value}")
@@ -155,7 +183,12 @@ def _seconds(raw: str) -> float:
     return value
 
 
-def _target(raw: str) -> str:
-    if raw not in ("grad", "param"):
-        raise ValueError(f"must be grad or param, got {raw!r}")
-    return raw
+def _choice(allowed: tuple[str, ...]) -> Callable[[str], str]:
+    """A converter that accepts only the names `allowed`."""
+
+    def convert(raw: str) -> str:
+        if raw not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}, got {raw!r}")
+        return raw
+
+    return convert

@@ -26,6 +26,7 @@ rank's parameters and optimizer state (see `trainer.health.snapshot`).
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.health.inject import FaultInjector
+from trainer.health.quarantine import Quarantine
+from trainer.health.reduction import Reductions, Settling, watch_reductions
 from trainer.health.sdc import (
     RankStats,
     Suspicion,
@@ -111,21 +114,39 @@ class StepGuard:
         faults: FaultInjector,
         report: Report,
         device: torch.device,
+        quarantine: Quarantine | None = None,
+        check_reductions: bool = False,
     ) -> None:
+        """`quarantine`: what counts the ranks the checks name (None: nobody counts).
+        `check_reductions`: check FSDP's reduce-scatters (`trainer.health.reduction`)."""
         self.policy = policy
+        self._quarantine = quarantine
+        # The state was found changed at rest before a save copied it (`verify_before_save`),
+        # and put right then: the next step reports it, as if it had found it.
+        self._changed_before_save = False
         self._params = list(model.parameters())
         self._replicas = [list(group) for group in replica_groups if len(group) > 1]
         self._faults = faults
         self._report = report
         self._device = device
         self._rank = dist.get_rank()
+        self._optimizer = optimizer
         self._snapshot = StateSnapshot(model, optimizer)
+        faults.attach(model)
+        self._reductions = watch_reductions(model, faults, check_reductions and self.enabled)
         self._loss = RollingSignal(LOSS_RULE)
         self._grad_norm = RollingSignal(GRAD_NORM_RULE)
 
     @property
     def enabled(self) -> bool:
         return self.policy != "off"
+
+    def resume_signals(self, other: StepGuard) -> None:
+        """Judge spikes by `other`'s recent losses and gradient norms, as if this guard had
+        guarded its steps: bench/sdc_coverage.py trains many trials on from one step, each under
+        a fresh guard (its copy of the state is the trial's)."""
+        self._loss = copy.deepcopy(other._loss)
+        self._grad_norm = copy.deepcopy(other._grad_norm)
 
     def run(
         self,
@@ -137,6 +158,8 @@ class StepGuard:
         `before_restore()` is called before the state is restored ahead of the body (a change
         at rest found): a lazy checkpoint copy of the state waits there."""
         at_rest_ok = self._verify_at_rest(before_restore) if self.enabled else True
+        at_rest_ok, self._changed_before_save = at_rest_ok and not self._changed_before_save, False
+        self._faults.begin_step(step)
         first = Attempt(self, step, replay=False, at_rest_ok=at_rest_ok)
         first_numbers = body(first)
         first.finished(first_numbers)
@@ -150,6 +173,7 @@ class StepGuard:
             else:
                 kept, replay_s, state_checksum = self._replay(step, first, body)
         self._faults.flip_parameter(step, self._params)
+        self._faults.flip_optimizer_state(step, self._optimizer)
         health = StepHealth(first.compute_s, state_checksum if self.enabled else None, replay_s)
         return Guarded(first_numbers, kept, health)
 
@@ -195,6 +219,14 @@ class StepGuard:
         self._grad_norm.excuse_next()
         return "kept", second.state
 
+    def verify_before_save(self) -> None:
+        """Verify, before a checkpoint copies the state, that it still is what the last step
+        left, and put it right if not (but under the alert policy): a change at rest found only
+        at the next step would be in the checkpoint already, and a restore of that step would
+        bring it back. The next step reports it with every rank's view."""
+        if self.enabled and not self._verify_at_rest(lambda: None):
+            self._changed_before_save = True
+
     def _verify_at_rest(self, before_restore: Callable[[], None]) -> bool:
         """Whether the live state still is what the previous step left; a state changed in memory
         is restored from the copy (except under the alert policy)."""
@@ -209,19 +241,21 @@ class StepGuard:
         return False
 
     def _report_at_rest(self, step: int, stats: Sequence[RankStats]) -> None:
-        for rank, view in enumerate(stats):
-            if not view.at_rest_ok:
-                action = "kept corrupted" if self.policy == "alert" else "restored"
-                self._event(
-                    "sdc",
-                    step - 1,
-                    rank,
-                    f"silent data corruption on rank {rank}: its parameters or optimizer state "
-                    f"changed in memory after step {step - 1} ({action})",
-                    {"stage": "at_rest", "action": action, "detected_before_step": str(step)},
-                )
-                if self.policy == "alert":
-                    self._event("alert", step - 1, rank, "corrupted state left in place", {})
+        changed = [rank for rank, view in enumerate(stats) if not view.at_rest_ok]
+        action = "kept corrupted" if self.policy == "alert" else "restored"
+        for rank in changed:
+            self._event(
+                "sdc",
+                step - 1,
+                rank,
+                f"silent data corruption on rank {rank}: its parameters or optimizer state "
+                f"changed in memory after step {step - 1} ({action})",
+                {"stage": "at_rest", "action": action, "detected_before_step": str(step)},
+            )
+            if self.policy == "alert":
+                self._event("alert", step - 1, rank, "corrupted state left in place", {})
+        if changed and self._quarantine is not None:
+            self._quarantine.named(step - 1, changed)
 
     def _report_verdict(
         self, step: int, suspicion: Suspicion, verdict: Verdict, action: str, seconds: float
@@ -273,6 +307,8 @@ class StepGuard:
                 )
             if action == "kept corrupted":
                 self._event("alert", step, -1, "corrupted step kept (policy alert)", {})
+            if self._quarantine is not None:
+                self._quarantine.named(step, verdict.ranks)
 
     def _event(self, kind: str, step: int, rank: int, message: str, attrs: dict[str, str]) -> None:
         if self._rank == 0:
@@ -298,6 +334,7 @@ class Attempt:
         self._clock_started = self._clock()
         self._overhead = 0.0
         self._grads = 0
+        self._reductions: Settling | None = None
         self.state = 0
         # This rank's own work in seconds (CPU time on a CPU rank), the guard's checks excluded.
         self.compute_s = 0.0
@@ -317,6 +354,8 @@ class Attempt:
             started = self._clock()
             grads = (local(p.grad) for p in guard._params if p.grad is not None)
             self._grads = checksum(grads)
+            if guard._reductions is not None:
+                self._reductions = guard._reductions.settle()
             self._overhead += self._clock() - started
 
     def finished(self, numbers: StepNumbers) -> None:
@@ -330,6 +369,7 @@ class Attempt:
         if not guard.enabled:
             return
         self.state = guard._snapshot.stage()
+        reduced = self._reductions.result() if self._reductions is not None else Reductions()
         mine = RankStats(
             global_loss=float_bits(numbers.global_loss),
             grad_norm=float_bits(float(numbers.grad_norm)),
@@ -337,6 +377,8 @@ class Attempt:
             grads=self._grads,
             state=self.state,
             at_rest_ok=int(self._at_rest_ok),
+            reduce_inputs=reduced.inputs,
+            reduce_ok=int(reduced.ok),
         )
         self.stats = guard._gather(mine)
         self.loss, self.grad_norm = consensus_values(self.stats)

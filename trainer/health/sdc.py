@@ -4,6 +4,8 @@ Pure decisions over what every rank saw of a step (gathered to every rank, so al
 same). A step is suspicious when
   - values every rank must hold identically differ: the all-reduced loss and gradient norm on every
     rank, the parameters and optimizer state of data-parallel replicas (HSDP) after the step;
+  - a rank's FSDP reduce-scatter result does not sum to what the ranks sent it
+    (`trainer.health.reduction`);
   - or the loss or the gradient norm spikes (see `trainer.health.stats`).
 The step is then replayed from the state before it, on the same batch, with deterministic kernels.
 A replay that reproduces every rank's result bit for bit says the data caused it; otherwise the
@@ -37,6 +39,10 @@ class RankStats:
     state: int
     # 0 when this rank's state changed between the previous step's end and this step's start.
     at_rest_ok: int
+    # Checksum of the gradients this rank sent to its reduce-scatters (0: none checked).
+    reduce_inputs: int = 0
+    # 0 when one of this rank's reduce-scatter results did not sum to what the ranks sent it.
+    reduce_ok: int = 1
 
     def row(self) -> list[int]:
         return [getattr(self, field.name) for field in fields(self)]
@@ -74,8 +80,9 @@ class Verdict:
 
     corrupted: bool
     ranks: list[int]
-    # "data", or where the corruption showed first: "forward", "gradients", "reduction",
-    # "optimizer" or "replicas".
+    # "data", or where the corruption showed first: "forward", "backward" (what a rank sent to
+    # its reduce-scatters), "reduce-scatter" (what one received), "gradients", "reduction" (the
+    # all-reduced loss or gradient norm), "optimizer" or "replicas".
     stage: str
     # Whether the replay gave the same results (a corruption can reproduce: a deterministic fault).
     reproduced: bool
@@ -100,6 +107,10 @@ def check(
         if odd:
             reasons.append(f"replicas {list(group)} hold different state after the step: {odd}")
             suspects.update(odd)
+    wrong = _unreduced(stats)
+    if wrong:
+        reasons.append(f"the reduce-scatter results of ranks {wrong} do not sum to their inputs")
+        suspects.update(wrong)
     value, norm = consensus_values(stats)
     loss_spike, grad_spike = loss.spike(value), grad_norm.spike(norm)
     for name, observed, spike in (("loss", value, loss_spike), ("gradient norm", norm, grad_spike)):
@@ -120,10 +131,16 @@ def classify(
     replica_groups: Sequence[Sequence[int]],
 ) -> Verdict:
     """Compare a step with its replay, in the order the step computes things."""
-    for stage, name in (("forward", "local_loss"), ("gradients", "grads")):
+    for stage, name in (("forward", "local_loss"), ("backward", "reduce_inputs")):
         ranks = _changed(original, replay, name)
         if ranks:
             return Verdict(True, ranks, stage, reproduced=False)
+    wrong = _unreduced(original)
+    if wrong:
+        return Verdict(True, wrong, "reduce-scatter", reproduced=_unreduced(replay) == wrong)
+    ranks = _changed(original, replay, "grads")
+    if ranks:
+        return Verdict(True, ranks, "gradients", reproduced=False)
     for name in ("global_loss", "grad_norm"):
         odd = minority([getattr(s, name) for s in original])
         if odd:
@@ -164,6 +181,11 @@ def consensus(values: Sequence[int]) -> int:
     counts = Counter(values)
     best = max(counts.values())
     return next(value for value in values if counts[value] == best)
+
+
+def _unreduced(stats: Sequence[RankStats]) -> list[int]:
+    """The ranks whose reduce-scatter results did not sum to their inputs."""
+    return [rank for rank, view in enumerate(stats) if not view.reduce_ok]
 
 
 def _changed(original: Sequence[RankStats], replay: Sequence[RankStats], name: str) -> list[int]:

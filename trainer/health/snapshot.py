@@ -38,11 +38,12 @@ def checksum(tensors: Iterable[torch.Tensor]) -> int:
     """
     sums: dict[torch.device, list[torch.Tensor]] = {}
     for index, tensor in enumerate(tensors):
-        sums.setdefault(tensor.device, []).append(_bit_sum(tensor) * (index + 1))
-    return _signed(sum(int(torch.stack(parts).sum().item()) for parts in sums.values()))
+        sums.setdefault(tensor.device, []).append(bit_sum(tensor) * (index + 1))
+    return signed64(sum(int(torch.stack(parts).sum().item()) for parts in sums.values()))
 
 
-def _bit_sum(tensor: torch.Tensor) -> torch.Tensor:
+def bit_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of `tensor`'s bit patterns as integers (a 0-dim int64 tensor, not synchronised)."""
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=tensor.device)
@@ -52,7 +53,8 @@ def _bit_sum(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(width).sum(dtype=width).to(torch.int64)
 
 
-def _signed(total: int) -> int:
+def signed64(total: int) -> int:
+    """`total` wrapped to a signed 64-bit integer."""
     total &= _MASK64
     return total - (1 << 64) if total >= 1 << 63 else total
 
@@ -80,7 +82,7 @@ class _FlatCopy:
         self.layout = layout
         # One reduction per buffer. Position-blind, unlike `checksum`, but any single flipped bit
         # still changes it; equality of the buffers would cost several times more.
-        self.sum = _signed(sum(int(_bit_sum(flat).item()) for flat in self._flats.values()))
+        self.sum = signed64(sum(int(bit_sum(flat).item()) for flat in self._flats.values()))
 
     def copy_into(self, tensors: list[torch.Tensor]) -> None:
         """Write the copy back into `tensors` (those it was filled from, in the same order)."""

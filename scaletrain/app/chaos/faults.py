@@ -247,6 +247,18 @@ FAULTS: dict[str, FaultKind] = {
         min_nodes=2,
         min_spares=1,
     ),
+    "corrupting-rank": FaultKind(
+        "(--spares 1 or more) a machine that corrupts: a bit of a random rank's gradients "
+        "flipped in step STEP and again two steps later (--inject-sdc twice); the step guard "
+        "replays both, the second finding quarantines the rank (--quarantine cordon), its "
+        "machine is cordoned and a waiting spare takes its place.",
+        machines.corrupting_rank,
+        trainer_args=machines.corrupting_rank_flags,
+        restarts=True,
+        min_nodes=2,
+        min_spares=1,
+        detected_by=r"\[trainer\] quarantine: ",
+    ),
     "kill-spare-taking-over": FaultKind(
         "(--spares 1 or more) as kill-node, then SIGKILL the spare taking the node's place as "
         "soon as it runs ranks: the job finds it lost and goes on with the next machine (the "

@@ -1,5 +1,6 @@
 """The strikes that take a whole machine (a node of the job): kill-node and its kinds, the node
-that comes back, the node that fails until it is cordoned.
+that comes back, the node that fails until it is cordoned, the machine that corrupts until it is
+quarantined.
 
 Each strike takes the drill and its fault and returns (its target, what happened), as
 `FaultKind.inject` says. A node's machine is lost once no committed checkpoint needs it (or, for
@@ -171,6 +172,36 @@ def flaky_node(drill: Drill, fault: Fault) -> tuple[str, str]:
     drill.spare_used = ", ".join(map(node_name, sorted(drill.job.serving() - serving)))
     return node_name(node), (
         f"a rank of it SIGKILLed {kills} times; cordoned, spare "
+        f"{drill.spare_used or 'NONE'} took its place{restarted}"
+    )
+
+
+# Steps between corrupting-rank's two flips.
+CORRUPT_AGAIN_AFTER = 2
+
+
+def corrupting_rank_flags(fault: Fault, rank: int) -> list[str]:
+    """The trainer's flags that flip a bit of rank `rank`'s gradients in steps STEP and
+    STEP + CORRUPT_AGAIN_AFTER (`FaultKind.trainer_args`)."""
+    steps = (fault.step, fault.step + CORRUPT_AGAIN_AFTER)
+    return [arg for step in steps for arg in ("--inject-sdc", f"step={step},rank={rank}")]
+
+
+def corrupting_rank(drill: Drill, fault: Fault) -> tuple[str, str]:
+    """The trainer flips the bits itself (`corrupting_rank_flags`); here the drill waits for the
+    second finding to quarantine the rank, its machine to be cordoned (`Job._quarantine`) and
+    the job to restart with the spare in its place."""
+    job = drill.job
+    assert job is not None
+    rank, serving, attempts = drill.rank_for(fault), job.serving(), drill.tap.attempts
+    node = next((n for n in serving if rank in job.rank_pids(n)), None)
+    if node is None or not drill.tap.wait(lambda: drill.done.is_set() or node in job.cordoned):
+        raise JobEnded
+    restarted = drill.await_restart(attempts)
+    drill.spare_used = ", ".join(map(node_name, sorted(job.serving() - serving)))
+    return f"rank {rank}", (
+        f"a gradient bit flipped in steps {fault.step} and {fault.step + CORRUPT_AGAIN_AFTER} "
+        f"(--inject-sdc); quarantined, {node_name(node)} cordoned, spare "
         f"{drill.spare_used or 'NONE'} took its place{restarted}"
     )
 

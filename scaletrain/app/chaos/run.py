@@ -64,6 +64,8 @@ class ChaosReport:
     badput_by_fault_s: dict[str, float] = field(default_factory=dict)
     # The time in steps that were kept over the job's wall time (None: no wall time).
     effective_training: float | None = None
+    # Ranks the corruption checks quarantined (`scaletrain.app.summary.Quarantined`).
+    quarantined: list[dict[str, object]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -186,4 +188,5 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         fault_recoveries=[asdict(r) for r in records],
         badput_by_fault_s=summary.badput_by_fault_s,
         effective_training=None if effective is None else round(effective, 4),
+        quarantined=[asdict(q) for q in summary.quarantined],
     )

@@ -101,6 +101,11 @@ def _print_report(r) -> None:
     print(f"badput by fault      {badput_line(r.badput_by_fault_s)}")
     effective = "n/a" if r.effective_training is None else f"{r.effective_training:.1%}"
     print(f"effective training   {effective} of the job's wall time in steps that were kept")
+    for q in r.quarantined:
+        print(
+            f"quarantine           rank {q['rank']} ({q['node'] or 'host unknown'}) named at steps "
+            f"{', '.join(map(str, q['steps']))}: {q['policy']}"
+        )
     print(f"final loss           {r.last_loss!r}  params sha256 {r.params_sha256}")
     print(f"wall time            {r.wall_s:.1f} s")
     for f, rec in zip(r.faults, r.fault_recoveries, strict=True):

@@ -135,6 +135,11 @@ def _print_summary(s) -> None:
     print(f"goodput      {fmt(s.goodput, '.1%')}  badput: {badput_line(s.badput_s)}")
     print_other_badput(s.badput_s, indent=13)
     print(f"health       {_findings(s.health_events, s.data_spikes)}")
+    for q in s.quarantined:
+        print(
+            f"quarantine   rank {q.rank} ({q.node or 'host unknown'}): named by the corruption "
+            f"checks at steps {', '.join(map(str, q.steps))}; {q.policy}"
+        )
     print(f"checkpoints  {len(s.checkpoints)} committed")
     for c in s.checkpoints:
         safe = "  node-loss safe" if c.get("node_loss_safe") else ""
