@@ -56,7 +56,7 @@ class Reporter:
         cfg: TrainConfig,
         world: int,
         layout: dict[str, int],
-        n_params: int,
+        model_params: int,
         hardware: str,
         dataset: dict[str, object],
         *,
@@ -68,7 +68,8 @@ class Reporter:
     ) -> None:
         """Register the run from rank 0 (with what MFU needs: precision, dense peak) and share its
         attempt with every rank; call it on every rank. `launched_at` is when the job started,
-        which is where the run's wall time (and start-up badput) begins. `dataset`: what the run
+        which is where the run's wall time (and start-up badput) begins. `model_params`: the N
+        of MFU's 6N (`Transformer.active_params`). `dataset`: what the run
         trains on (digest, tokenizer, tokens), kept in the run's config. `param_bytes`: each
         rank's parameter bytes after the build, by rank, sent with the run-started event, as are the
         linears FP8 left in high precision because the recipe cannot split them (`fp8_unfit`)."""
@@ -93,7 +94,7 @@ class Reporter:
                     config_json=json.dumps(config, sort_keys=True),
                     world_size=world,
                     layout=common_pb2.ParallelLayout(**layout),
-                    model_params=n_params,
+                    model_params=model_params,
                     hardware=hardware,
                     started_at=launched_at,
                     precision=precision,

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -125,11 +126,19 @@ def _attempt_store(timeout: timedelta) -> dict[str, object]:
     }
 
 
+class ParamCount(NamedTuple):
+    """A model's parameters, the embedding excluded: all of them, and those a token computes
+    with (`Transformer.active_params`: fewer in an MoE), which MFU counts."""
+
+    total: int
+    active: int
+
+
 def build(
     cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, rank: int
-) -> tuple[ParallelModel, Fp8Training | None, int, list[int]]:
+) -> tuple[ParallelModel, Fp8Training | None, ParamCount, list[int]]:
     """The laid-out model with only this rank's shards allocated (`build_model`), its FP8 side,
-    its parameter count, and every rank's parameter bytes after the build (a collective), which
+    its parameter counts, and every rank's parameter bytes after the build (a collective), which
     rank 0 logs: what each rank holds is what decides whether a model fits."""
     parallel, fp8 = build_model(cfg, mesh, device)
     with torch.device("meta"):
@@ -143,7 +152,7 @@ def build(
             f"..{max(param_bytes) / 1e6:,.1f} MB (the whole model in fp32: {full_mb:,.1f} MB)",
             flush=True,
         )
-    return parallel, fp8, whole.num_params(), param_bytes
+    return parallel, fp8, ParamCount(whole.num_params(), whole.active_params()), param_bytes
 
 
 @dataclass
@@ -229,7 +238,7 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     reporter = Reporter(cfg.telemetry, cfg.run_id, rank)
     cleanup.callback(reporter.close)
     reporter.register_run(
-        cfg, world, dims.layout(), n_params, _hardware(device), source_identity(source),
+        cfg, world, dims.layout(), n_params.active, _hardware(device), source_identity(source),
         device=device, param_dtype=next(model.parameters()).dtype, launched_at=launched_at,
         param_bytes=param_bytes, fp8_unfit=fp8.unfit if fp8 is not None else None,
     )  # fmt: skip
@@ -286,7 +295,7 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
     if rank == 0:
         in_job = f", in-job restart {keeper.generation()}" if keeper.generation() else ""
         print(
-            f"[trainer] run {cfg.run_id}: {world} ranks, {n_params:,} parameters, "
+            f"[trainer] run {cfg.run_id}: {world} ranks, {n_params.total:,} parameters, "
             f"steps {start_step + 1}..{cfg.steps}{in_job}",
             flush=True,
         )
@@ -296,7 +305,8 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
         cfg=cfg, rank=rank, world=world, device=device, dims=dims, parallel=parallel, fp8=fp8,
         optimizer=optimizer, scheduler=scheduler, loader=loader, held_out=held_out,
         reporter=reporter, faults=faults, guard=guard, checkpointer=checkpointer,
-        watchdog=watchdog, start_step=start_step, flops_per_token=model_flops_per_token(n_params),
+        watchdog=watchdog, start_step=start_step,
+        flops_per_token=model_flops_per_token(n_params.active),
     )  # fmt: skip
 
 

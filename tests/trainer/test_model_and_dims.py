@@ -67,3 +67,18 @@ def test_a_validation_forward_counts_no_expert_load_so_it_changes_no_later_step(
     assert all(int(m.tokens_per_expert.sum()) == 0 for m in moes)
     model(tokens)
     assert all(int(m.tokens_per_expert.sum()) == 2 * 16 * 2 for m in moes)
+
+
+def test_mfu_counts_the_routed_experts_a_token_is_sent_to_not_all_of_them():
+    dense = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16)
+    with torch.device("meta"):
+        model = Transformer(dense)
+    assert model.active_params() == model.num_params()
+    moe = MoEArgs(n_experts=8, top_k=2, hidden=16)
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(**{**vars(dense), "moe": moe}))
+    experts = sum(
+        sum(p.numel() for p in block.feed_forward.experts.parameters())
+        for block in model.layers.values()
+    )
+    assert model.active_params() == model.num_params() - experts * 6 // 8

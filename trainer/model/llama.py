@@ -316,6 +316,18 @@ class Transformer(nn.Module):
             total -= self.tok_embeddings.weight.numel()
         return total
 
+    def active_params(self) -> int:
+        """The parameters a token computes with, the embedding excluded: the N of MFU's 6N. A
+        dense model's all; an MoE's routed experts count for the top_k of n_experts a token is
+        sent to (DeepSeek-V3: 37B of 671B), else MFU would credit the run with the idle ones."""
+        idle = 0.0
+        for block in self.layers.values():
+            moe = getattr(block, "feed_forward", None)
+            if isinstance(moe, MoE):
+                experts = sum(p.numel() for p in moe.experts.parameters())
+                idle += experts * (1 - moe.args.top_k / moe.args.n_experts)
+        return self.num_params() - round(idle)
+
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position, computed in fp32.

@@ -47,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         action=options.Renamed,
         type=int,
         default=8,
-        help="ranks a node, for --min-nodes (default 8; --gpus-per-node: the old name)",
+        help="ranks a node, for --min-nodes and an MoE's all-to-all bytes within and across "
+        "nodes (default 8; --gpus-per-node: the old name)",
     )
     launch.launcher_args(planner, launch.RUN_DEFAULTS)
     launch.trainer_options(planner)
@@ -61,12 +62,12 @@ def _plan(args: argparse.Namespace) -> int:
         print(options.to_toml(job), end="")
         return 0
     job = job | {"run_id": job["run_id"] or "plan"}
-    planned = plan(job, args.ranks, args.device, args.tokens_per_s)
+    planned = plan(job, args.ranks, args.device, args.tokens_per_s, args.ranks_per_node)
     sizes = None
     if args.min_nodes is not None:
         sizes = elastic_sizes(job, args.ranks, args.ranks_per_node, args.min_nodes, args.device)
     if args.json:
-        shown = dataclasses.asdict(planned) | {"mfu": planned.mfu}
+        shown = planned.as_json()
         if sizes is not None:
             shown["elastic"] = [dataclasses.asdict(size) for size in sizes]
         print(json.dumps(shown, indent=2))
