@@ -256,12 +256,14 @@ def wait_until_healthy(
 ) -> None:
     """Block until the service at `address` reports SERVING, or raise UserError."""
     with make_channel(address, security) as channel:
+        ready = grpc.channel_ready_future(channel)
         try:
-            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+            ready.result(timeout=timeout_s)
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
             )
         except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+            ready.cancel()  # its polling thread stops before the channel closes
             raise UserError(f"service at {address} did not become healthy: {exc}") from None
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
         raise UserError(f"service at {address} is not serving (status {reply.status})")

@@ -15,23 +15,57 @@ from typing import Any
 from scaletrain.v1 import telemetry_pb2
 
 PHASES = (
-    "step", "data", "forward", "backward", "optimizer", "comm_wait", "checkpoint", "compute",
+    "step",
+    "data",
+    "forward",
+    "backward",
+    "optimizer",
+    "comm_wait",
+    "checkpoint",
+    "compute",
     "replay",
-)  # fmt: skip
+)
 # The fields of StepColumns, in order; READ gets them from a RankStep in the same order.
 COLUMN_NAMES = (
-    "run_id", "step", "rank", "attempt", "loss", "grad_norm", "tokens",
+    "run_id",
+    "step",
+    "rank",
+    "attempt",
+    "loss",
+    "grad_norm",
+    "tokens",
     *(f"{phase}_s" for phase in PHASES),
-    "memory_bytes", "peak_memory_bytes", "lr", "time_seconds", "time_nanos", "param_checksum",
-    "global_sample", "rank_sample", "epoch", "dropped_records",
-)  # fmt: skip
-READ = operator.attrgetter(
-    "run_id", "step", "rank", "attempt", "loss", "grad_norm", "tokens",
-    *(f"times.{phase}" for phase in PHASES),
-    "memory_bytes", "peak_memory_bytes", "lr", "time.seconds", "time.nanos", "param_checksum",
-    "data_offset.global_sample", "data_offset.rank_sample", "data_offset.epoch",
+    "memory_bytes",
+    "peak_memory_bytes",
+    "lr",
+    "time_seconds",
+    "time_nanos",
+    "param_checksum",
+    "global_sample",
+    "rank_sample",
+    "epoch",
     "dropped_records",
-)  # fmt: skip
+)
+READ = operator.attrgetter(
+    "run_id",
+    "step",
+    "rank",
+    "attempt",
+    "loss",
+    "grad_norm",
+    "tokens",
+    *(f"times.{phase}" for phase in PHASES),
+    "memory_bytes",
+    "peak_memory_bytes",
+    "lr",
+    "time.seconds",
+    "time.nanos",
+    "param_checksum",
+    "data_offset.global_sample",
+    "data_offset.rank_sample",
+    "data_offset.epoch",
+    "dropped_records",
+)
 
 
 _TIME_SECONDS = COLUMN_NAMES.index("time_seconds")

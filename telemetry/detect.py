@@ -228,17 +228,29 @@ class StragglerDetector:
             if self._node_flagged.any():
                 node_active = np.bincount(nodes_of[drift > 0], minlength=count) >= share
         node_flags = self._advance(
-            step, node_slow, np.arange(count), self._node_slow_steps, self._node_since,
-            self._node_flagged, node_drifting, node_active,
-        )  # fmt: skip
+            step,
+            node_slow,
+            np.arange(count),
+            self._node_slow_steps,
+            self._node_since,
+            self._node_flagged,
+            node_drifting,
+            node_active,
+        )
         held = node_slow | self._node_flagged
         if node_drifting is not None:
             held |= node_drifting
         held_rank = held[nodes_of]
         rank_flags = self._advance(
-            step, slow & ~held_rank, measured, self._slow_steps, self._slow_since, self._flagged,
-            None if alarm is None else alarm & ~held_rank, active,
-        )  # fmt: skip
+            step,
+            slow & ~held_rank,
+            measured,
+            self._slow_steps,
+            self._slow_since,
+            self._flagged,
+            None if alarm is None else alarm & ~held_rank,
+            active,
+        )
         flags: list[StragglerFlag | NodeFlag] = []
         lagging = slow if leaning is None else slow | leaning
         for node in node_flags:
@@ -250,20 +262,26 @@ class StragglerDetector:
             lag = lagging[here]
             flags.append(
                 NodeFlag(
-                    step, self.nodes.names[node], [int(r) for r in ranks], since,
+                    step,
+                    self.nodes.names[node],
+                    [int(r) for r in ranks],
+                    since,
                     float(relative[here][lag].mean()),
                 )
-            )  # fmt: skip
+            )
         for rank in rank_flags:
             since = self._slow_since[rank]
             if self._slow_steps[rank] < policy.patience:  # flagged by its CUSUMs
                 since = self._drift_since[rank]
             flags.append(
                 StragglerFlag(
-                    step, int(rank), int(since), Scores(*map(float, self._scores[rank])),
+                    step,
+                    int(rank),
+                    int(since),
+                    Scores(*map(float, self._scores[rank])),
                     self.nodes.names[of_rank[rank]],
                 )
-            )  # fmt: skip
+            )
         return flags
 
     def _cusums(

@@ -35,11 +35,24 @@ _OFFSETS = ("global_sample", "rank_sample", "epoch")
 # Column order of the row tuples; the positions below index into it. The same as COLUMN_NAMES,
 # with the time's two columns made one.
 STEP_COLUMNS = (
-    "run_id", "step", "rank", "attempt", "loss", "grad_norm", "tokens",
+    "run_id",
+    "step",
+    "rank",
+    "attempt",
+    "loss",
+    "grad_norm",
+    "tokens",
     *(f"{phase}_s" for phase in PHASES),
-    "memory_bytes", "peak_memory_bytes", "lr", "time", "param_checksum",
-    "global_sample", "rank_sample", "epoch", "dropped_records",
-)  # fmt: skip
+    "memory_bytes",
+    "peak_memory_bytes",
+    "lr",
+    "time",
+    "param_checksum",
+    "global_sample",
+    "rank_sample",
+    "epoch",
+    "dropped_records",
+)
 RUN_ID, STEP, RANK, ATTEMPT, LOSS, GRAD_NORM, TOKENS, TIME = (
     STEP_COLUMNS.index(name)
     for name in ("run_id", "step", "rank", "attempt", "loss", "grad_norm", "tokens", "time")
@@ -108,9 +121,16 @@ def step_values(
         global_sample, rank_sample, epoch, dropped_records,
     ) = READ(record)  # fmt: skip
     phase_seconds = (
-        step_s, data_s, forward_s, backward_s, optimizer_s, comm_wait_s, checkpoint_s, compute_s,
+        step_s,
+        data_s,
+        forward_s,
+        backward_s,
+        optimizer_s,
+        comm_wait_s,
+        checkpoint_s,
+        compute_s,
         replay_s,
-    )  # fmt: skip
+    )
     if not (
         run_id
         and math.isfinite(sum(phase_seconds) + lr)
@@ -128,11 +148,24 @@ def step_values(
     else:
         stored_time = _now(time_format)
     return (
-        run_id, step, rank, attempt,
-        None if loss != loss else loss, None if grad_norm != grad_norm else grad_norm,
-        tokens, *phase_seconds, memory_bytes, peak_memory_bytes, lr, stored_time,
-        param_checksum, global_sample, rank_sample, epoch, dropped_records,
-    )  # fmt: skip
+        run_id,
+        step,
+        rank,
+        attempt,
+        None if loss != loss else loss,
+        None if grad_norm != grad_norm else grad_norm,
+        tokens,
+        *phase_seconds,
+        memory_bytes,
+        peak_memory_bytes,
+        lr,
+        stored_time,
+        param_checksum,
+        global_sample,
+        rank_sample,
+        epoch,
+        dropped_records,
+    )
 
 
 def column_rows(
@@ -162,13 +195,29 @@ def column_rows(
         global_sample, rank_sample, epoch, dropped_records,
     ) = values  # fmt: skip
     phase_seconds = (
-        step_s, data_s, forward_s, backward_s, optimizer_s, comm_wait_s, checkpoint_s, compute_s,
-        replay_s, lr,
-    )  # fmt: skip
+        step_s,
+        data_s,
+        forward_s,
+        backward_s,
+        optimizer_s,
+        comm_wait_s,
+        checkpoint_s,
+        compute_s,
+        replay_s,
+        lr,
+    )
     counts = (
-        step, rank, attempt, tokens, memory_bytes, peak_memory_bytes, dropped_records,
-        global_sample, rank_sample, epoch,
-    )  # fmt: skip
+        step,
+        rank,
+        attempt,
+        tokens,
+        memory_bytes,
+        peak_memory_bytes,
+        dropped_records,
+        global_sample,
+        rank_sample,
+        epoch,
+    )
     if not (
         all(run_id)
         and all(math.isfinite(sum(column)) and min(column) >= 0 for column in phase_seconds)
@@ -190,13 +239,26 @@ def column_rows(
     ]
     return list(
         zip(
-            run_id, step, rank, attempt,
-            [None if x != x else x for x in loss], [None if x != x else x for x in grad_norm],
-            tokens, *phase_seconds[:-1], memory_bytes, peak_memory_bytes, lr, times,
-            param_checksum, global_sample, rank_sample, epoch, dropped_records,
+            run_id,
+            step,
+            rank,
+            attempt,
+            [None if x != x else x for x in loss],
+            [None if x != x else x for x in grad_norm],
+            tokens,
+            *phase_seconds[:-1],
+            memory_bytes,
+            peak_memory_bytes,
+            lr,
+            times,
+            param_checksum,
+            global_sample,
+            rank_sample,
+            epoch,
+            dropped_records,
             strict=True,
         )
-    )  # fmt: skip
+    )
 
 
 def _now(time_format: TimeFormat) -> Any:

@@ -38,7 +38,7 @@ from telemetry.ingest import (
     STEP,
     TIME,
     TOKENS,
-)  # fmt: skip
+)
 from telemetry.models import Run
 from telemetry.rollup import NodeMap, StepSummary, as_datetime, summarise
 
@@ -69,9 +69,15 @@ class RankView:
 # What a run's registration says that its figures need; RegisterRunRequest and the runs table both
 # have these attributes.
 _DESCRIPTION = (
-    "run_id", "world_size", "model_params", "hardware", "precision", "peak_flops",
-    "peak_flops_source", "recompute_fraction",
-)  # fmt: skip
+    "run_id",
+    "world_size",
+    "model_params",
+    "hardware",
+    "precision",
+    "peak_flops",
+    "peak_flops_source",
+    "recompute_fraction",
+)
 
 
 @dataclass

@@ -258,11 +258,20 @@ class Event(Base):
 # What a step rollup summarises across ranks: each phase time, loss, gradient norm and memory, as
 # (name in step_rollups, column of rank_steps). Phase names drop the "_s" of their column.
 ROLLUP_METRICS = (
-    ("step", "step_s"), ("compute", "compute_s"), ("data", "data_s"), ("forward", "forward_s"),
-    ("backward", "backward_s"), ("optimizer", "optimizer_s"), ("comm_wait", "comm_wait_s"),
-    ("checkpoint", "checkpoint_s"), ("replay", "replay_s"), ("loss", "loss"),
-    ("grad_norm", "grad_norm"), ("memory", "memory_bytes"), ("peak_memory", "peak_memory_bytes"),
-)  # fmt: skip
+    ("step", "step_s"),
+    ("compute", "compute_s"),
+    ("data", "data_s"),
+    ("forward", "forward_s"),
+    ("backward", "backward_s"),
+    ("optimizer", "optimizer_s"),
+    ("comm_wait", "comm_wait_s"),
+    ("checkpoint", "checkpoint_s"),
+    ("replay", "replay_s"),
+    ("loss", "loss"),
+    ("grad_norm", "grad_norm"),
+    ("memory", "memory_bytes"),
+    ("peak_memory", "peak_memory_bytes"),
+)
 # The statistics kept of each metric: a step_rollups column is named "<metric>_<statistic>".
 ROLLUP_STATISTICS = ("min", "median", "p99", "max")
 

@@ -48,9 +48,16 @@ def step_scalars(bind: Bind, run_id: str) -> pd.DataFrame:
                 .where(StepRollup.run_id == run_id, LATEST_ROLLUP)
                 .order_by(StepRollup.step)
             ).all(),
-            columns=["step", "loss", "grad_norm", "tokens", "wall_s", "productive_s",
-                     "checkpoint_stall_s"],
-        )  # fmt: skip
+            columns=[
+                "step",
+                "loss",
+                "grad_norm",
+                "tokens",
+                "wall_s",
+                "productive_s",
+                "checkpoint_stall_s",
+            ],
+        )
         lr = dict(
             connection.execute(
                 select(RankStep.step, func.max(RankStep.lr))

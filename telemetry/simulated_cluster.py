@@ -129,15 +129,27 @@ class Cluster:
                 loss *= 4
             grad_norm = 1e3 if plan.sdc == (step, rank) else 1.0 + 0.01 * noise
             record = rank_step(
-                self.run_id, step, rank, loss=loss, grad_norm=grad_norm,
-                tokens=self.tokens_per_rank, lr=3e-4,
-                times={"step": self.step_s, "data": data, "forward": compute / 3,
-                       "backward": compute * 0.55, "optimizer": compute * 0.12,
-                       "comm_wait": max(self.step_s - compute - data, 0.0), "compute": compute},
+                self.run_id,
+                step,
+                rank,
+                loss=loss,
+                grad_norm=grad_norm,
+                tokens=self.tokens_per_rank,
+                lr=3e-4,
+                times={
+                    "step": self.step_s,
+                    "data": data,
+                    "forward": compute / 3,
+                    "backward": compute * 0.55,
+                    "optimizer": compute * 0.12,
+                    "comm_wait": max(self.step_s - compute - data, 0.0),
+                    "compute": compute,
+                },
                 offset=(step * self.ranks * 4, step * 4, 0),
-                memory_bytes=60 << 30, peak_memory_bytes=(70 << 30) + rank,
+                memory_bytes=60 << 30,
+                peak_memory_bytes=(70 << 30) + rank,
                 param_checksum=f"{step:08x}{rank:08x}",
-            )  # fmt: skip
+            )
             record.time.FromNanoseconds(ends + rank)
             out.append(record)
         return out
@@ -149,16 +161,28 @@ class Cluster:
         found = []
         if plan.sdc is not None and plan.sdc[0] == step:
             found.append(
-                event(self.run_id, "sdc", step=step, rank=plan.sdc[1],
-                      message=f"rank {plan.sdc[1]} on {self.host(plan.sdc[1])}: gradients differ "
-                      "on replay", attributes={"stage": "gradients"})
-            )  # fmt: skip
+                event(
+                    self.run_id,
+                    "sdc",
+                    step=step,
+                    rank=plan.sdc[1],
+                    message=f"rank {plan.sdc[1]} on {self.host(plan.sdc[1])}: gradients differ "
+                    "on replay",
+                    attributes={"stage": "gradients"},
+                )
+            )
         for spike_step, rank in plan.loss_spikes:
             if spike_step == step:
                 found.append(
-                    event(self.run_id, "loss_spike", step=step, rank=rank,
-                          message=f"loss spike on rank {rank}", attributes={"verdict": "data"})
-                )  # fmt: skip
+                    event(
+                        self.run_id,
+                        "loss_spike",
+                        step=step,
+                        rank=rank,
+                        message=f"loss spike on rank {rank}",
+                        attributes={"verdict": "data"},
+                    )
+                )
         if step == self.steps:
             found.append(event(self.run_id, "run_finished", step=step, message="run finished"))
         for found_event in found:

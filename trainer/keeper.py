@@ -126,9 +126,11 @@ def keep(train: Callable[[], int], restarts: int) -> int:
     stop = _stop_on_termination()
     try:
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
             timeout=STORE_TIMEOUT,
-        )  # fmt: skip
+        )
         code = _generations(train, restarts, store, attempt, stop)
         if code == 0:
             # The store must outlive every keeper's last look at it.
@@ -397,9 +399,11 @@ def _host_store() -> int:
         name_process(STORE_PROCESS)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=True,
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=True,
             wait_for_workers=False,
-        )  # fmt: skip
+        )
         while True:  # it serves from its own threads until this process is killed
             signal.pause()
     finally:

@@ -230,41 +230,68 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
 
     source = open_source(cfg.data, cfg.corpus_bytes)
     loader = DeterministicLoader(
-        source, cfg.seq_len, cfg.global_batch, mesh.dp_rank, dims.dp_size, seed=cfg.seed,
+        source,
+        cfg.seq_len,
+        cfg.global_batch,
+        mesh.dp_rank,
+        dims.dp_size,
+        seed=cfg.seed,
         prefetch=PREFETCH_BATCHES,
-    )  # fmt: skip
+    )
     cleanup.callback(loader.close)
     held_out = open_held_out(cfg, source, mesh.dp_rank, dims.dp_size)
     reporter = Reporter(cfg.telemetry, cfg.run_id, rank)
     cleanup.callback(reporter.close)
     reporter.register_run(
-        cfg, world, dims.layout(), n_params.active, _hardware(device), source_identity(source),
-        device=device, param_dtype=next(model.parameters()).dtype, launched_at=launched_at,
-        param_bytes=param_bytes, fp8_unfit=fp8.unfit if fp8 is not None else None,
-    )  # fmt: skip
+        cfg,
+        world,
+        dims.layout(),
+        n_params.active,
+        _hardware(device),
+        source_identity(source),
+        device=device,
+        param_dtype=next(model.parameters()).dtype,
+        launched_at=launched_at,
+        param_bytes=param_bytes,
+        fp8_unfit=fp8.unfit if fp8 is not None else None,
+    )
     _flush_on_termination(reporter)
     faults = FaultInjector(
         cfg.faults, rank, cfg.model.vocab_size, device, computed_before=reporter.last_step
     )
     guard = StepGuard(
-        cfg.health_policy, model, optimizer,
+        cfg.health_policy,
+        model,
+        optimizer,
         replica_groups=replica_groups(mesh.world.mesh, MESH_DIMS.index("dp_replicate")),
-        faults=faults, report=reporter.health_event, device=device,
+        faults=faults,
+        report=reporter.health_event,
+        device=device,
         check_reductions=cfg.check_reductions,
         quarantine=Quarantine(
             cfg.quarantine, cfg.quarantine_after, reporter.hosts, rank, reporter.health_event
         ),
-    )  # fmt: skip
+    )
     checkpointer = (
         Checkpointer(
-            cfg.ckptd, cfg.run_id, model, optimizer, scheduler, loader,
-            SavePolicy(cfg.ckpt_policy), fp8=fp8, replicas=cfg.replicas, timeout=timeout,
+            cfg.ckptd,
+            cfg.run_id,
+            model,
+            optimizer,
+            scheduler,
+            loader,
+            SavePolicy(cfg.ckpt_policy),
+            fp8=fp8,
+            replicas=cfg.replicas,
+            timeout=timeout,
             config=options.to_toml(cfg.job) if cfg.job else "",
-            every=cfg.ckpt_every, last_step=cfg.steps, mem_every=cfg.mem_ckpt_every,
+            every=cfg.ckpt_every,
+            last_step=cfg.steps,
+            mem_every=cfg.mem_ckpt_every,
         )
         if cfg.ckptd
         else None
-    )  # fmt: skip
+    )
     _flush_on_termination(reporter, checkpointer)
 
     start_step = 0
@@ -302,12 +329,25 @@ def setup(cfg: TrainConfig, cleanup: contextlib.ExitStack) -> Run:
         if fp8_paths is not None:
             print(f"[trainer] {fp8_paths}", flush=True)
     return Run(
-        cfg=cfg, rank=rank, world=world, device=device, dims=dims, parallel=parallel, fp8=fp8,
-        optimizer=optimizer, scheduler=scheduler, loader=loader, held_out=held_out,
-        reporter=reporter, faults=faults, guard=guard, checkpointer=checkpointer,
-        watchdog=watchdog, start_step=start_step,
+        cfg=cfg,
+        rank=rank,
+        world=world,
+        device=device,
+        dims=dims,
+        parallel=parallel,
+        fp8=fp8,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        held_out=held_out,
+        reporter=reporter,
+        faults=faults,
+        guard=guard,
+        checkpointer=checkpointer,
+        watchdog=watchdog,
+        start_step=start_step,
         flops_per_token=model_flops_per_token(n_params.active),
-    )  # fmt: skip
+    )
 
 
 def run_loop(run: Run) -> None:
@@ -328,10 +368,16 @@ def run_loop(run: Run) -> None:
             run.fp8.begin_step(step)
 
         result = train_step(
-            run.parallel, run.optimizer, batch, max_grad_norm=cfg.max_grad_norm,
-            grad_accum_steps=cfg.grad_accum_steps, guard=run.guard, step=step, progress=progress,
+            run.parallel,
+            run.optimizer,
+            batch,
+            max_grad_norm=cfg.max_grad_norm,
+            grad_accum_steps=cfg.grad_accum_steps,
+            guard=run.guard,
+            step=step,
+            progress=progress,
             before_update=run.checkpointer.wait_staged if run.checkpointer else lambda: None,
-        )  # fmt: skip
+        )
         run.global_loss = result.global_loss
         lr = run.scheduler.get_last_lr()[0]
         run.scheduler.step()
@@ -348,11 +394,18 @@ def run_loop(run: Run) -> None:
         watchdog.step_done(step_seconds)
         keeper.trained(step)  # where this rank got to, should it fail
         run.reporter.step(
-            step=step, loss=result.loss, grad_norm=result.grad_norm, tokens=local_tokens,
-            phases=phases, step_seconds=step_seconds, lr=lr, offset=run.loader.offset(),
-            device=run.device, compute_seconds=health.compute_s,
+            step=step,
+            loss=result.loss,
+            grad_norm=result.grad_norm,
+            tokens=local_tokens,
+            phases=phases,
+            step_seconds=step_seconds,
+            lr=lr,
+            offset=run.loader.offset(),
+            device=run.device,
+            compute_seconds=health.compute_s,
             state_checksum=health.state_checksum,
-        )  # fmt: skip
+        )
         if run.held_out is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
             _evaluate(run, step)
         if run.rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps or saved):

@@ -81,11 +81,14 @@ def loss_chart(
                 x2="to_step:Q",
                 color=colour,
                 tooltip=[
-                    alt.Tooltip("kind:N", title="marker"), "target:N", "from_step:Q",
-                    alt.Tooltip("mttr_s:Q", format=".1f", title="MTTR s"), "steps_lost:Q",
+                    alt.Tooltip("kind:N", title="marker"),
+                    "target:N",
+                    "from_step:Q",
+                    alt.Tooltip("mttr_s:Q", format=".1f", title="MTTR s"),
+                    "steps_lost:Q",
                 ],
             )
-        )  # fmt: skip
+        )
     if evals is not None and not evals.empty:
         validation = (
             alt.Chart(evals)
@@ -114,12 +117,17 @@ def node_heatmap(grid: pd.DataFrame) -> alt.Chart:
             x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
             y=alt.Y("node:N", title="node", sort=order),
             color=alt.Color("relative:Q", title="worst rank x median", scale=_RELATIVE_SCALE),
-            tooltip=["step", "node", "worst_rank", "ranks",
-                     alt.Tooltip("worst_compute_s:Q", title="worst compute_s", format=".4f"),
-                     alt.Tooltip("relative:Q", format=".2f")],
+            tooltip=[
+                "step",
+                "node",
+                "worst_rank",
+                "ranks",
+                alt.Tooltip("worst_compute_s:Q", title="worst compute_s", format=".4f"),
+                alt.Tooltip("relative:Q", format=".2f"),
+            ],
         )
         .properties(height=max(160, min(720, 14 * len(order))))
-    )  # fmt: skip
+    )
 
 
 def rank_heatmap(steps: pd.DataFrame, metric: str) -> alt.Chart:
@@ -139,11 +147,15 @@ def rank_heatmap(steps: pd.DataFrame, metric: str) -> alt.Chart:
             x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap=True)),
             y=alt.Y("rank:O", title="rank"),
             color=alt.Color("relative:Q", title="x median rank", scale=_RELATIVE_SCALE),
-            tooltip=["step", "rank", alt.Tooltip("value:Q", title=metric, format=".4f"),
-                     alt.Tooltip("relative:Q", format=".2f")],
+            tooltip=[
+                "step",
+                "rank",
+                alt.Tooltip("value:Q", title=metric, format=".4f"),
+                alt.Tooltip("relative:Q", format=".2f"),
+            ],
         )
         .properties(height=max(160, min(640, 10 * steps["rank"].nunique())))
-    )  # fmt: skip
+    )
 
 
 def throughput_chart(points: pd.DataFrame) -> alt.Chart | alt.LayerChart:
@@ -210,10 +222,13 @@ def straggler_chart(phases: pd.DataFrame) -> alt.LayerChart:
             color=alt.condition(
                 alt.datum.relative_score < slow_below, alt.value("#d62728"), alt.value("#4c78a8")
             ),
-            tooltip=["rank", alt.Tooltip("relative_score:Q", format=".2f"),
-                     alt.Tooltip("compute_s:Q", format=".4f")],
+            tooltip=[
+                "rank",
+                alt.Tooltip("relative_score:Q", format=".2f"),
+                alt.Tooltip("compute_s:Q", format=".4f"),
+            ],
         )
-    )  # fmt: skip
+    )
     threshold = (
         alt.Chart(pd.DataFrame({"x": [slow_below]}))
         .mark_rule(color="#d62728", strokeDash=[4, 3])

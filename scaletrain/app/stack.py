@@ -392,16 +392,23 @@ class Stack:
         peers = [a for i, a in enumerate(self.ckptd_addresses) if i != node]
         return _scaletrain_argv(
             "ckptd",
-            "--listen", self.ckptd_addresses[node],
-            "--node", node_name(node),
+            "--listen",
+            self.ckptd_addresses[node],
+            "--node",
+            node_name(node),
             *(["--peers", ",".join(peers)] if peers else []),
-            "--data-dir", str(data_dir),
-            "--memory-budget-mb", str(self.memory_budget_mb),
-            "--s3-endpoint", self.s3.endpoint_url,
-            "--s3-bucket", S3_BUCKET,
-            "--telemetry", self.telemetry_address,
+            "--data-dir",
+            str(data_dir),
+            "--memory-budget-mb",
+            str(self.memory_budget_mb),
+            "--s3-endpoint",
+            self.s3.endpoint_url,
+            "--s3-bucket",
+            S3_BUCKET,
+            "--telemetry",
+            self.telemetry_address,
             *self.ckptd_args,
-        )  # fmt: skip
+        )
 
     def _spawn(self, name: str, argv: list[str], env: dict, address: str) -> Child:
         """Start service `name` (logging to logs/<name>.log); `close` stops it from now on."""

@@ -48,19 +48,42 @@ SCHEDULE = [
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("chaos-reference")
     return scaletrain_json(
-        "run", "--workdir", str(workdir), "--ranks", str(RANKS), "--steps", str(STEPS),
-        "--ckpt-every", str(EVERY), *TINY,
-    )  # fmt: skip
+        "run",
+        "--workdir",
+        str(workdir),
+        "--ranks",
+        str(RANKS),
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        str(EVERY),
+        *TINY,
+    )
 
 
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("chaos")
     report = scaletrain_json(
-        "chaos", "--workdir", str(workdir), "--ranks", str(RANKS), "--steps", str(STEPS),
-        "--ckpt-every", str(EVERY), "--schedule", ",".join(SCHEDULE), "--seed", "8",
-        "--watchdog-min-s", "6", "--ssd-mb", "32", *TINY,
-    )  # fmt: skip
+        "chaos",
+        "--workdir",
+        str(workdir),
+        "--ranks",
+        str(RANKS),
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        str(EVERY),
+        "--schedule",
+        ",".join(SCHEDULE),
+        "--seed",
+        "8",
+        "--watchdog-min-s",
+        "6",
+        "--ssd-mb",
+        "32",
+        *TINY,
+    )
     return report | {"workdir": workdir}
 
 
@@ -248,10 +271,25 @@ def test_a_rank_whose_device_computes_wrong_is_named_before_training_starts(
 ):
     workdir = tmp_path_factory.mktemp("bad-device")
     result = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--ranks", "2",
-         "--steps", "1", "--inject-bad-device", "rank=1", *TINY],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            "run",
+            "--workdir",
+            str(workdir),
+            "--ranks",
+            "2",
+            "--steps",
+            "1",
+            "--inject-bad-device",
+            "rank=1",
+            *TINY,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1
     assert "health check before start failed: rank 1 on " in result.stderr
     assert "(matmul wrong)" in result.stderr and "rank 0 on" not in result.stderr

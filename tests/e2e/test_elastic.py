@@ -51,9 +51,18 @@ def _drill(
 ) -> dict:
     workdir = factory.mktemp(f"elastic-{nodes.replace(':', '-')}")
     report = scaletrain_json(
-        "chaos", "--workdir", str(workdir), "--ranks", str(ranks), "--nodes", nodes, *COMMON,
-        "--schedule", schedule, *paced,
-    )  # fmt: skip
+        "chaos",
+        "--workdir",
+        str(workdir),
+        "--ranks",
+        str(ranks),
+        "--nodes",
+        nodes,
+        *COMMON,
+        "--schedule",
+        schedule,
+        *paced,
+    )
     return report | {"workdir": workdir}
 
 
@@ -201,9 +210,15 @@ def test_a_bad_elastic_request_is_refused_in_one_line(tmp_path, args, code, mess
 
 def test_resizing_faults_need_an_elastic_job(tmp_path):
     result = scaletrain(
-        "chaos", "--workdir", str(tmp_path), "--nodes", "2", "--schedule", "lose-node@3",
+        "chaos",
+        "--workdir",
+        str(tmp_path),
+        "--nodes",
+        "2",
+        "--schedule",
+        "lose-node@3",
         timeout=120,
-    )  # fmt: skip
+    )
     assert result.returncode == 1
     assert "lose-node needs an elastic job, --nodes MIN:MAX with MIN below MAX" in result.stderr
 
@@ -212,9 +227,21 @@ def test_a_job_left_below_min_for_longer_than_its_capacity_wait_stops_and_keeps_
     tmp_path,
 ):
     result = scaletrain(
-        "chaos", "--workdir", str(tmp_path), "--ranks", "3", "--nodes", "2:3", *COMMON,
-        "--schedule", "lose-node@5,lose-node@12", "--capacity-wait-s", "8", *PACED, "--json",
-    )  # fmt: skip
+        "chaos",
+        "--workdir",
+        str(tmp_path),
+        "--ranks",
+        "3",
+        "--nodes",
+        "2:3",
+        *COMMON,
+        "--schedule",
+        "lose-node@5,lose-node@12",
+        "--capacity-wait-s",
+        "8",
+        *PACED,
+        "--json",
+    )
     assert result.returncode == 1
     report = json.loads(result.stdout)
     assert not report["completed"] and report["checkpoints_lost"] == []

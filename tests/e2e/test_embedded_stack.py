@@ -120,12 +120,24 @@ def run_and_kill(workdir: Path, kill_after: int, victim: int, *args: str) -> str
     restarts the run fails then (--max-restarts 0), to be started again."""
     others = set(rank_processes())  # not this run's
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--json",
-         "--log-every", "1", "--in-job-restarts", "0", *args],
+        [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            "run",
+            "--workdir",
+            str(workdir),
+            "--json",
+            "--log-every",
+            "1",
+            "--in-job-restarts",
+            "0",
+            *args,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     log = []
     assert proc.stderr is not None
     for line in proc.stderr:
@@ -149,9 +161,17 @@ def run_and_kill(workdir: Path, kill_after: int, victim: int, *args: str) -> str
 def reference(tmp_path_factory: pytest.TempPathFactory, data: list[str]) -> dict:
     workdir = tmp_path_factory.mktemp("reference")
     summary = run_json(
-        workdir, "--ranks", str(RANKS), "--steps", str(STEPS), "--ckpt-every", str(EVERY), *data,
-        "--tensorboard", str(workdir / "tensorboard"),
-    )  # fmt: skip
+        workdir,
+        "--ranks",
+        str(RANKS),
+        "--steps",
+        str(STEPS),
+        "--ckpt-every",
+        str(EVERY),
+        *data,
+        "--tensorboard",
+        str(workdir / "tensorboard"),
+    )
     return summary | {"workdir": workdir, "data": data}
 
 
@@ -274,9 +294,14 @@ def test_an_exported_checkpoint_restores_bit_exactly_into_a_fresh_model_with_sto
 ):
     dest = tmp_path / "export"
     result = scaletrain(
-        "ckpt", "export", "--workdir", str(reference["workdir"]), reference["run_id"],
-        str(STEPS), str(dest),
-    )  # fmt: skip
+        "ckpt",
+        "export",
+        "--workdir",
+        str(reference["workdir"]),
+        reference["run_id"],
+        str(STEPS),
+        str(dest),
+    )
     assert result.returncode == 0, result.stderr
     assert (dest / ".metadata").exists()
     args = ModelArgs(vocab_size=EXAMPLE_VOCAB)  # the model took the example data's vocabulary
@@ -392,9 +417,18 @@ def test_a_dp4_checkpoint_resumes_at_dp2_tp2_with_the_same_global_data_order(
     reference: dict, killed_fsdp: dict
 ):
     resumed = run_json(
-        killed_fsdp["workdir"], "--resume", "--ranks", "4", "--tp", "2", "--steps",
-        str(MORE + 2), "--ckpt-every", str(EVERY), *reference["data"],
-    )  # fmt: skip
+        killed_fsdp["workdir"],
+        "--resume",
+        "--ranks",
+        "4",
+        "--tp",
+        "2",
+        "--steps",
+        str(MORE + 2),
+        "--ckpt-every",
+        str(EVERY),
+        *reference["data"],
+    )
     assert f"from step {MORE}" in resumed["_log"]
     recorded = offsets(killed_fsdp["workdir"], killed_fsdp["run_id"])
     for step in (MORE + 1, MORE + 2):

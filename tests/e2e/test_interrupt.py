@@ -40,9 +40,21 @@ def test_ctrl_c_or_kill_stops_the_services_and_the_training_job(
     workdir = tmp_path / "interrupted"
     others = set(rank_processes())  # not this run's
     run = _as_foreground_process(
-        [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--ranks", "2",
-         "--steps", "1000", "--log-every", "1"]
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            "run",
+            "--workdir",
+            str(workdir),
+            "--ranks",
+            "2",
+            "--steps",
+            "1000",
+            "--log-every",
+            "1",
+        ]
+    )
     assert run.stdout is not None
     run_id = ""
     for line in run.stdout:

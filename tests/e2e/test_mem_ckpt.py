@@ -59,10 +59,26 @@ def test_a_killed_rank_costs_at_most_one_step_and_the_run_ends_bitwise_as_an_uni
 ) -> None:
     workdir = tmp_path / "killed"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--json",
-         "--log-every", "1", "--max-restarts", "1", "--mem-ckpt-every", "1", *COMMON],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            "run",
+            "--workdir",
+            str(workdir),
+            "--json",
+            "--log-every",
+            "1",
+            "--max-restarts",
+            "1",
+            "--mem-ckpt-every",
+            "1",
+            *COMMON,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stderr is not None
     log, killed_at = [], 0
     for line in proc.stderr:
@@ -102,9 +118,17 @@ def test_machines_lost_cost_at_most_one_step_each_the_state_coming_from_own_and_
     tmp_path: Path, reference: dict
 ) -> None:
     drill = scaletrain_json(
-        "chaos", "--workdir", str(tmp_path / "drill"), *COMMON, "--spares", "1",
-        "--mem-ckpt-every", "1", "--schedule", ",".join(MACHINE_FAULTS),
-    )  # fmt: skip
+        "chaos",
+        "--workdir",
+        str(tmp_path / "drill"),
+        *COMMON,
+        "--spares",
+        "1",
+        "--mem-ckpt-every",
+        "1",
+        "--schedule",
+        ",".join(MACHINE_FAULTS),
+    )
     log = drill["_log"]
     assert drill["completed"] and not drill["checkpoints_lost"], log[-3000:]
     assert drill["faults_injected"] == len(MACHINE_FAULTS), drill["faults"]
@@ -148,9 +172,17 @@ def test_a_rank_that_corrupts_twice_is_quarantined_a_spare_takes_its_machines_pl
 ) -> None:
     workdir = tmp_path / "drill"
     drill = scaletrain_json(
-        "chaos", "--workdir", str(workdir), *COMMON, "--spares", "1", "--mem-ckpt-every", "1",
-        "--schedule", "corrupting-rank@12",
-    )  # fmt: skip
+        "chaos",
+        "--workdir",
+        str(workdir),
+        *COMMON,
+        "--spares",
+        "1",
+        "--mem-ckpt-every",
+        "1",
+        "--schedule",
+        "corrupting-rank@12",
+    )
     log = drill["_log"]
     assert drill["completed"] and not drill["checkpoints_lost"], log[-3000:]
     # Both corruptions were replayed away, the restart computed nothing wrong: bit for bit.

@@ -71,9 +71,19 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def drill(tmp_path_factory: pytest.TempPathFactory) -> dict:
     workdir = tmp_path_factory.mktemp("two-node-drill")
     report = scaletrain_json(
-        "chaos", "--workdir", str(workdir), *LAYOUT, "--spares", "1",
-        "--schedule", ",".join(SCHEDULE), "--seed", "3", "--watchdog-min-s", "6",
-    )  # fmt: skip
+        "chaos",
+        "--workdir",
+        str(workdir),
+        *LAYOUT,
+        "--spares",
+        "1",
+        "--schedule",
+        ",".join(SCHEDULE),
+        "--seed",
+        "3",
+        "--watchdog-min-s",
+        "6",
+    )
     return report | {"workdir": workdir}
 
 
@@ -142,24 +152,45 @@ def test_every_nodes_ckptd_lists_the_same_checkpoints(two_nodes: dict):
 @pytest.mark.parametrize(
     ("command", "message"),
     [
-        (["run", "--ranks", "3", "--nodes", "2"],
-         "scaletrain run: error: --ranks 3 is not a multiple of --nodes 2: every node runs the "
-         "same number of ranks; nearest valid --ranks: 2 or 4"),
-        (["chaos", "--ranks", "4", "--nodes", "3"],
-         "scaletrain chaos: error: --ranks 4 is not a multiple of --nodes 3: every node runs the "
-         "same number of ranks; nearest valid --ranks: 3 or 6"),
-        (["chaos", "--schedule", "kill-node@3"],
-         "scaletrain chaos: error: --schedule: kill-node needs --nodes 2 or more"),
-        (["chaos", "--nodes", "2", "--schedule", "flaky-node@3"],
-         "scaletrain chaos: error: --schedule: flaky-node needs --spares 1 or more"),
-        (["chaos", "--nodes", "2", "--spares", "1", "--cordon-after", "0", "--schedule",
-          "flaky-node@3"],
-         "scaletrain chaos: error: --schedule: flaky-node needs --cordon-after 1 or more (0 "
-         "never cordons)"),
-        (["run", "--nodes", "2", "--spares", "1", "--cordon-after", "-1"],
-         "scaletrain run: error: --cordon-after must be 0 or more, got -1"),
+        (
+            ["run", "--ranks", "3", "--nodes", "2"],
+            "scaletrain run: error: --ranks 3 is not a multiple of --nodes 2: every node runs the "
+            "same number of ranks; nearest valid --ranks: 2 or 4",
+        ),
+        (
+            ["chaos", "--ranks", "4", "--nodes", "3"],
+            "scaletrain chaos: error: --ranks 4 is not a multiple of --nodes 3: every node runs "
+            "the same number of ranks; nearest valid --ranks: 3 or 6",
+        ),
+        (
+            ["chaos", "--schedule", "kill-node@3"],
+            "scaletrain chaos: error: --schedule: kill-node needs --nodes 2 or more",
+        ),
+        (
+            ["chaos", "--nodes", "2", "--schedule", "flaky-node@3"],
+            "scaletrain chaos: error: --schedule: flaky-node needs --spares 1 or more",
+        ),
+        (
+            [
+                "chaos",
+                "--nodes",
+                "2",
+                "--spares",
+                "1",
+                "--cordon-after",
+                "0",
+                "--schedule",
+                "flaky-node@3",
+            ],
+            "scaletrain chaos: error: --schedule: flaky-node needs --cordon-after 1 or more (0 "
+            "never cordons)",
+        ),
+        (
+            ["run", "--nodes", "2", "--spares", "1", "--cordon-after", "-1"],
+            "scaletrain run: error: --cordon-after must be 0 or more, got -1",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_layout_the_nodes_cannot_split_is_refused_in_one_line_before_anything_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str], message: str
 ):
@@ -300,12 +331,16 @@ def _info(
         tiers=statuses(own),
         parts=[
             checkpoint_pb2.NodePart(
-                node=node, files=2, bytes=1_500_000, tiers=statuses(tiers), reachable=reachable,
+                node=node,
+                files=2,
+                bytes=1_500_000,
+                tiers=statuses(tiers),
+                reachable=reachable,
                 error="" if reachable else "UNAVAILABLE",
             )
             for node, tiers, reachable in parts
         ],
-    )  # fmt: skip
+    )
 
 
 def test_a_checkpoint_is_whole_on_a_tier_only_where_every_nodes_part_is(
@@ -352,9 +387,20 @@ def test_a_two_node_checkpoint_restores_resharded_from_copies_of_a_lost_nodes_pa
         if nodes == 4:
             shutil.rmtree(Workdir(two_nodes["workdir"]).ckptd_dir(1))
         resumed = scaletrain_json(
-            "run", "--workdir", workdir, "--resume", "--ranks", str(ranks), "--nodes", str(nodes),
-            "--steps", str(STEPS + 1), "--ckpt-every", str(every), *MODEL,
-        )  # fmt: skip
+            "run",
+            "--workdir",
+            workdir,
+            "--resume",
+            "--ranks",
+            str(ranks),
+            "--nodes",
+            str(nodes),
+            "--steps",
+            str(STEPS + 1),
+            "--ckpt-every",
+            str(every),
+            *MODEL,
+        )
         assert resumed["run_id"] == two_nodes["run_id"]
         (line,) = [x for x in resumed["_log"].splitlines() if "[trainer] resumed run" in x]
         assert f"from step {STEPS} " in line, line

@@ -60,11 +60,27 @@ def test_a_secure_run_trains_over_tls_and_leaks_no_secret_into_logs_command_line
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with out.open("w") as stdout, err.open("w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "scaletrain", "run", "--secure", "--workdir", str(workdir),
-             "--ranks", "2", "--steps", "2", "--ckpt-every", "1", "--log-every", "1", "--json"],
+            [
+                sys.executable,
+                "-m",
+                "scaletrain",
+                "run",
+                "--secure",
+                "--workdir",
+                str(workdir),
+                "--ranks",
+                "2",
+                "--steps",
+                "2",
+                "--ckpt-every",
+                "1",
+                "--log-every",
+                "1",
+                "--json",
+            ],
             stdout=stdout,
             stderr=stderr,
-        )  # fmt: skip
+        )
         cmdlines, secrets = _watch(proc, workdir)
     assert proc.wait() == 0, err.read_text()[-3000:]
     summary = json.loads(out.read_text())

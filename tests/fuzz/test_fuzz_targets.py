@@ -37,10 +37,20 @@ def test_a_short_coverage_guided_run_of_every_target_finds_no_crash(tmp_path: Pa
         for path in (CORPUS / target).iterdir():
             (seeds / f"{target}-{path.name}").write_bytes(bytes([number]) + path.read_bytes())
     run = subprocess.run(
-        [sys.executable, str(HERE / "run.py"), "every", f"-max_total_time={SECONDS}",
-         "-print_final_stats=1", str(found), str(seeds)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(HERE / "run.py"),
+            "every",
+            f"-max_total_time={SECONDS}",
+            "-print_final_stats=1",
+            str(found),
+            str(seeds),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     stats = dict(
         line.removeprefix("stat::").split(":", 1)

@@ -59,14 +59,39 @@ def _ranks(agent: subprocess.Popen[str], world: int, other_than: set[int]) -> di
 def test_a_restart_forks_the_ranks_again_from_the_same_warm_process():
     (port,) = free_ports(1)
     agent = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain.app.agent", "--nnodes", "1", "--nproc-per-node", "2",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "warm",
-         "--rdzv-conf", "is_host=true", "--max-restarts", "1",
-         "-m", "trainer", "--run-id", "warm", *TINY, "--steps", "100000",
-         "--in-job-restarts", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "scaletrain.app.agent",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "warm",
+            "--rdzv-conf",
+            "is_host=true",
+            "--max-restarts",
+            "1",
+            "-m",
+            "trainer",
+            "--run-id",
+            "warm",
+            *TINY,
+            "--steps",
+            "100000",
+            "--in-job-restarts",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
     try:
         first = _ranks(agent, 2, set())
         (server,) = {_parent(pid) for pid in first.values()}
@@ -90,16 +115,42 @@ def test_a_restart_forks_the_ranks_again_from_the_same_warm_process():
 def test_an_agent_whose_ranks_keep_failing_cordons_its_machine_and_leaves_the_job():
     (port,) = free_ports(1)
     agent = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain.app.agent", "--cordon-after", "2",
-         "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "cordon",
-         "--rdzv-conf", "is_host=true", "--max-restarts", "0",
-         "-m", "trainer", "--run-id", "cordon", *TINY, "--steps", "100000",
-         "--in-job-restarts", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "scaletrain.app.agent",
+            "--cordon-after",
+            "2",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "cordon",
+            "--rdzv-conf",
+            "is_host=true",
+            "--max-restarts",
+            "0",
+            "-m",
+            "trainer",
+            "--run-id",
+            "cordon",
+            *TINY,
+            "--steps",
+            "100000",
+            "--in-job-restarts",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
         | {"OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
     try:
         first = _ranks(agent, 2, set())
         os.kill(first[1], signal.SIGKILL)  # its keeper restarts the job in-job: one failure
@@ -121,10 +172,20 @@ def test_an_agent_whose_ranks_keep_failing_cordons_its_machine_and_leaves_the_jo
 
 def test_a_bad_cordon_after_is_refused_in_one_line():
     result = subprocess.run(
-        [sys.executable, "-m", "scaletrain.app.agent", "--cordon-after", "many", *C10D,
-         "-m", "trainer"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scaletrain.app.agent",
+            "--cordon-after",
+            "many",
+            *C10D,
+            "-m",
+            "trainer",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "agent: error: --cordon-after must be a whole number of failures, got 'many'"

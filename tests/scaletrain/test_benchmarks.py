@@ -64,9 +64,20 @@ def test_the_data_wait_benchmark_trains_on_the_example_data_and_prints_its_ratio
 
 def test_the_model_build_memory_benchmark_runs_both_paths_and_prints_their_ratio() -> None:
     printed = run_bench(
-        "model_build_memory.py", "--ranks", "2", "--dim", "64", "--layers", "2", "--heads", "4",
-        "--kv-heads", "2", "--vocab", "256",
-    )  # fmt: skip
+        "model_build_memory.py",
+        "--ranks",
+        "2",
+        "--dim",
+        "64",
+        "--layers",
+        "2",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--vocab",
+        "256",
+    )
     assert "ratio old/new peak RSS added" in printed
 
 
@@ -78,9 +89,21 @@ def test_the_hf_interop_benchmark_exports_and_imports_a_tiny_model_and_prints_bo
 
 def test_the_fp8_speed_benchmark_runs_on_a_cpu_and_says_where_the_step_time_went() -> None:
     printed = run_bench(
-        "fp8_gpu.py", "--device", "cpu", "--dims", "256,128,2,4,4,384,2,128", "--steps", "1",
-        "--baseline", "", "--recipes", "tensorwise", "--modes", "eager", "--profile",
-    )  # fmt: skip
+        "fp8_gpu.py",
+        "--device",
+        "cpu",
+        "--dims",
+        "256,128,2,4,4,384,2,128",
+        "--steps",
+        "1",
+        "--baseline",
+        "",
+        "--recipes",
+        "tensorwise",
+        "--modes",
+        "eager",
+        "--profile",
+    )
     report = json.loads(printed[printed.index("\n{") :])
     fp8 = report["tensorwise eager"]
     assert fp8["x_bf16"] > 0
@@ -102,9 +125,16 @@ def test_the_fp8_traffic_benchmark_shows_what_counting_lost_values_adds_to_a_com
 
 def test_the_cluster_ingest_benchmark_runs_a_small_cluster_and_prints_its_ratios() -> None:
     printed = run_bench(
-        "telemetry_cluster.py", "--ranks", "64", "--duration-s", "4", "--processes", "1",
-        "--baseline-steps", "2",
-    )  # fmt: skip
+        "telemetry_cluster.py",
+        "--ranks",
+        "64",
+        "--duration-s",
+        "4",
+        "--processes",
+        "1",
+        "--baseline-steps",
+        "2",
+    )
     report = json.loads(printed)
     assert report["records_stored"] == report["records_offered"] == 64 * 2
     assert report["ratio_stored_to_offered"] > 0 and report["ratio_offered_to_baseline"] > 0
@@ -118,9 +148,16 @@ def test_the_detection_cost_benchmark_prints_its_ratio_per_world_size() -> None:
 
 def test_the_straggler_benchmark_flags_every_slowed_rank_and_node_of_a_small_world() -> None:
     printed = run_bench(
-        "straggler_scale.py", "--ranks", "512", "--clean-steps", "200", "--trials", "2",
-        "--max-steps", "30",
-    )  # fmt: skip
+        "straggler_scale.py",
+        "--ranks",
+        "512",
+        "--clean-steps",
+        "200",
+        "--trials",
+        "2",
+        "--max-steps",
+        "30",
+    )
     report = json.loads(printed[printed.index('{"ranks"') :])
     assert report["ranks"] == 512 and report["false_flags"] == {"rank_flags": 0, "node_flags": 0}
     assert all(case["never"] == 0 for case in report["cases"].values()), report["cases"]
@@ -138,9 +175,14 @@ def test_the_sdc_coverage_benchmark_prints_its_matrix_and_catches_every_flip_at_
 
 def test_the_page_benchmark_fills_a_small_cluster_run_and_prints_its_ratios(tmp_path: Path) -> None:
     printed = run_bench(
-        "telemetry_pages.py", "--db", f"sqlite:///{tmp_path / 'pages.db'}", "--ranks", "64",
-        "--steps", "10",
-    )  # fmt: skip
+        "telemetry_pages.py",
+        "--db",
+        f"sqlite:///{tmp_path / 'pages.db'}",
+        "--ranks",
+        "64",
+        "--steps",
+        "10",
+    )
     report = json.loads(printed[printed.index("{") :])
     assert report["ratio_run_page_warm_to_baseline"] > 0 and report["goodput_s"] > 0
 

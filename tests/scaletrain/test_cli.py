@@ -88,9 +88,18 @@ def test_a_layout_that_cannot_split_the_model_is_refused_before_anything_starts(
 
 def test_expert_parallelism_needs_ranks_it_can_borrow(tmp_path: Path):
     result = scaletrain(
-        "run", "--ranks", "4", "--tp", "2", "--ep", "4", "--n-experts", "8",
-        "--workdir", str(tmp_path / "w"),
-    )  # fmt: skip
+        "run",
+        "--ranks",
+        "4",
+        "--tp",
+        "2",
+        "--ep",
+        "4",
+        "--n-experts",
+        "8",
+        "--workdir",
+        str(tmp_path / "w"),
+    )
     assert_one_line_error(result, "ep 4 does not divide dp_shard x cp = 2")
 
 

@@ -45,9 +45,17 @@ def test_the_version_is_one_line_and_the_help_speaks_to_a_user():
 
 # The commands that print results rather than serve or write credentials.
 RESULTS = (
-    "run", "chaos", "plan", "telemetry", "data prepare", "data example",
-    "ckpt ls", "ckpt show", "ckpt verify", "ckpt export",
-)  # fmt: skip
+    "run",
+    "chaos",
+    "plan",
+    "telemetry",
+    "data prepare",
+    "data example",
+    "ckpt ls",
+    "ckpt show",
+    "ckpt verify",
+    "ckpt export",
+)
 
 
 def test_every_command_that_prints_results_can_print_them_as_json():

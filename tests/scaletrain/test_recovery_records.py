@@ -21,20 +21,32 @@ def step(n: int) -> str:
 
 # Steps 1-7 a second each; rank 1 killed at 107.2; the job back at 115, resuming from step 5.
 KILLED = Timeline(
-    [(100.0, RUN), *((100.0 + n, step(n)) for n in range(1, 8)),
-     (107.5, "[rank1]: Traceback (most recent call last):"),
-     (115.0, RUN), (117.0, step(6)), (118.0, step(7)), (119.0, step(8))]
-)  # fmt: skip
+    [
+        (100.0, RUN),
+        *((100.0 + n, step(n)) for n in range(1, 8)),
+        (107.5, "[rank1]: Traceback (most recent call last):"),
+        (115.0, RUN),
+        (117.0, step(6)),
+        (118.0, step(7)),
+        (119.0, step(8)),
+    ]
+)
 RESTART = Restart(step=5, attempt=1, restored_from={"memory@node0": 100, "S3": 50},
                   first_step_at=117.0)  # fmt: skip
 
 
 def record(kind: str, timeline: Timeline, signs: list[Sign], **fault: float):
     return recovery_record(
-        kind=kind, target="rank 1", step=int(fault.pop("step")), **fault,  # type: ignore[arg-type]
-        restarts=FAULTS[kind].restarts, detected_by=re.compile(FAULTS[kind].detected_by),
-        timeline=timeline, signs=signs, restarts_seen=[RESTART],
-    )  # fmt: skip
+        kind=kind,
+        target="rank 1",
+        step=int(fault.pop("step")),
+        **fault,  # type: ignore[arg-type]
+        restarts=FAULTS[kind].restarts,
+        detected_by=re.compile(FAULTS[kind].detected_by),
+        timeline=timeline,
+        signs=signs,
+        restarts_seen=[RESTART],
+    )
 
 
 def test_a_killed_rank_is_recovered_at_the_first_step_after_the_restart_with_what_it_read():
@@ -54,8 +66,11 @@ def test_a_fault_ridden_through_recovers_at_the_first_step_after_it_ended():
     got = record("stop-s3", timeline, signs, step=3, injected_at=103.5, ended_at=105.5)
     assert (got.detected_at, got.first_step, got.mttr_s) == (104.0, 6, 2.5)
     assert (got.restarted, got.resumed_from, got.steps_lost, got.restored_from) == (
-        False, None, 0, {},
-    )  # fmt: skip
+        False,
+        None,
+        0,
+        {},
+    )
     # It trained on at full speed meanwhile: the outage cost nothing.
     assert got.badput_s == 0.0
 

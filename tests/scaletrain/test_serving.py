@@ -53,9 +53,12 @@ def test_a_signal_stops_the_service_gracefully_after_health_says_not_serving(
     _signal_once_handled(signal.SIGTERM)
     with caplog.at_level(logging.INFO):
         serve_until_signalled(
-            service, ["svc listening on a:1", "metrics on b"], name="svc", grace=2.5,
+            service,
+            ["svc listening on a:1", "metrics on b"],
+            name="svc",
+            grace=2.5,
             log=logging.getLogger("test"),
-        )  # fmt: skip
+        )
     assert capsys.readouterr().out == "svc listening on a:1\nmetrics on b\n"
     assert service.stopped_with == [2.5]
     assert service.status_at_stop == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -403,12 +403,16 @@ def telemetry_requests(draw: st.DrawFn) -> tuple[str, bytes | list[bytes]]:
         batch = telemetry_pb2.StepBatch(
             records=[
                 telemetry_pb2.RankStep(
-                    run_id=run, step=draw(INTS64), rank=draw(INTS32), loss=draw(FLOATS),
-                    tokens=draw(INTS64), attempt=draw(INTS32),
+                    run_id=run,
+                    step=draw(INTS64),
+                    rank=draw(INTS32),
+                    loss=draw(FLOATS),
+                    tokens=draw(INTS64),
+                    attempt=draw(INTS32),
                 )
                 for _ in range(draw(st.integers(0, 3)))
             ]
-        )  # fmt: skip
+        )
         if draw(st.booleans()):
             # Columns of unequal length, as a broken client would send them.
             columns = batch.columns

@@ -88,9 +88,10 @@ def bare_server() -> Iterator[Bare]:
         return str(sum(1 for _ in requests)).encode()
 
     server = make_server(
-        max_workers=8, limits=Limits(calls_per_client=2, idle_stream_s=0.5),
+        max_workers=8,
+        limits=Limits(calls_per_client=2, idle_stream_s=0.5),
         security=ServerSecurity(),
-    )  # fmt: skip
+    )
     server.add_generic_rpc_handlers(
         [
             grpc.method_handlers_generic_handler(

@@ -63,17 +63,31 @@ def test_a_database_from_before_checkpoint_nodes_upgrades_and_keeps_its_checkpoi
             connection.execute(
                 _OLD_CHECKPOINTS.insert(),
                 [
-                    {"run_id": "old", "step": 4, "tier": tier, "committed_at": committed,
-                     "bytes": 900, "seconds": 1.0}
+                    {
+                        "run_id": "old",
+                        "step": 4,
+                        "tier": tier,
+                        "committed_at": committed,
+                        "bytes": 900,
+                        "seconds": 1.0,
+                    }
                     for tier, committed in (("ssd", at), ("trainer", None))
                 ],
-            )  # fmt: skip
+            )
             connection.execute(
                 _OLD_EVENTS.insert().values(
-                    run_id="old", step=4, rank=-1, kind="checkpoint_committed", message="",
-                    time=at, attributes={}, tier="ssd", bytes=900, seconds=1.0,
+                    run_id="old",
+                    step=4,
+                    rank=-1,
+                    kind="checkpoint_committed",
+                    message="",
+                    time=at,
+                    attributes={},
+                    tier="ssd",
+                    bytes=900,
+                    seconds=1.0,
                 )
-            )  # fmt: skip
+            )
         migrate(engine)
 
         with engine.connect() as connection:
@@ -113,14 +127,16 @@ _OLD_RUN = {
 }  # fmt: skip
 _OLD_RUNS = table("runs", *map(column, _OLD_RUN), column("started_at", UTCDateTime()))
 _OLD_CHECKPOINTS = table(
-    "checkpoints", *map(column, ("run_id", "step", "tier", "bytes", "seconds")),
+    "checkpoints",
+    *map(column, ("run_id", "step", "tier", "bytes", "seconds")),
     column("committed_at", UTCDateTime()),
-)  # fmt: skip
+)
 _OLD_EVENTS = table(
-    "events", *map(column, ("run_id", "step", "rank", "kind", "message", "tier", "bytes",
-                            "seconds")),
-    column("time", UTCDateTime()), column("attributes", JSON()),
-)  # fmt: skip
+    "events",
+    *map(column, ("run_id", "step", "rank", "kind", "message", "tier", "bytes", "seconds")),
+    column("time", UTCDateTime()),
+    column("attributes", JSON()),
+)
 
 
 def test_a_read_only_engine_reads_but_refuses_to_write(engine: Engine, db_url: str) -> None:

@@ -167,10 +167,23 @@ def test_the_service_command_stops_on_a_bad_retention_window_with_one_line(
     env = {key: value for key, value in os.environ.items() if key != KEEP_STEPS_ENV}
     database = tmp_path / "telemetry.db"
     result = subprocess.run(
-        [sys.executable, "-m", "scaletrain", "telemetry", "--listen", "127.0.0.1:0",
-         "--db", f"sqlite:///{database}", "--keep-steps", "0"],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scaletrain",
+            "telemetry",
+            "--listen",
+            "127.0.0.1:0",
+            "--db",
+            f"sqlite:///{database}",
+            "--keep-steps",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode != 0
     (line,) = result.stderr.strip().splitlines()
     assert "--keep-steps must be a whole number of steps >= 1" in line and "'0'" in line

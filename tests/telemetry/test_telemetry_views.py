@@ -50,14 +50,19 @@ def steps(
     store.add_steps(
         [
             rank_step(
-                "run-1", number, rank, loss=100 / number + rank / 100, tokens=1000,
-                times={"step": 0.5, **times}, attempt=attempt,
+                "run-1",
+                number,
+                rank,
+                loss=100 / number + rank / 100,
+                tokens=1000,
+                times={"step": 0.5, **times},
+                attempt=attempt,
                 offset=(number * ranks, number, 0),
             )
             for number in numbers
             for rank in range(ranks)
         ]
-    )  # fmt: skip
+    )
     store.roll_up()
 
 
@@ -101,12 +106,20 @@ def test_a_rank_twice_as_slow_as_its_peers_scores_one_half(
 ) -> None:
     registered.add_steps(
         [
-            rank_step("run-1", number, rank, times={"step": 0.5, "compute": 0.1 + 0.1 * (rank == 3),
-                                                    "comm_wait": 0.3 - 0.1 * (rank == 3)})
+            rank_step(
+                "run-1",
+                number,
+                rank,
+                times={
+                    "step": 0.5,
+                    "compute": 0.1 + 0.1 * (rank == 3),
+                    "comm_wait": 0.3 - 0.1 * (rank == 3),
+                },
+            )
             for number in range(1, 31)
             for rank in range(4)
         ]
-    )  # fmt: skip
+    )
     registered.roll_up()
     phases = rank_phases(engine, "run-1", [0, 1, 2, 3], window=20)
     assert list(phases["rank"]) == [0, 1, 2, 3]

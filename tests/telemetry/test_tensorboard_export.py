@@ -39,10 +39,15 @@ def stored_run(store: TelemetryStore, engine: Engine, run_request: RegisterRun) 
     with engine.begin() as connection:
         connection.execute(
             Event.__table__.insert().values(
-                run_id="run-1", step=4, rank=-1, kind="eval", message="",
-                time=datetime.now(UTC), attributes={"loss": "0.75"},
+                run_id="run-1",
+                step=4,
+                rank=-1,
+                kind="eval",
+                message="",
+                time=datetime.now(UTC),
+                attributes={"loss": "0.75"},
             )
-        )  # fmt: skip
+        )
 
 
 def test_step_scalars_compute_each_curve_from_the_stored_records(

@@ -26,13 +26,38 @@ def _losses(*flags: str) -> list[float]:
     graph each way (compiling one takes ~20 s on 2 cores; delayed scaling's history under compile
     is checked layer by layer in test_fp8_linear.py)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-         "-m", "trainer", "--run-id", "compiled", "--steps", "2", "--log-every", "1",
-         "--n-layers", "1", "--seq-len", "64", "--global-batch", "4",
-         "--fp8", "tensorwise", "--fp8-count-every", "1", *flags],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "-m",
+            "trainer",
+            "--run-id",
+            "compiled",
+            "--steps",
+            "2",
+            "--log-every",
+            "1",
+            "--n-layers",
+            "1",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "4",
+            "--fp8",
+            "tensorwise",
+            "--fp8-count-every",
+            "1",
+            *flags,
+        ],
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
-        capture_output=True, text=True, timeout=500,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [float(loss) for loss in re.findall(r"\[trainer\] step \d+ loss ([0-9.]+)", proc.stdout)]
 

@@ -103,9 +103,14 @@ def prepare_main(argv: list[str]) -> int:
 def _sentencepiece_model(path: Path, texts: list[str]) -> Path:
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts), model_writer=model, vocab_size=60, model_type="bpe",
-        eos_id=2, pad_id=3, minloglevel=2,
-    )  # fmt: skip
+        sentence_iterator=iter(texts),
+        model_writer=model,
+        vocab_size=60,
+        model_type="bpe",
+        eos_id=2,
+        pad_id=3,
+        minloglevel=2,
+    )
     path.write_bytes(model.getvalue())
     return path
 

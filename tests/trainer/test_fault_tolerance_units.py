@@ -68,9 +68,13 @@ def _watchdog(policy: WatchdogPolicy, peers: PeerBoard | None = None):
     exits: list[int] = []
     beats: list[tuple[int, str]] = []
     dog = Watchdog(
-        policy, 2, heartbeat=lambda s, p: beats.append((s, p)), on_hang=fired.append,
-        peers=peers, exit=exits.append,
-    )  # fmt: skip
+        policy,
+        2,
+        heartbeat=lambda s, p: beats.append((s, p)),
+        on_hang=fired.append,
+        peers=peers,
+        exit=exits.append,
+    )
     return dog, fired, exits, beats
 
 

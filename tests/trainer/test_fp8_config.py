@@ -14,10 +14,22 @@ from trainer.config import TrainConfig, from_args, parser
 
 def test_the_trainer_flags_build_the_fp8_config():
     args = parser().parse_args(
-        ["--run-id", "r", "--fp8", "blockwise", "--fp8-keep-high-precision", "output,layers.0",
-         "--fp8-option", "backward_format=e4m3", "--fp8-option", "margin=1", "--fp8-all-gather",
-         "--fp8-count-every", "1"]
-    )  # fmt: skip
+        [
+            "--run-id",
+            "r",
+            "--fp8",
+            "blockwise",
+            "--fp8-keep-high-precision",
+            "output,layers.0",
+            "--fp8-option",
+            "backward_format=e4m3",
+            "--fp8-option",
+            "margin=1",
+            "--fp8-all-gather",
+            "--fp8-count-every",
+            "1",
+        ]
+    )
     cfg = from_args(args)
     assert cfg.fp8 == "blockwise"
     assert cfg.fp8_count_every == 1

@@ -67,9 +67,13 @@ def test_the_h200_stand_in_refuses_scales_in_the_wrong_layout_and_says_which(hop
     data_b = b.data.t().contiguous().t()
     with pytest.raises(ValueError, match=r"Invalid scaling configuration.*BlockWise1x128"):
         F.scaled_mm(  # 1x128 scales row-major: cuBLAS reads them outer-dimension-major
-            a.data, data_b, a.scale.contiguous(), F.ScalingType.BlockWise1x128,
-            b.scale.t().contiguous().t(), F.ScalingType.BlockWise128x128,
-        )  # fmt: skip
+            a.data,
+            data_b,
+            a.scale.contiguous(),
+            F.ScalingType.BlockWise1x128,
+            b.scale.t().contiguous().t(),
+            F.ScalingType.BlockWise128x128,
+        )
     with pytest.raises(RuntimeError, match="row-major and column-major"):
         torch._scaled_mm(a.data, b.data, a.scale[:1, :1], b.scale[:1, :1])
 

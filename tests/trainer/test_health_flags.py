@@ -22,11 +22,20 @@ def command(*args: str) -> subprocess.CompletedProcess[str]:
 def test_the_trainer_reads_its_health_options_into_its_config() -> None:
     args = parser().parse_args(
         [
-            "--run-id", "r", "--health-policy", "skip", "--peak-flops", "1e12",
-            "--inject-sdc", "step=3,rank=1", "--inject-sdc", "step=4,rank=0,target=param",
-            "--inject-straggler", "rank=2,delay=0.5",
+            "--run-id",
+            "r",
+            "--health-policy",
+            "skip",
+            "--peak-flops",
+            "1e12",
+            "--inject-sdc",
+            "step=3,rank=1",
+            "--inject-sdc",
+            "step=4,rank=0,target=param",
+            "--inject-straggler",
+            "rank=2,delay=0.5",
         ]
-    )  # fmt: skip
+    )
     cfg = from_args(args)
     assert (cfg.health_policy, cfg.peak_flops) == ("skip", 1e12)
     assert cfg.faults.sdc == (SdcFault(3, 1), SdcFault(4, 0, "param"))

@@ -469,14 +469,38 @@ def test_a_trainer_run_initialised_from_hf_logs_the_hf_models_first_step_loss(
 ) -> None:
     hf_llama(tmp_path / "hf", seed=3)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "trainer", "--run-id", "ft", "--steps", "1", "--log-every", "1", "--seq-len", "32",
-         "--global-batch", "4", "--tp", "2", "--corpus-bytes", str(CORPUS_BYTES),
-         "--init-from-hf", str(tmp_path / "hf"),
-         *options.to_argv(SHAPE)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "trainer",
+            "--run-id",
+            "ft",
+            "--steps",
+            "1",
+            "--log-every",
+            "1",
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "4",
+            "--tp",
+            "2",
+            "--corpus-bytes",
+            str(CORPUS_BYTES),
+            "--init-from-hf",
+            str(tmp_path / "hf"),
+            *options.to_argv(SHAPE),
+        ],
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     logged = float(re.search(r"\[trainer\] step 1 loss (\S+)", proc.stdout).group(1))
     assert logged == pytest.approx(hf_first_loss(tmp_path / "hf", 32, 4), abs=1e-4)

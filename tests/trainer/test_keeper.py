@@ -67,8 +67,11 @@ def run_keeper(
     seen = tmp_path / "ranks.jsonl"
     done = subprocess.run(
         [sys.executable, "-c", RANK, str(seen), actions, str(restarts)],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     del store
     ranks = [json.loads(line) for line in seen.read_text().splitlines()] if seen.exists() else []
     return done.returncode, ranks, done.stdout + done.stderr

@@ -171,20 +171,30 @@ def test_print_config_prints_the_resolved_job_which_reads_back_to_the_same_run(
     ("text", "message"),
     [
         ("format_version = 1\n[model]\ndimm = 3\n", "unknown key 'model.dimm'; [model] takes: "),
-        ('format_version = 1\n[model]\ndim = "wide"\n',
-         "--dim (model.dim): 'wide' is not allowed; allowed: an integer >= 1"),
-        ("format_version = 1\n[optimizer]\nlr = -1.0\n",
-         "--lr (optimizer.lr): -1.0 is not allowed; allowed: a number > 0"),
-        ('format_version = 1\n[parallel]\npp_schedule = "zigzag"\n',
-         "--pp-schedule (parallel.pp_schedule): 'zigzag' is not allowed; allowed: one of GPipe"),
-        ("format_version = 1\n[model\n", "not valid TOML: Expected ']' at the end of a table "
-         "declaration (at line 2, column 7)"),
+        (
+            'format_version = 1\n[model]\ndim = "wide"\n',
+            "--dim (model.dim): 'wide' is not allowed; allowed: an integer >= 1",
+        ),
+        (
+            "format_version = 1\n[optimizer]\nlr = -1.0\n",
+            "--lr (optimizer.lr): -1.0 is not allowed; allowed: a number > 0",
+        ),
+        (
+            'format_version = 1\n[parallel]\npp_schedule = "zigzag"\n',
+            "--pp-schedule (parallel.pp_schedule): 'zigzag' is not allowed; allowed: one of GPipe",
+        ),
+        (
+            "format_version = 1\n[model\n",
+            "not valid TOML: Expected ']' at the end of a table declaration (at line 2, column 7)",
+        ),
         ("format_version = 2\n", "format_version 2; this trainer reads format_version = 1"),
         ("[model]\ndim = 64\n", "no format_version; this trainer reads format_version = 1"),
-        ('format_version = 1\n[model]\npreset = "llama9"\n',
-         "'llama9' is not allowed; allowed: one of debug, llama3-1b, llama3-8b"),
+        (
+            'format_version = 1\n[model]\npreset = "llama9"\n',
+            "'llama9' is not allowed; allowed: one of debug, llama3-1b, llama3-8b",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_config_file_gets_one_line_naming_the_key_and_starts_nothing(
     text: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -245,14 +245,43 @@ def test_a_layouts_checkpoint_loads_into_a_one_process_model_with_stock_dcp(
 def test_the_trainer_runs_a_composed_layout_given_on_its_command_line():
     """pp2 x cp2 with ep2 borrowed from cp, a zero-bubble schedule, bf16 and recomputation."""
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         "-m", "trainer", "--run-id", "composed", "--steps", "2", "--log-every", "1",
-         "--seq-len", "32", "--global-batch", "4", "--pp", "2", "--cp", "2", "--ep", "2",
-         "--n-experts", "4", "--pp-schedule", "ZBVZeroBubble", "--mixed-precision",
-         "--activation-checkpointing"],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "trainer",
+            "--run-id",
+            "composed",
+            "--steps",
+            "2",
+            "--log-every",
+            "1",
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "4",
+            "--pp",
+            "2",
+            "--cp",
+            "2",
+            "--ep",
+            "2",
+            "--n-experts",
+            "4",
+            "--pp-schedule",
+            "ZBVZeroBubble",
+            "--mixed-precision",
+            "--activation-checkpointing",
+        ],
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "[trainer] step 2 loss" in proc.stdout and "expert load max/mean" in proc.stdout
     assert "[trainer] done: final loss" in proc.stdout

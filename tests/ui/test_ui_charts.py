@@ -15,9 +15,13 @@ def rows(spec: dict, part: dict) -> list[dict]:
 
 def test_the_loss_chart_puts_checkpoints_on_its_floor_and_events_across_it() -> None:
     points = pd.DataFrame(
-        {"step": [1, 2, 3], "loss": [3.0, 2.0, 1.5], "loss_min": [2.9, 1.9, 1.4],
-         "loss_max": [3.1, 2.1, 1.6]}
-    )  # fmt: skip
+        {
+            "step": [1, 2, 3],
+            "loss": [3.0, 2.0, 1.5],
+            "loss_min": [2.9, 1.9, 1.4],
+            "loss_max": [3.1, 2.1, 1.6],
+        }
+    )
     markers = pd.DataFrame(
         {"step": [2, 3], "kind": ["checkpoint", "sdc"], "label": ["checkpoint of step 2", "flip"]}
     )
@@ -43,9 +47,13 @@ def test_the_heatmap_colours_each_rank_relative_to_the_median_rank_of_its_step()
 
 def test_the_loss_chart_draws_the_validation_loss_beside_the_training_loss() -> None:
     points = pd.DataFrame(
-        {"step": [1, 2, 3], "loss": [3.0, 2.0, 1.5], "loss_min": [2.9, 1.9, 1.4],
-         "loss_max": [3.1, 2.1, 1.6]}
-    )  # fmt: skip
+        {
+            "step": [1, 2, 3],
+            "loss": [3.0, 2.0, 1.5],
+            "loss_min": [2.9, 1.9, 1.4],
+            "loss_max": [3.1, 2.1, 1.6],
+        }
+    )
     markers = pd.DataFrame(columns=["step", "kind", "label"])
     evals = pd.DataFrame({"step": [2, 3], "eval_loss": [2.4, 1.9]})
     spec = charts.loss_chart(points, markers, evals).to_dict()

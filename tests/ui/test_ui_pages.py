@@ -181,16 +181,30 @@ def test_a_checkpoint_spread_over_two_nodes_shows_where_each_part_and_its_copies
         ]
         # Step 8: each node holds a copy of the other's part; step 4: only node1 of node0's.
         + [
-            event("two-nodes", "checkpoint_committed", step=8, tier="ssd", bytes=1 << 20,
-                  node=holder, replica_of=owner)
+            event(
+                "two-nodes",
+                "checkpoint_committed",
+                step=8,
+                tier="ssd",
+                bytes=1 << 20,
+                node=holder,
+                replica_of=owner,
+            )
             for holder, owner in (("node0", "node1"), ("node1", "node0"))
         ]
         + [
-            event("two-nodes", "checkpoint_committed", step=4, tier="ssd", bytes=1 << 20,
-                  node=node, replica_of=owner)
+            event(
+                "two-nodes",
+                "checkpoint_committed",
+                step=4,
+                tier="ssd",
+                bytes=1 << 20,
+                node=node,
+                replica_of=owner,
+            )
             for node, owner in (("node0", ""), ("node1", ""), ("node1", "node0"))
         ]
-    )  # fmt: skip
+    )
     app = open_page(monkeypatch, empty_db, RUN_HEALTH, run="two-nodes")
     (tiers,) = (frame.value for frame in app.dataframe if "tiers" in frame.value.columns)
     assert tiers[["step", "tiers", "nodes", "copies", "node_loss_safe"]].values.tolist() == [
@@ -212,13 +226,19 @@ def test_the_pages_render_from_postgresql(
     store.register_run(telemetry_pb2.RegisterRunRequest(run_id="pg-run", world_size=4))
     store.add_steps(
         [
-            rank_step("pg-run", step, rank, loss=3.0 / step, tokens=64,
-                      times={"step": 0.2, "compute": 0.1 + 0.1 * (rank == 3)},
-                      offset=(step * 4, step, 0))
+            rank_step(
+                "pg-run",
+                step,
+                rank,
+                loss=3.0 / step,
+                tokens=64,
+                times={"step": 0.2, "compute": 0.1 + 0.1 * (rank == 3)},
+                offset=(step * 4, step, 0),
+            )
             for step in range(1, 41)
             for rank in range(4)
         ]
-    )  # fmt: skip
+    )
     store.roll_up()
     store.add_events([event("pg-run", "checkpoint_committed", step=40, tier="ssd", bytes=1 << 20)])
     engine.dispose()
@@ -237,16 +257,31 @@ def test_a_run_with_a_recovery_record_shows_it_in_a_table_and_as_a_band_on_the_l
     store = TelemetryStore(connect(empty_db))
     store.register_run(telemetry_pb2.RegisterRunRequest(run_id="drilled", world_size=2))
     store.add_steps(
-        [rank_step("drilled", s, r, loss=2.0, times={"step": 0.1}) for s in range(1, 11)
-         for r in (0, 1)]
-    )  # fmt: skip
+        [
+            rank_step("drilled", s, r, loss=2.0, times={"step": 0.1})
+            for s in range(1, 11)
+            for r in (0, 1)
+        ]
+    )
     store.roll_up()
     record = Recovery(
-        kind="kill-rank", target="rank 1", step=7, injected_at=1000.0, detected_at=1000.4,
-        detected_by="[rank0]: Traceback", first_step=6, first_step_at=1012.5, mttr_s=12.5,
-        restarted=True, resumed_from=5, steps_lost=2, restored_from={"memory@node0": 2_100_000},
-        bytes_per_tier={"memory": 2_100_000}, badput_s=12.6, in_job=True,
-    )  # fmt: skip
+        kind="kill-rank",
+        target="rank 1",
+        step=7,
+        injected_at=1000.0,
+        detected_at=1000.4,
+        detected_by="[rank0]: Traceback",
+        first_step=6,
+        first_step_at=1012.5,
+        mttr_s=12.5,
+        restarted=True,
+        resumed_from=5,
+        steps_lost=2,
+        restored_from={"memory@node0": 2_100_000},
+        bytes_per_tier={"memory": 2_100_000},
+        badput_s=12.6,
+        in_job=True,
+    )
     store.add_events(
         [event("drilled", "recovery", step=7, message="recovery", attributes=record.attributes())]
     )

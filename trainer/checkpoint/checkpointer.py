@@ -413,9 +413,13 @@ class Checkpointer:
         start, step = time.perf_counter(), started.step
         memory_only = started.kind is SaveKind.MEMORY
         writer = CkptdStorageWriter(
-            self.address, self.run_id, step, labels=labels,
-            replicas=0 if memory_only else self.replicas, memory_only=memory_only,
-        )  # fmt: skip
+            self.address,
+            self.run_id,
+            step,
+            labels=labels,
+            replicas=0 if memory_only else self.replicas,
+            memory_only=memory_only,
+        )
         error: BaseException | None = None
         try:
             with _without_zip_crc32():
@@ -562,9 +566,13 @@ class Checkpointer:
             own_steps = {sealed_step(s.own.directory, verify=True) for s in self._slots if s.own}
             in_memory = self._peers.newest_in_memory(own_steps - {None})  # type: ignore[arg-type]
         step = latest_step(
-            self.address, self.run_id, self.rank, cfg.resume_wait_s, required,
+            self.address,
+            self.run_id,
+            self.rank,
+            cfg.resume_wait_s,
+            required,
             in_memory.step if in_memory is not None else -1,
-        )  # fmt: skip
+        )
         if self._peers is not None and in_memory is None and step >= 0 and self.rank == 0:
             print(
                 f"[trainer] no step every rank can restore from memory ({self._peers.missing}); "

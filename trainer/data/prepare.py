@@ -301,9 +301,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer", default="bytes", help="a tokenizer.json, a SentencePiece .model, or bytes"
     )
     parser.add_argument(
-        "--train-tokenizer", type=int, metavar="VOCAB",
+        "--train-tokenizer",
+        type=int,
+        metavar="VOCAB",
         help="train a byte-level BPE of this vocabulary on the inputs (saved in --out)",
-    )  # fmt: skip
+    )
     parser.add_argument("--field", default="text", help="the .jsonl field or Parquet column")
     parser.add_argument(
         "--shard-tokens",
@@ -349,18 +351,20 @@ def prepare_example(
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     train = prepare(
         PrepareOptions(
-            inputs=[str(stdlib / p) for p in EXAMPLE_TRAIN], out=out / "train",
+            inputs=[str(stdlib / p) for p in EXAMPLE_TRAIN],
+            out=out / "train",
             train_tokenizer=vocab,
         ),
         progress,
-    )  # fmt: skip
+    )
     held_out = prepare(
         PrepareOptions(
-            inputs=[str(stdlib / p) for p in EXAMPLE_HELD_OUT], out=out / "heldout",
+            inputs=[str(stdlib / p) for p in EXAMPLE_HELD_OUT],
+            out=out / "heldout",
             tokenizer=str(out / "train" / TRAINED_TOKENIZER),
         ),
         progress,
-    )  # fmt: skip
+    )
     return train, held_out
 
 

@@ -92,11 +92,13 @@ class WatchedReduceScatter(ReduceScatter):
         shards = sent.view(size, -1)
         sums = self._groups.setdefault(group, _Sums())
         sums.sent.append(
-            torch.stack([
-                shards.sum(dim=1, dtype=torch.float64),
-                shards.abs().sum(dim=1, dtype=torch.float64),
-            ])
-        )  # fmt: skip
+            torch.stack(
+                [
+                    shards.sum(dim=1, dtype=torch.float64),
+                    shards.abs().sum(dim=1, dtype=torch.float64),
+                ]
+            )
+        )
         received = output.sum(dtype=torch.float64)
         sums.received.append(received * size if average else received)
         sums.eps.append(torch.finfo(output.dtype).eps)

@@ -184,9 +184,13 @@ def local_indices(param: torch.Tensor) -> list[torch.Tensor]:
             if isinstance(placement, Shard | _StridedShard):
                 d = placement.dim
                 views[d] = placement._select_split_tensor(
-                    views[d], mesh.size(mesh_dim), coordinate[mesh_dim],
-                    with_padding=False, contiguous=False, clone=False,
-                )  # fmt: skip
+                    views[d],
+                    mesh.size(mesh_dim),
+                    coordinate[mesh_dim],
+                    with_padding=False,
+                    contiguous=False,
+                    clone=False,
+                )
     return [v.flatten() for v in views]
 
 

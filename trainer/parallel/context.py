@@ -73,15 +73,21 @@ class _Ring:
         works = dist.batch_isend_irecv(
             [
                 dist.P2POp(
-                    dist.isend, tensor, group=self.group, tag=tag,
+                    dist.isend,
+                    tensor,
+                    group=self.group,
+                    tag=tag,
                     group_peer=(self.rank + 1) % self.size,
                 ),
                 dist.P2POp(
-                    dist.irecv, received, group=self.group, tag=tag,
+                    dist.irecv,
+                    received,
+                    group=self.group,
+                    tag=tag,
                     group_peer=(self.rank - 1) % self.size,
                 ),
             ]
-        )  # fmt: skip
+        )
 
         def wait() -> torch.Tensor:
             for work in works:
@@ -155,9 +161,17 @@ def backward_block(
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for qs, ks, causal in _pairs(rank, src, cp, q.shape[2]):
         _attend_backward(
-            q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs], lse[:, :, qs],
-            delta[:, :, qs], causal, dq[:, :, qs], dk[:, :, ks], dv[:, :, ks],
-        )  # fmt: skip
+            q[:, :, qs],
+            k[:, :, ks],
+            v[:, :, ks],
+            dout[:, :, qs],
+            lse[:, :, qs],
+            delta[:, :, qs],
+            causal,
+            dq[:, :, qs],
+            dk[:, :, ks],
+            dv[:, :, ks],
+        )
     return torch.stack([_reduce_heads(dk, kv.shape[2]), _reduce_heads(dv, kv.shape[2])])
 
 

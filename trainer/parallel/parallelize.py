@@ -233,9 +233,15 @@ def parallelize(
             dtype=param_dtype or torch.float32,
         )
         pipeline = build_pipeline(
-            stages, par.pp_schedule, dims.pp * v, microbatches, mesh.pp.get_group(), shapes,
-            next_token_loss, device,
-        )  # fmt: skip
+            stages,
+            par.pp_schedule,
+            dims.pp * v,
+            microbatches,
+            mesh.pp.get_group(),
+            shapes,
+            next_token_loss,
+            device,
+        )
     return ParallelModel(model, dims, mesh, device, positions, pipeline), parts
 
 

@@ -95,12 +95,15 @@ def stage_sizes(
         near = " or ".join(str(n - fewer) for n in (below, below + n_stages) if n > fewer)
         raise ValueError(
             f"n_layers {n_layers} does not split into {n_stages} equal stages"
-            + (f" with {first_less} fewer on the first and {last_less} on the last" if
-               first_less or last_less else "")
+            + (
+                f" with {first_less} fewer on the first and {last_less} on the last"
+                if first_less or last_less
+                else ""
+            )
             + f"; nearest valid n_layers: {near}; or set --pp-first-stage-less-layers and "
             "--pp-last-stage-less-layers so that n_layers plus both is a multiple of the "
             "stages, or --pp-layers-per-stage"
-        )  # fmt: skip
+        )
     sizes = [total // n_stages] * n_stages
     sizes[0] -= first_less
     sizes[-1] -= last_less

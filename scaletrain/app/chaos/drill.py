@@ -177,9 +177,16 @@ class Drill:
             if FAULTS[fault.kind].trainer_args is not None:
                 step = fault.step  # the trainer struck it itself, in its STEP
             record = Injected(
-                fault.kind, step, target, detail, round(at - self.started_at, 2),
-                self.fresh_at, self.spare_used, injected_at=at, ended_at=ended_at,
-            )  # fmt: skip
+                fault.kind,
+                step,
+                target,
+                detail,
+                round(at - self.started_at, 2),
+                self.fresh_at,
+                self.spare_used,
+                injected_at=at,
+                ended_at=ended_at,
+            )
             self.fresh_at, self.spare_used = None, ""
             self.injected.append(record)
             self._report(record)
@@ -244,15 +251,26 @@ class Drill:
                 # The trainer strikes it itself, inside step STEP: from that step's start.
                 injected_at = ended_at = timeline.step_started(fault.step) or injected_at
             record = recovery_record(
-                kind=fault.kind, target=fault.target, step=fault.step, injected_at=injected_at,
-                ended_at=ended_at, restarts=kind.restarts, detected_by=re.compile(kind.detected_by),
-                timeline=timeline, signs=seen, restarts_seen=restarts, spare=bool(fault.spare),
-            )  # fmt: skip
+                kind=fault.kind,
+                target=fault.target,
+                step=fault.step,
+                injected_at=injected_at,
+                ended_at=ended_at,
+                restarts=kind.restarts,
+                detected_by=re.compile(kind.detected_by),
+                timeline=timeline,
+                signs=seen,
+                restarts_seen=restarts,
+                spare=bool(fault.spare),
+            )
             records.append(record)
             report = event(
-                self.run_id, "recovery", step=record.step, message=_describe(record),
+                self.run_id,
+                "recovery",
+                step=record.step,
+                message=_describe(record),
                 attributes=record.attributes(),
-            )  # fmt: skip
+            )
             report.time.FromDatetime(datetime.fromtimestamp(record.injected_at, UTC))
             self._telemetry.report_event(report)
         return records
@@ -262,11 +280,14 @@ class Drill:
         # A fault on a node names it in the event's attributes: target "node1"; rank -1.
         self._telemetry.report_event(
             event(
-                self.run_id, "fault", step=record.step, rank=rank,
+                self.run_id,
+                "fault",
+                step=record.step,
+                rank=rank,
                 message=f"chaos: {record.kind}: {record.detail}",
                 attributes={"fault": record.kind, "target": record.target},
             )
-        )  # fmt: skip
+        )
 
     # -- what the strikes share -----------------------------------------------------------------
 

@@ -137,9 +137,13 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         try:
             try:
                 code = stack.train(
-                    run_id, options.ranks, trainer_args + drill.trainer_args(), tap, max_restarts,
+                    run_id,
+                    options.ranks,
+                    trainer_args + drill.trainer_args(),
+                    tap,
+                    max_restarts,
                     on_start=drill.start,
-                )  # fmt: skip
+                )
             finally:
                 drill.finish()
             # After a failure, only what is committed now: nothing will upload any more.

@@ -22,9 +22,20 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 _METRICS = (
-    "step", "compute", "data", "forward", "backward", "optimizer", "comm_wait", "checkpoint",
-    "replay", "loss", "grad_norm", "memory", "peak_memory",
-)  # fmt: skip
+    "step",
+    "compute",
+    "data",
+    "forward",
+    "backward",
+    "optimizer",
+    "comm_wait",
+    "checkpoint",
+    "replay",
+    "loss",
+    "grad_norm",
+    "memory",
+    "peak_memory",
+)
 _STATISTICS = ("min", "median", "p99", "max")
 
 
