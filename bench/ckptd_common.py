@@ -121,13 +121,13 @@ def chunked(data: bytes) -> tuple[list[Chunk], FileTrailer]:
 
 def save_one_shard(store: CheckpointStore, step: int, shard: tuple[list, FileTrailer]) -> None:
     """Open, receive one shard (prepared by `chunked`) and a tiny metadata file, and commit."""
-    save_id = store.open_save(CheckpointRef(run="bench", step=step), world_size=1)
+    save_id = store.saves.open_save(CheckpointRef(run="bench", step=step), world_size=1)
     for path, kind, (chunks, trailer) in (
         ("__0_0.distcp", FILE_KIND_SHARD, shard),
         (".metadata", FILE_KIND_METADATA, chunked(b"metadata")),
     ):
-        store.write_file(FileHeader(save_id=save_id, path=path, kind=kind), chunks, trailer)
-    store.commit(save_id)
+        store.saves.write_file(FileHeader(save_id=save_id, path=path, kind=kind), chunks, trailer)
+    store.saves.commit(save_id)
 
 
 def _serve_raw_tcp(direction: str, size: int, source_port: int = 0) -> None:

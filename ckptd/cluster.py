@@ -101,9 +101,11 @@ class Peer:
         """Wait for a connection (a peer just restarted may take a reconnect backoff), or raise
         PeerUnreachable: so that a peer that is down costs a call seconds, not its deadline."""
         assert self.channel is not None
+        ready = grpc.channel_ready_future(self.channel)
         try:
-            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+            ready.result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
+            ready.cancel()  # its polling thread stops here, not on a channel closed under it
             raise PeerUnreachable(f"{self.address}: no connection within {timeout_s:g}s") from None
 
     @property

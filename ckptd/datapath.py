@@ -292,8 +292,8 @@ class DataPlane:
             raise InvalidArgument(
                 f"{header.path}: size must be >= 0, or {UNKNOWN_SIZE} when not known, got {size}"
             )
-        self._store.check_header(header)
-        run = self._store.run_of_save(header.save_id) or ""
+        self._store.saves.check_header(header)
+        run = self._store.saves.run_of_save(header.save_id) or ""
         owner = Owner(caller.key, caller.label, run)
         with self._lock:
             self._drop_expired()
@@ -325,7 +325,7 @@ class DataPlane:
         more open read, and the range's offset and length. `identity` as for `issue`."""
 
         def read(offset: int, length: int) -> Pieces:
-            return self._store.iter_range(
+            return self._store.reader.iter_range(
                 request.ref,
                 request.path,
                 offset,
@@ -352,7 +352,7 @@ class DataPlane:
         """The run a ticket's upload writes to (to authorize FinishUpload); none if unknown."""
         with self._lock:
             found = self._tickets.get(ticket)
-        run = self._store.run_of_save(found.header.save_id) if found is not None else None
+        run = self._store.saves.run_of_save(found.header.save_id) if found is not None else None
         return [run] if run is not None else []
 
     def finish(self, ticket: bytes, trailer: checkpoint_pb2.FileTrailer) -> FileRecord:
@@ -671,7 +671,9 @@ class DataPlane:
 
         frame_deadline = [time.monotonic() + timeout_s]
         received = 0
-        with self._store.begin_file(found.header, lambda n: self._flight.give(owner, n)) as stream:
+        with self._store.saves.begin_file(
+            found.header, lambda n: self._flight.give(owner, n)
+        ) as stream:
             try:
                 for chunk in read_frames(recv, path, size, buffer):
                     stream.write(chunk)

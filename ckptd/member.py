@@ -5,9 +5,9 @@ participant's: joining a save a peer's coordinator opened, voting on it (Prepare
 decision (Decide, or learning it later: Outcome), and the catalog every node keeps of every
 node's checkpoints (Catalog, and the sync that resolves in-doubt saves and fetches the commits a
 node missed while it was down, frozen or replaced). It also answers the cluster-wide questions
-of the store's API: every node's part of a checkpoint and its copies (replicas), whether a step
-can be restored in full right now ("latest" only names such a step), and whether it is
-node-loss safe (every part on R nodes, and at least 2).
+(`store.member.checkpoints`, `store.member.checkpoint`): every node's part of a checkpoint and
+its copies (replicas), whether a step can be restored in full right now ("latest" only names
+such a step), and whether it is node-loss safe (every part on R nodes, and at least 2).
 
 A component of `CheckpointStore`: it acts on the open saves through `ckptd.saves.Saves`, on the
 replicas through `ckptd.holding.ReplicaHolding`, under the store's lock.

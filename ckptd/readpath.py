@@ -4,7 +4,7 @@ Why it exists: a restore is almost all bytes, and grpcio's Python transport carr
 chunks at a fraction of what a loopback socket does (bench/ckptd_restore.py). So the control stays
 on gRPC (authentication, authorization, the request's checks, which fail at OpenRead in one line)
 and only the bytes take the data socket that uploads use (`ckptd.datapath`), as frames of the
-pieces that the store's `iter_range` yields, each already verified against the file's block CRCs.
+pieces that `Reader.iter_range` yields, each already verified against the file's block CRCs.
 Each frame carries its tier and offset and the CRC-32C of each BLOCK_BYTES block of its bytes:
 the very CRCs the file was stored with (`BLOCKS`), so ckptd computes no CRC of its own to send
 and the client checks every byte against what the writer sent, end to end. A frame that does not

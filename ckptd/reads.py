@@ -97,8 +97,8 @@ def _piece(
 
 class Reader:
     """Reads committed files from the store's tiers, under the store's lock where it changes the
-    catalog (a damaged copy). The store's methods of the same names are the API, with the
-    defaults."""
+    catalog (a damaged copy). Callers reach it as `store.reader` (`iter_range`, `open_elsewhere`,
+    `export`)."""
 
     def __init__(
         self,

@@ -62,6 +62,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
         and so serves every caller gRPC serves; `tokens`: the server's tokens, whose holders are
         the callers uploads count against (None: hosts)."""
         self._store = store
+        self._saves, self._member, self._reader = store.saves, store.member, store.reader
         self._data = data
         self._tokens = tokens
 
@@ -72,7 +73,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
         retention = (
             RetentionPolicy.from_proto(request.retention) if request.HasField("retention") else None
         )
-        save_id = self._store.open_save(
+        save_id = self._saves.open_save(
             request.ref,
             request.world_size,
             dict(request.labels),
@@ -80,7 +81,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
             request.replicas,
             memory_only=request.memory_only,
         )
-        coordination = self._store.coordination(save_id)
+        coordination = self._saves.coordination(save_id)
         return checkpoint_pb2.OpenSaveResponse(
             save_id=save_id,
             epoch=coordination.epoch,
@@ -93,7 +94,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
         self, request: checkpoint_pb2.JoinSaveRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.JoinSaveResponse:
         coordination = Coordination(request.epoch, request.coordinator, request.coordinator_address)
-        self._store.join_save(
+        self._member.join_save(
             request.save_id, request.ref, request.world_size, coordination, request.memory_only
         )
         return checkpoint_pb2.JoinSaveResponse(node=self._store.node)
@@ -108,7 +109,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidArgument("WriteFile stream must start with a header")
         path = first.header.path
-        with self._store.begin_file(first.header) as stream:
+        with self._saves.begin_file(first.header) as stream:
             for message in request_iterator:
                 part = message.WhichOneof("part")
                 if part == "chunk":
@@ -146,7 +147,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     ) -> checkpoint_pb2.OpenReadResponse:
         data = self._data_plane(context)
         if request.direct:
-            elsewhere = self._store.open_elsewhere(request)
+            elsewhere = self._reader.open_elsewhere(request)
             if elsewhere is not None:
                 return elsewhere
         caller, identity = caller_of(context, self._tokens), call_identity(context)
@@ -170,27 +171,27 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     def CommitSave(
         self, request: checkpoint_pb2.CommitSaveRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.CheckpointInfo:
-        return self._store.commit(request.save_id)
+        return self._saves.commit(request.save_id)
 
     @maps_errors
     def AbortSave(
         self, request: checkpoint_pb2.AbortSaveRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.AbortSaveResponse:
-        self._store.abort(request.save_id, request.reason)
+        self._saves.abort(request.save_id, request.reason)
         return checkpoint_pb2.AbortSaveResponse()
 
     @maps_errors
     def ListCheckpoints(
         self, request: checkpoint_pb2.ListCheckpointsRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.ListCheckpointsResponse:
-        infos = self._store.list(request.run, request.include_uncommitted, request.nodes)
+        infos = self._member.checkpoints(request.run, request.include_uncommitted, request.nodes)
         return checkpoint_pb2.ListCheckpointsResponse(checkpoints=infos)
 
     @maps_errors
     def GetCheckpoint(
         self, request: checkpoint_pb2.GetCheckpointRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.CheckpointInfo:
-        return self._store.get(
+        return self._member.checkpoint(
             request.ref, latest=request.latest, node_loss_safe=request.node_loss_safe
         )
 
@@ -198,7 +199,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     def ReadFile(
         self, request: checkpoint_pb2.ReadFileRequest, context: grpc.ServicerContext
     ) -> Iterator[checkpoint_pb2.ReadFileResponse]:
-        pieces = self._store.iter_range(
+        pieces = self._reader.iter_range(
             request.ref,
             request.path,
             request.offset,
@@ -227,7 +228,7 @@ class CheckpointServicer(checkpoint_pb2_grpc.CheckpointServiceServicer):
     def SetReplicaRate(
         self, request: checkpoint_pb2.SetReplicaRateRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.SetReplicaRateResponse:
-        before = self._store.set_replica_rate(request.bytes_per_s)
+        before = self._store.holding.set_replica_rate(request.bytes_per_s)
         return checkpoint_pb2.SetReplicaRateResponse(previous_bytes_per_s=before)
 
 
@@ -236,6 +237,7 @@ class ClusterServicer(checkpoint_pb2_grpc.ClusterServiceServicer):
 
     def __init__(self, store: CheckpointStore) -> None:
         self._store = store
+        self._member = store.member
 
     @maps_errors
     def Hello(
@@ -255,7 +257,7 @@ class ClusterServicer(checkpoint_pb2_grpc.ClusterServiceServicer):
     def Prepare(
         self, request: checkpoint_pb2.PrepareRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.PrepareResponse:
-        world_size, files = self._store.prepare(
+        world_size, files = self._member.prepare(
             request.save_id, request.ref, request.epoch, request.coordinator
         )
         return checkpoint_pb2.PrepareResponse(
@@ -266,14 +268,14 @@ class ClusterServicer(checkpoint_pb2_grpc.ClusterServiceServicer):
     def Decide(
         self, request: checkpoint_pb2.DecideRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.DecideResponse:
-        self._store.decide(request)
+        self._member.decide(request)
         return checkpoint_pb2.DecideResponse()
 
     @maps_errors
     def Outcome(
         self, request: checkpoint_pb2.OutcomeRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.OutcomeResponse:
-        outcome, manifest = self._store.outcome(request.save_id, request.ref, request.epoch)
+        outcome, manifest = self._member.outcome(request.save_id, request.ref, request.epoch)
         return checkpoint_pb2.OutcomeResponse(
             outcome=outcome, manifest=manifest.to_wire() if manifest is not None else None
         )
@@ -284,16 +286,16 @@ class ClusterServicer(checkpoint_pb2_grpc.ClusterServiceServicer):
     ) -> checkpoint_pb2.CatalogResponse:
         return checkpoint_pb2.CatalogResponse(
             node=self._store.node,
-            entries=self._store.catalog_entries(request.run),
-            latest_safe=self._store.latest_safe_steps(request.run),
-            policies=self._store.policies(request.run),
+            entries=self._member.catalog_entries(request.run),
+            latest_safe=self._member.latest_safe_steps(request.run),
+            policies=self._member.policies(request.run),
         )
 
     @maps_errors
     def OfferReplica(
         self, request: checkpoint_pb2.OfferReplicaRequest, context: grpc.ServicerContext
     ) -> checkpoint_pb2.OfferReplicaResponse:
-        queued = self._store.offer_replica(request.ref, request.owner, request.sender)
+        queued = self._store.holding.offer_replica(request.ref, request.owner, request.sender)
         return checkpoint_pb2.OfferReplicaResponse(queued=queued)
 
 
@@ -311,7 +313,7 @@ class PeerSync:
         while True:
             try:
                 self._store.peers.greet(strict=False)
-                self._store.sync_with_peers()
+                self._store.member.sync_with_peers()
             except Exception:  # a round that fails is tried again next time
                 log.exception("syncing with the peers failed")
             if self._stop.wait(interval):
@@ -328,7 +330,7 @@ def access_rules(store: CheckpointStore, data: DataPlane | None = None) -> dict[
     upload's ticket, against the run of the save it was issued for)."""
 
     def of_save(save_id: str) -> list[str]:
-        run = store.run_of_save(save_id)
+        run = store.saves.run_of_save(save_id)
         return [run] if run is not None else []  # an unknown save: NOT_FOUND tells no secret
 
     def write_file(message: checkpoint_pb2.WriteFileRequest) -> list[str]:

@@ -22,7 +22,9 @@ rules that make a checkpoint trustworthy:
 - one store at a time holds a data dir (`ckptd.datadir`).
 
 The store composes its parts and wires them at start; each is a component with what it needs
-passed in, all under one lock:
+passed in, all under one lock. Callers (`ckptd.server`, the data plane, the command line) call
+the part that owns what they need, as in `store.saves.commit(...)` or
+`store.member.checkpoints(...)`; the parts:
 
 - `ckptd.saves.Saves`: open, write, commit and abort of this node's saves;
 - `ckptd.member.ClusterMember`: the participant's half of the commit, the peers' catalogs and
@@ -31,8 +33,8 @@ passed in, all under one lock:
 - `ckptd.retainer.Retainer`: each run's retention applied to the tiers;
 - `ckptd.reads.Reader` and `ckptd.replication.S3Replication`: reads and S3's background jobs.
 
-What stays here: recovery at start, memory relief, the janitor, delete, and the API that
-`ckptd.server` and the command line call (mostly thin pass-throughs to the parts).
+What stays here: recovery at start, close, memory relief, the janitor, delete (with its fan-out
+to the peers), export, and waiting for S3's background jobs.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import grpc
 
@@ -73,32 +74,6 @@ from scaletrain.v1 import checkpoint_pb2
 __all__ = ["CheckpointStore", "TierCommit"]
 
 log = logging.getLogger(__name__)
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-class PassThrough(Generic[P, R]):
-    """A method of the store that is its part's: `CheckpointStore.commit` is `store.saves.commit`.
-
-    `ckptd.server`, the data plane and the command line keep calling the store, while the code
-    lives in the part that owns it; a pass-through has the part's signature and docstring, so
-    no wrapper repeats them.
-    """
-
-    def __init__(self, part: str, method: Callable[Concatenate[Any, P], R]) -> None:
-        self._part, self._name = part, method.__name__
-        self.__doc__ = method.__doc__
-
-    @overload
-    def __get__(self, store: None, owner: type) -> PassThrough[P, R]: ...
-    @overload
-    def __get__(self, store: object, owner: type) -> Callable[P, R]: ...
-    def __get__(self, store: object, owner: type) -> PassThrough[P, R] | Callable[P, R]:
-        if store is None:
-            return self
-        method: Callable[P, R] = getattr(getattr(store, self._part), self._name)
-        return method
 
 
 class CheckpointStore:
@@ -281,31 +256,6 @@ class CheckpointStore:
         """Wait until S3 has nothing left to do (uploads, removals); False on timeout."""
         return self._replication is None or self._replication.wait_idle(timeout_s)
 
-    # -- the API of `ckptd.server` and the command line, served by the parts ---------------------
-
-    open_save = PassThrough("saves", Saves.open_save)
-    coordination = PassThrough("saves", Saves.coordination)
-    check_header = PassThrough("saves", Saves.check_header)
-    begin_file = PassThrough("saves", Saves.begin_file)
-    write_file = PassThrough("saves", Saves.write_file)
-    run_of_save = PassThrough("saves", Saves.run_of_save)
-    commit = PassThrough("saves", Saves.commit)
-    abort = PassThrough("saves", Saves.abort)
-    join_save = PassThrough("member", ClusterMember.join_save)
-    prepare = PassThrough("member", ClusterMember.prepare)
-    decide = PassThrough("member", ClusterMember.decide)
-    outcome = PassThrough("member", ClusterMember.outcome)
-    catalog_entries = PassThrough("member", ClusterMember.catalog_entries)
-    latest_safe_steps = PassThrough("member", ClusterMember.latest_safe_steps)
-    policies = PassThrough("member", ClusterMember.policies)
-    sync_with_peers = PassThrough("member", ClusterMember.sync_with_peers)
-    list = PassThrough("member", ClusterMember.checkpoints)
-    get = PassThrough("member", ClusterMember.checkpoint)
-    offer_replica = PassThrough("holding", ReplicaHolding.offer_replica)
-    set_replica_rate = PassThrough("holding", ReplicaHolding.set_replica_rate)
-    iter_range = PassThrough("reader", Reader.iter_range)
-    open_elsewhere = PassThrough("reader", Reader.open_elsewhere)
-
     def export(
         self,
         ref: checkpoint_pb2.CheckpointRef,
@@ -313,7 +263,7 @@ class CheckpointStore:
         progress: Callable[[int], None] | None = None,
     ) -> list[Path]:
         """Write a committed checkpoint as a plain DCP directory (`Reader.export`)."""
-        return self.reader.export(self.get(ref), dest_dir, progress)
+        return self.reader.export(self.member.checkpoint(ref), dest_dir, progress)
 
     # -- memory pressure and garbage -------------------------------------------------------------
 

@@ -348,7 +348,7 @@ def _reader(workdir: Path, ckptd: str | None, needs_s3: bool) -> Iterator[Reader
 
         def from_store(run: str, step: int, path: str, tier: int) -> Iterator[bytes]:
             ref = checkpoint_pb2.CheckpointRef(run=run, step=step)
-            return (piece.data for piece in store.iter_range(ref, path, tier=tier))
+            return (piece.data for piece in store.reader.iter_range(ref, path, tier=tier))
 
         yield from_store
 
@@ -442,11 +442,13 @@ class _StoreSource:
         self.store = store
 
     def get(self, run: str, step: int) -> checkpoint_pb2.CheckpointInfo:
-        return self.store.get(checkpoint_pb2.CheckpointRef(run=run, step=step))
+        return self.store.member.checkpoint(checkpoint_pb2.CheckpointRef(run=run, step=step))
 
     def read(self, run: str, step: int, path: str, offset: int = 0, length: int = 0) -> bytes:
         ref = checkpoint_pb2.CheckpointRef(run=run, step=step)
-        return b"".join(piece.data for piece in self.store.iter_range(ref, path, offset, length))
+        return b"".join(
+            piece.data for piece in self.store.reader.iter_range(ref, path, offset, length)
+        )
 
     def close(self) -> None:
         """The store belongs to the caller's `_offline_store`."""

@@ -68,7 +68,7 @@ def store_write(
     """Write one file through the store in chunks, as the servicer would."""
     header = checkpoint_pb2.FileHeader(save_id=save_id, path=path, rank=rank, kind=kind)
     chunks = [chunk(i, data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes)]
-    store.write_file(header, chunks, trailer(data))
+    store.saves.write_file(header, chunks, trailer(data))
 
 
 def checkpoint_files(
@@ -92,10 +92,10 @@ def store_save(
 ) -> checkpoint_pb2.CheckpointInfo:
     """Open, write every file and commit through the store; returns the commit's info."""
     ranks = {rank for rank, kind, _ in files.values() if kind == SHARD}
-    save_id = store.open_save(ref(run, step), world_size or len(ranks))
+    save_id = store.saves.open_save(ref(run, step), world_size or len(ranks))
     for path, (rank, kind, data) in files.items():
         store_write(store, save_id, path, rank, kind, data)
-    return store.commit(save_id)
+    return store.saves.commit(save_id)
 
 
 def tier_states(info: checkpoint_pb2.CheckpointInfo) -> dict[str, str]:

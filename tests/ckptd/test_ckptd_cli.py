@@ -42,7 +42,10 @@ def test_against_a_running_ckptd_every_command_works_and_verify_names_a_damaged_
     running = run_ckptd(s3=s3_config)
     files = checkpoint_files(world_size=2, shard_bytes=3 << 20)
     store_save(running.store, "run", 10, files)
-    wait_for(lambda: tier_states(running.store.get(ref("run", 10)))["s3"] == "COMMITTED", what="S3")
+    wait_for(
+        lambda: tier_states(running.store.member.checkpoint(ref("run", 10)))["s3"] == "COMMITTED",
+        what="S3",
+    )
     at = ("--ckptd", running.address)
 
     listed = json.loads(ckpt("ls", *at, "--json").stdout)

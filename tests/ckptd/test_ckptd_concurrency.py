@@ -84,7 +84,7 @@ def test_a_full_memory_budget_slows_writers_and_spills_to_ssd_without_exceeding_
     sampler.start()
     files = {f"__{r}_0.distcp": (r, SHARD, payload(6 << 20, r)) for r in range(streams)}
     files[".metadata"] = (0, METADATA, b"meta")
-    save_id = store.open_save(ref("run", 2), world_size=streams)
+    save_id = store.saves.open_save(ref("run", 2), world_size=streams)
     with ThreadPoolExecutor(streams) as pool:
         list(
             pool.map(
@@ -92,7 +92,7 @@ def test_a_full_memory_budget_slows_writers_and_spills_to_ssd_without_exceeding_
                 files.items(),
             )
         )
-    info = store.commit(save_id)
+    info = store.saves.commit(save_id)
     sampling.set()
     sampler.join()
     assert peak[0] <= budget + streams * chunk  # the budget, plus one chunk per stream at most
@@ -106,12 +106,12 @@ def test_a_save_whose_writer_went_away_is_aborted_and_cleaned_up_after_the_timeo
     open_store: OpenStore,
 ) -> None:
     store = open_store(abandon_after_s=0.4)
-    save_id = store.open_save(ref("run", 1), world_size=2)
+    save_id = store.saves.open_save(ref("run", 1), world_size=2)
     store_write(store, save_id, "__0_0.distcp", 0, SHARD, payload(1000, 0))
     wait_for(
         lambda: not store.ssd.staging_dir(save_id).exists(), what="the janitor to abort the save"
     )
-    (info,) = store.list(include_uncommitted=True)
+    (info,) = store.member.checkpoints(include_uncommitted=True)
     assert not info.committed and not info.files
     try:
         store_write(store, save_id, "__1_0.distcp", 1, SHARD, b"late")
@@ -119,4 +119,6 @@ def test_a_save_whose_writer_went_away_is_aborted_and_cleaned_up_after_the_timeo
         assert "aborted" in str(exc)
     else:
         raise AssertionError("a write to an abandoned save was accepted")
-    wait_for(lambda: not store.list(include_uncommitted=True), what="the aborted row to go")
+    wait_for(
+        lambda: not store.member.checkpoints(include_uncommitted=True), what="the aborted row to go"
+    )

@@ -91,7 +91,9 @@ def test_a_ckptd_killed_at_this_phase_exposes_no_partial_checkpoint_and_a_restar
     files = {10: checkpoint_files(world_size=2, shard_bytes=1 << 20, seed=10), 20: step_20_files()}
     first = open_store(s3=s3)
     store_save(first, "run", 10, files[10])
-    wait_for(lambda: tier_states(first.get(ref("run", 10)))["s3"] == "COMMITTED", what="S3")
+    wait_for(
+        lambda: tier_states(first.member.checkpoint(ref("run", 10)))["s3"] == "COMMITTED", what="S3"
+    )
     first.close()
 
     ckptd = CkptdProcess(data_dir, s3, crash_at=phase)
@@ -113,15 +115,15 @@ def test_a_ckptd_killed_at_this_phase_exposes_no_partial_checkpoint_and_a_restar
     assert_every_s3_marker_names_whole_files(s3)
 
     store = open_store(s3=s3)
-    assert {i.ref.step for i in store.list()} == after_restart
+    assert {i.ref.step for i in store.member.checkpoints()} == after_restart
     for step in after_restart:
         assert_reads_back(store, step, files[step])
         wait_for(
-            lambda s=step: tier_states(store.get(ref("run", s)))["s3"] == "COMMITTED",
+            lambda s=step: tier_states(store.member.checkpoint(ref("run", s)))["s3"] == "COMMITTED",
             what=f"step {step} to reach S3 after the restart",
         )
     if after_restart:
-        assert store.get(ref("run", 0), latest=True).ref.step == max(after_restart)
+        assert store.member.checkpoint(ref("run", 0), latest=True).ref.step == max(after_restart)
     assert store.wait_background(timeout_s=30)
     listing = make_s3_client(s3).list_objects_v2(Bucket=s3.bucket).get("Contents", [])
     markers = {obj["Key"] for obj in listing if obj["Key"].endswith(MARKER)}

@@ -27,11 +27,11 @@ def test_an_exported_checkpoint_loads_with_stock_dcp_and_equals_what_was_saved(
     dcp.save(state, storage_writer=dcp.FileSystemWriter(saved))
 
     store = open_store()
-    save_id = store.open_save(ref("dcp", 1234), world_size=1)
+    save_id = store.saves.open_save(ref("dcp", 1234), world_size=1)
     for file in sorted(saved.iterdir()):
         kind = METADATA if file.name == ".metadata" else SHARD
         store_write(store, save_id, file.name, 0, kind, file.read_bytes())
-    store.commit(save_id)
+    store.saves.commit(save_id)
 
     exported = tmp_path / "exported"
     written = store.export(ref("dcp", 1234), exported)

@@ -134,14 +134,15 @@ def test_a_full_memory_budget_evicts_a_memory_only_step_before_any_durable_copy(
     files = {step: checkpoint_files(world_size=2, shard_bytes=mib, seed=step) for step in (1, 2, 3)}
     store_save(store, "run", 1, files[1])
     ranks = {rank for rank, _, _ in files[2].values()}
-    save_id = store.open_save(ref("run", 2), len(ranks), memory_only=True)
+    save_id = store.saves.open_save(ref("run", 2), len(ranks), memory_only=True)
     for path, (rank, kind, data) in files[2].items():
         store_write(store, save_id, path, rank, kind, data)
-    store.commit(save_id)
-    assert tier_states(store.get(ref("run", 2)))["memory"] == "COMMITTED"
+    store.saves.commit(save_id)
+    assert tier_states(store.member.checkpoint(ref("run", 2)))["memory"] == "COMMITTED"
 
     # Step 3 needs room: the memory-only step 2 leaves memory, step 1's durable copy stays.
     store_save(store, "run", 3, files[3])
-    assert tier_states(store.get(ref("run", 1)))["memory"] == "COMMITTED"
-    assert tier_states(store.get(ref("run", 3)))["memory"] == "COMMITTED"
-    assert {c.ref.step for c in store.list("run")} == {1, 3}  # and step 3 is newer and durable
+    assert tier_states(store.member.checkpoint(ref("run", 1)))["memory"] == "COMMITTED"
+    assert tier_states(store.member.checkpoint(ref("run", 3)))["memory"] == "COMMITTED"
+    listed = {c.ref.step for c in store.member.checkpoints("run")}
+    assert listed == {1, 3}  # and step 3 is newer and durable

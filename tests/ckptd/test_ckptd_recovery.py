@@ -37,8 +37,8 @@ def test_a_lost_catalog_is_rebuilt_from_the_ssd_and_s3_markers(
         store_save(store, "run", step, step_files)
     wait_for(
         lambda: (
-            all(tier_states(i)["s3"] == "COMMITTED" for i in store.list("run"))
-            and len(store.list("run")) == 3
+            all(tier_states(i)["s3"] == "COMMITTED" for i in store.member.checkpoints("run"))
+            and len(store.member.checkpoints("run")) == 3
         ),
         what="every step on S3",
     )
@@ -48,17 +48,19 @@ def test_a_lost_catalog_is_rebuilt_from_the_ssd_and_s3_markers(
         (tmp_path / "ckptd" / name).unlink(missing_ok=True)
 
     store = open_store(s3=s3_config, retention=policy)
-    assert 3 in {i.ref.step for i in store.list("run")}  # from SSD, before S3 answers
+    assert 3 in {i.ref.step for i in store.member.checkpoints("run")}  # from SSD, before S3 answers
     wait_for(
-        lambda: [tier_states(i)["s3"] for i in store.list("run")] == ["COMMITTED"] * 3,
+        lambda: (
+            [tier_states(i)["s3"] for i in store.member.checkpoints("run")] == ["COMMITTED"] * 3
+        ),
         what="S3's markers to be recovered",
     )
-    states = {i.ref.step: tier_states(i) for i in store.list("run")}
+    states = {i.ref.step: tier_states(i) for i in store.member.checkpoints("run")}
     assert states[3]["ssd"] == "COMMITTED" and states[1]["ssd"] == "ABSENT"
     for step, step_files in files.items():
         for path, (_, _, data) in step_files.items():
             assert store.reader.read_range(ref("run", step), path) == data
-    info = store.get(ref("run", 1))
+    info = store.member.checkpoint(ref("run", 1))
     assert info.world_size == 2 and {f.path for f in info.files} == set(files[1])
 
 
@@ -69,21 +71,24 @@ def test_uploads_complete_after_s3_is_stopped_for_a_while_and_started_again(
         config = S3Config(**{**vars(weed.s3_config("outage")), **FAST_RETRIES})
         store = open_store(s3=config)
         store_save(store, "run", 10, checkpoint_files(1, 100_000, seed=10))
-        wait_for(lambda: tier_states(store.get(ref("run", 10)))["s3"] == "COMMITTED", what="S3")
+        wait_for(
+            lambda: tier_states(store.member.checkpoint(ref("run", 10)))["s3"] == "COMMITTED",
+            what="S3",
+        )
 
         weed.stop(timeout_s=1)  # S3 goes away (killed if it does not stop at once)
         files = checkpoint_files(2, 2 << 20, seed=20)
         info = store_save(store, "run", 20, files)  # commits on SSD while S3 is away
         assert tier_states(info)["ssd"] == "COMMITTED"
         wait_for(
-            lambda: tier_states(store.get(ref("run", 20)))["s3"] == "FAILED",
+            lambda: tier_states(store.member.checkpoint(ref("run", 20)))["s3"] == "FAILED",
             what="the failed upload to show",
         )
         assert store.reader.read_range(ref("run", 20), ".metadata") == files[".metadata"][2]
 
         weed.start()
         wait_for(
-            lambda: tier_states(store.get(ref("run", 20)))["s3"] == "COMMITTED",
+            lambda: tier_states(store.member.checkpoint(ref("run", 20)))["s3"] == "COMMITTED",
             timeout_s=60,
             what="the upload to complete once S3 is back",
         )
@@ -104,7 +109,7 @@ def test_a_catalog_of_schema_5_gains_the_memory_only_column_and_keeps_its_checkp
         db.execute("PRAGMA user_version = 5")
     finally:
         db.close()
-    (info,) = open_store().list("run")
+    (info,) = open_store().member.checkpoints("run")
     assert info.ref.step == 4 and not info.memory_only
     assert tier_states(info)["ssd"] == "COMMITTED"
 
@@ -128,7 +133,7 @@ def test_a_catalog_of_another_schema_is_refused_in_one_line_and_rebuilt_once_mov
     for name in (CATALOG_FILE, f"{CATALOG_FILE}-wal", f"{CATALOG_FILE}-shm"):
         (tmp_path / "ckptd" / name).unlink(missing_ok=True)
     store = open_store()  # rebuilds the catalog from the markers
-    (info,) = store.list("run")
+    (info,) = store.member.checkpoints("run")
     assert tier_states(info)["ssd"] == "COMMITTED"
     assert {f.path: f.crc32c for f in info.files} == {
         path: data_crc32c(data) for path, (_, _, data) in files.items()

@@ -48,7 +48,9 @@ def test_a_policy_that_keeps_nothing_durable_is_refused(policy: tuple[int, int, 
 
 
 def steps_on(store: CheckpointStore, tier: str) -> set[int]:
-    return {i.ref.step for i in store.list("run") if tier_states(i)[tier] == "COMMITTED"}
+    return {
+        i.ref.step for i in store.member.checkpoints("run") if tier_states(i)[tier] == "COMMITTED"
+    }
 
 
 def test_retention_never_deletes_the_only_copy_while_s3_is_unreachable(
@@ -60,7 +62,7 @@ def test_retention_never_deletes_the_only_copy_while_s3_is_unreachable(
     for step, step_files in files.items():
         store_save(store, "run", step, step_files)
     wait_for(lambda: steps_on(store, "s3") == set() and all(
-        tier_states(i)["s3"] == "FAILED" for i in store.list("run")
+        tier_states(i)["s3"] == "FAILED" for i in store.member.checkpoints("run")
     ), what="every upload to fail")  # fmt: skip
     assert steps_on(store, "ssd") == {1, 2, 3, 4}  # beyond ssd_last: S3 has no copy yet
     assert steps_on(store, "memory") == {4}
@@ -82,21 +84,21 @@ def test_retention_removes_everywhere_what_no_tier_wants_and_each_run_has_its_ow
     store = open_store(s3=s3_config)
     tight = RetentionPolicy(memory_last=1, ssd_last=2, s3_every=10)
     for step in (5, 10, 15, 20, 25):
-        save_id = store.open_save(ref("run", step), 1, retention=tight)
+        save_id = store.saves.open_save(ref("run", step), 1, retention=tight)
         for path, (rank, kind, data) in checkpoint_files(1, 10_000, seed=step).items():
             store_write(store, save_id, path, rank, kind, data)
-        store.commit(save_id)
+        store.saves.commit(save_id)
         wait_for(lambda s=step: steps_on(store, "s3") >= {s}, what=f"step {step} on S3")
     for step in (5, 15):  # another run, with ckptd's default policy, keeps everything
         store_save(store, "other", step, checkpoint_files(1, 10_000, seed=step))
     assert store.wait_background(timeout_s=30)
 
-    assert [i.ref.step for i in store.list("run")] == [10, 20, 25]
+    assert [i.ref.step for i in store.member.checkpoints("run")] == [10, 20, 25]
     assert steps_on(store, "s3") == {10, 20, 25}
     assert steps_on(store, "ssd") == {20, 25}
     assert steps_on(store, "memory") == {25}
-    assert [i.ref.step for i in store.list("other")] == [5, 15]
+    assert [i.ref.step for i in store.member.checkpoints("other")] == [5, 15]
     on_s3 = {key for key in S3Tier(s3_config).list() if key.run == "run"}
     assert on_s3 == {CheckpointKey("run", s) for s in (10, 20, 25)}
-    shown = store.get(ref("run", 10)).retention
+    shown = store.member.checkpoint(ref("run", 10)).retention
     assert (shown.memory_last, shown.ssd_last, shown.s3_every) == (1, 2, 10)

@@ -22,7 +22,7 @@ OpenStore = Callable[..., CheckpointStore]
 
 
 def s3_state(store: CheckpointStore, run: str, step: int) -> str:
-    return tier_states(store.get(ref(run, step)))["s3"]
+    return tier_states(store.member.checkpoint(ref(run, step)))["s3"]
 
 
 def test_commit_uploads_to_s3_in_the_background_and_writes_the_marker_last(
@@ -65,10 +65,10 @@ def test_a_read_is_served_from_s3_when_the_ssd_copy_is_gone_or_corrupt(
         f.write(b"garbage")
 
     for path in ("__0_0.distcp", "__1_0.distcp"):
-        pieces = list(store.iter_range(ref("run", 1), path))
+        pieces = list(store.reader.iter_range(ref("run", 1), path))
         assert b"".join(piece.data for piece in pieces) == files[path][2]
         assert {piece.tier for piece in pieces} == {3}  # TIER_S3
-    info = store.get(ref("run", 1))
+    info = store.member.checkpoint(ref("run", 1))
     assert tier_states(info)["ssd"] == "FAILED"
 
 
@@ -78,7 +78,7 @@ def test_an_unreachable_s3_neither_delays_the_commit_nor_hides_its_failure(
     store = open_store(s3=dead_s3_config)
     store_save(store, "run", 1, checkpoint_files(world_size=1, shard_bytes=1 << 20))
     wait_for(lambda: s3_state(store, "run", 1) == "FAILED", what="the S3 failure")
-    s3_status = next(t for t in store.get(ref("run", 1)).tiers if t.tier == 3)
+    s3_status = next(t for t in store.member.checkpoint(ref("run", 1)).tiers if t.tier == 3)
     assert "EndpointConnectionError" in s3_status.error or "onnect" in s3_status.error
     assert store.reader.read_range(ref("run", 1), ".metadata")  # still served locally
 

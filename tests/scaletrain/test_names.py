@@ -61,7 +61,7 @@ def test_a_run_id_a_service_would_refuse_is_refused_at_the_trainers_start_in_the
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(InvalidArgument) as ckptd:
-        ckptd_store.open_save(checkpoint_pb2.CheckpointRef(run=run_id, step=10), 1)
+        ckptd_store.saves.open_save(checkpoint_pb2.CheckpointRef(run=run_id, step=10), 1)
     with pytest.raises(InvalidArgument) as telemetry:
         telemetry_store.register_run(_registration(run_id))
 
@@ -83,8 +83,8 @@ def test_a_run_id_one_service_accepts_every_service_accepts(
     run_id = "run-20261202-100000-ab12:exp.1+lr=3e-4@node0_" + "x" * 83
     assert check_run_id(run_id) == run_id and len(run_id) == 128
     assert telemetry_store.register_run(_registration(run_id)).created
-    save_id = ckptd_store.open_save(checkpoint_pb2.CheckpointRef(run=run_id, step=10), 1)
-    ckptd_store.abort(save_id, "test")
+    save_id = ckptd_store.saves.open_save(checkpoint_pb2.CheckpointRef(run=run_id, step=10), 1)
+    ckptd_store.saves.abort(save_id, "test")
     # Past the run id, the trainer refuses only the bad step count.
     assert trainer_main([f"--run-id={run_id}", "--steps=0"]) == 2
     assert capsys.readouterr().err.startswith("trainer: error: --steps (schedule.steps)")

@@ -86,7 +86,7 @@ class Services:
         hashes, each file's bytes on the SSD tier, and every telemetry row."""
         infos = tuple(
             info.SerializeToString(deterministic=True)
-            for info in self.ckptd.store.list("", include_uncommitted=True)
+            for info in self.ckptd.store.member.checkpoints("", include_uncommitted=True)
         )
         ssd = self.ckptd.store.config.data_dir / "ssd"
         files = tuple(
