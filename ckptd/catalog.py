@@ -231,10 +231,20 @@ class Catalog:
                 "INSERT INTO checkpoints (run, step, save_id, world_size, state, labels, "
                 "created_at, epoch, coordinator, coordinator_address, memory_only) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (key.run, key.step, save_id, world_size, OPEN, json.dumps(labels), time.time(),
-                 coordination.epoch, coordination.coordinator, coordination.coordinator_address,
-                 int(memory_only)),
-            )  # fmt: skip
+                (
+                    key.run,
+                    key.step,
+                    save_id,
+                    world_size,
+                    OPEN,
+                    json.dumps(labels),
+                    time.time(),
+                    coordination.epoch,
+                    coordination.coordinator,
+                    coordination.coordinator_address,
+                    int(memory_only),
+                ),
+            )
 
     def epoch_of(self, key: CheckpointKey) -> int:
         """The newest epoch recorded for `key` (any state; 0 if none)."""
@@ -351,9 +361,16 @@ class Catalog:
                 db.execute(
                     "INSERT INTO checkpoints (run, step, save_id, world_size, state, labels, "
                     "created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (key.run, key.step, f"recovered-{key.run}-{key.step}", manifest.world_size,
-                     OPEN, json.dumps(manifest.labels), manifest.created_at),
-                )  # fmt: skip
+                    (
+                        key.run,
+                        key.step,
+                        f"recovered-{key.run}-{key.step}",
+                        manifest.world_size,
+                        OPEN,
+                        json.dumps(manifest.labels),
+                        manifest.created_at,
+                    ),
+                )
             if row is None or row[0] != COMMITTED:
                 db.execute("DELETE FROM files WHERE run = ? AND step = ?", (key.run, key.step))
                 db.executemany(
@@ -365,10 +382,18 @@ class Catalog:
                     "UPDATE checkpoints SET state = ?, committed_at = ?, world_size = ?, "
                     "labels = ?, epoch = ?, coordinator = ?, prepared = 0, memory_only = ? "
                     "WHERE run = ? AND step = ?",
-                    (COMMITTED, manifest.committed_at or time.time(), manifest.world_size,
-                     json.dumps(manifest.labels), manifest.epoch, manifest.coordinator,
-                     int(manifest.memory_only), key.run, key.step),
-                )  # fmt: skip
+                    (
+                        COMMITTED,
+                        manifest.committed_at or time.time(),
+                        manifest.world_size,
+                        json.dumps(manifest.labels),
+                        manifest.epoch,
+                        manifest.coordinator,
+                        int(manifest.memory_only),
+                        key.run,
+                        key.step,
+                    ),
+                )
             if tier is not None:
                 nbytes = sum(f.size for f in manifest.files_on(self.node))
                 self._set_tier(db, key, tier, TIER_COMMITTED, nbytes, "")
@@ -562,10 +587,13 @@ class Catalog:
         ):
             statuses.setdefault(owner, []).append(
                 checkpoint_pb2.TierStatus(
-                    tier=tier, state=state, bytes=nbytes, updated_at=_timestamp(updated_at),
+                    tier=tier,
+                    state=state,
+                    bytes=nbytes,
+                    updated_at=_timestamp(updated_at),
                     error=error,
                 )
-            )  # fmt: skip
+            )
         return statuses
 
     def replica_bytes(self, tier: int) -> int:

@@ -417,8 +417,10 @@ class Coordinator:
             if isinstance(answer, BaseException):
                 log.warning(
                     "node %s did not take the decision on %s (it will ask): %s",
-                    peer.name, save.key, answer,
-                )  # fmt: skip
+                    peer.name,
+                    save.key,
+                    answer,
+                )
 
 
 def check_votes(

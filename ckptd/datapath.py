@@ -238,13 +238,17 @@ class DataPlane:
         self.limits = limits = limits if limits is not None else DataLimits()
         self._uploads = Shares(
             "uploads waiting for their bytes",
-            limits.uploads_per_caller, limits.uploads_per_run, limits.uploads,
-        )  # fmt: skip
+            limits.uploads_per_caller,
+            limits.uploads_per_run,
+            limits.uploads,
+        )
         self._flight = Shares(
             "in flight",
-            limits.flight_bytes_per_caller, limits.flight_bytes_per_run, limits.flight_bytes,
+            limits.flight_bytes_per_caller,
+            limits.flight_bytes_per_run,
+            limits.flight_bytes,
             shown=lambda n: f"{n / (1 << 20):.0f} MiB",
-        )  # fmt: skip
+        )
         self._refused = store.metrics.refused_connections
         self._warnings = Throttled(log, limits.log_every_s)
         tls = security.tls if security is not None else None
@@ -480,9 +484,11 @@ class DataPlane:
             if oldest is not None:
                 self._forget(selector, oldest)
                 self._refuse(
-                    "evicted", "closed a data connection from %s that brought no ticket: too "
-                    "many connections wait for theirs", oldest.peer,
-                )  # fmt: skip
+                    "evicted",
+                    "closed a data connection from %s that brought no ticket: too "
+                    "many connections wait for theirs",
+                    oldest.peer,
+                )
             self._waiting[id(waiting)] = waiting
             self._hosts[waiting.host] += 1
             selector.register(conn, selectors.EVENT_READ, waiting)

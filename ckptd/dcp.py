@@ -277,9 +277,13 @@ class CkptdStorageWriter(FileSystemWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         opened = self.client.open_save(
-            self.run, self.step, len(plans), self.labels, replicas=self.replicas,
+            self.run,
+            self.step,
+            len(plans),
+            self.labels,
+            replicas=self.replicas,
             memory_only=self.memory_only,
-        )  # fmt: skip
+        )
         self.fs.save_id = opened.save_id
         wire = opened.SerializeToString()
         return [

@@ -191,9 +191,13 @@ class ReplicaHolding:
                     self._replicas.ssd(owner).delete(key)
                     self._catalog.drop_replicas(key, owner)
                 log.info(
-                    "dropped the replica of %s's part of %s: %s hold the %d copies", owner, key,
-                    ", ".join(chosen), r, extra={"run": key.run, "step": key.step},
-                )  # fmt: skip
+                    "dropped the replica of %s's part of %s: %s hold the %d copies",
+                    owner,
+                    key,
+                    ", ".join(chosen),
+                    r,
+                    extra={"run": key.run, "step": key.step},
+                )
                 dropped += 1
         return dropped
 
@@ -256,9 +260,12 @@ class ReplicaHolding:
         log.warning(
             "%s is below R: its run asks for %d copies of each part, and %d node(s) are live "
             "(down: %s); it becomes node-loss safe once a node comes back or a replacement joins",
-            key, r, len(zones), ", ".join(down) or "none",
+            key,
+            r,
+            len(zones),
+            ", ".join(down) or "none",
             extra={"run": key.run, "step": key.step},
-        )  # fmt: skip
+        )
 
     # -- making a copy ---------------------------------------------------------------------------
 
@@ -298,20 +305,31 @@ class ReplicaHolding:
                 self._notify(key, MEMORY, total, replica_of=replica_of)
             log.info(
                 "node %s's part of %s is held in memory here (%d bytes, %.2fs); writing it to SSD",
-                owner, key, total, time.monotonic() - started,
+                owner,
+                key,
+                total,
+                time.monotonic() - started,
                 extra={"run": key.run, "step": key.step, "bytes": total},
-            )  # fmt: skip
+            )
             return True
 
         if manifest.memory_only:
             return self._copy_to_memory(job, manifest, files, memory, throttle)
         try:
             total = copy_part(
-                manifest, files, ssd, self._budget, self._retainer.retains(key.run),
-                lambda record, sink: self._reader.stream_from_peers(key, record, sink,
-                                                                    self._budget.buffer),
-                throttle, self._closed, self._metrics, held,
-            )  # fmt: skip
+                manifest,
+                files,
+                ssd,
+                self._budget,
+                self._retainer.retains(key.run),
+                lambda record, sink: self._reader.stream_from_peers(
+                    key, record, sink, self._budget.buffer
+                ),
+                throttle,
+                self._closed,
+                self._metrics,
+                held,
+            )
         except BaseException:
             with self._lock:
                 if memory.delete(key):  # counted in memory, then its SSD copy failed
@@ -330,9 +348,13 @@ class ReplicaHolding:
             self._notify(key, SSD, total, replica_of=replica_of)
             self._retainer.apply(key.run)
         log.info(
-            "copied node %s's part of %s (%d bytes, %.2fs) from its peers", owner, key, total,
-            time.monotonic() - started, extra={"run": key.run, "step": key.step, "bytes": total},
-        )  # fmt: skip
+            "copied node %s's part of %s (%d bytes, %.2fs) from its peers",
+            owner,
+            key,
+            total,
+            time.monotonic() - started,
+            extra={"run": key.run, "step": key.step, "bytes": total},
+        )
         return True
 
     def _copy_to_memory(
@@ -348,11 +370,15 @@ class ReplicaHolding:
         key, owner = job.key, job.owner
         started = time.monotonic()
         kept = copy_to_memory(
-            files, self._budget,
-            lambda record, sink: self._reader.stream_from_peers(key, record, sink,
-                                                                self._budget.buffer),
-            throttle, self._closed, self._metrics,
-        )  # fmt: skip
+            files,
+            self._budget,
+            lambda record, sink: self._reader.stream_from_peers(
+                key, record, sink, self._budget.buffer
+            ),
+            throttle,
+            self._closed,
+            self._metrics,
+        )
         total = sum(f.size for f in files)
         with self._lock:
             if self._catalog.manifest(key) is None:  # deleted while it was copied
@@ -363,10 +389,13 @@ class ReplicaHolding:
             self._notify(key, MEMORY, total, replica_of="" if owner == self._node else owner)
             self._retainer.apply(key.run)
         log.info(
-            "node %s's part of memory-only %s is held in memory here (%d bytes, %.2fs)", owner,
-            key, total, time.monotonic() - started,
+            "node %s's part of memory-only %s is held in memory here (%d bytes, %.2fs)",
+            owner,
+            key,
+            total,
+            time.monotonic() - started,
             extra={"run": key.run, "step": key.step, "bytes": total},
-        )  # fmt: skip
+        )
         return True
 
     def _set_copy(

@@ -110,9 +110,11 @@ class ClusterMember:
                 if existing.state == COMMITTED:
                     raise AlreadyExists(f"checkpoint {key} is already committed")
                 check_epoch(
-                    key, coordination.epoch, existing.coordination.epoch,
+                    key,
+                    coordination.epoch,
+                    existing.coordination.epoch,
                     f"a rank joining save {save_id}",
-                )  # fmt: skip
+                )
                 self._saves.drop(existing.save_id)
             self._saves.open_attempt(key, save_id, world_size, {}, coordination, memory_only)
 
@@ -147,9 +149,11 @@ class ClusterMember:
         key = key_of(request.ref)
         with self._lock:
             check_epoch(
-                key, request.epoch, self._catalog.epoch_of(key),
+                key,
+                request.epoch,
+                self._catalog.epoch_of(key),
                 f"the decision of node {request.coordinator}",
-            )  # fmt: skip
+            )
             if not request.commit:
                 save = self._saves.get(request.save_id)
                 if save is not None:

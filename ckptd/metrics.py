@@ -27,48 +27,61 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.bytes = Counter(
-            "ckptd_tier_bytes", "Bytes moved per tier and operation",
-            ["tier", "op"], registry=self.registry,
-        )  # fmt: skip
+            "ckptd_tier_bytes",
+            "Bytes moved per tier and operation",
+            ["tier", "op"],
+            registry=self.registry,
+        )
         self.seconds = Histogram(
-            "ckptd_tier_seconds", "Seconds per tier operation (a file write, a commit, an upload)",
-            ["tier", "op"], buckets=_SECONDS_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            "ckptd_tier_seconds",
+            "Seconds per tier operation (a file write, a commit, an upload)",
+            ["tier", "op"],
+            buckets=_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
         self.failures = Counter(
-            "ckptd_failures", "Failed tier operations and damaged copies found",
-            ["tier", "op"], registry=self.registry,
-        )  # fmt: skip
+            "ckptd_failures",
+            "Failed tier operations and damaged copies found",
+            ["tier", "op"],
+            registry=self.registry,
+        )
         self.commits = Counter(
             "ckptd_commits", "Checkpoints committed per tier", ["tier"], registry=self.registry
         )
         self.queue_depth = Gauge(
-            "ckptd_s3_queue_depth", "S3 jobs (uploads, removals) waiting or running",
+            "ckptd_s3_queue_depth",
+            "S3 jobs (uploads, removals) waiting or running",
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.memory_used = Gauge(
-            "ckptd_memory_used_bytes", "Memory budget in use (memory tier plus data in flight)",
+            "ckptd_memory_used_bytes",
+            "Memory budget in use (memory tier plus data in flight)",
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.memory_budget = Gauge(
             "ckptd_memory_budget_bytes", "Memory budget", registry=self.registry
         )
         self.open_saves = Gauge("ckptd_open_saves", "Saves in progress", registry=self.registry)
         self.peer_reachable = Gauge(
-            "ckptd_peer_reachable", "1 if the peer answered the last time it was asked",
-            ["peer"], registry=self.registry,
-        )  # fmt: skip
+            "ckptd_peer_reachable",
+            "1 if the peer answered the last time it was asked",
+            ["peer"],
+            registry=self.registry,
+        )
         self.commit_phase = Histogram(
             "ckptd_commit_phase_seconds",
             "Seconds of each phase of a commit: local (own part durable), prepare (every "
             "peer's vote), decide (own marker, the decision), notify (peers told)",
-            ["phase"], buckets=_SECONDS_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            ["phase"],
+            buckets=_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
         self.replication_lag = Gauge(
             "ckptd_replication_lag_seconds",
             "Age of the oldest committed part this node should hold a copy of and does not "
             "yet (0: every copy it owes is made)",
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.refused_connections = Counter(
             "ckptd_refused_connections",
             "Data socket connections dropped, by reason: bad_ticket (unknown, used or expired), "
@@ -77,22 +90,27 @@ class Metrics:
             "mid-upload), over_limit (bytes in flight past a share for too long), tls (a "
             "failed TLS handshake, or TLS to a plaintext socket), identity (mutual TLS: the "
             "certificate of another client than the ticket's)",
-            ["reason"], registry=self.registry,
-        )  # fmt: skip
+            ["reason"],
+            registry=self.registry,
+        )
         self.refused_uploads = Counter(
             "ckptd_refused_uploads",
             "OpenUpload calls refused for a full share, by scope: caller, run, node",
-            ["scope"], registry=self.registry,
-        )  # fmt: skip
+            ["scope"],
+            registry=self.registry,
+        )
         self.refused_reads = Counter(
             "ckptd_refused_reads",
             "OpenRead calls refused for a full share, by scope: caller, run, node",
-            ["scope"], registry=self.registry,
-        )  # fmt: skip
+            ["scope"],
+            registry=self.registry,
+        )
         self.replica_bytes = Gauge(
-            "ckptd_replica_bytes", "Bytes of other nodes' parts this node holds, per tier",
-            ["tier"], registry=self.registry,
-        )  # fmt: skip
+            "ckptd_replica_bytes",
+            "Bytes of other nodes' parts this node holds, per tier",
+            ["tier"],
+            registry=self.registry,
+        )
 
     def watch(
         self,

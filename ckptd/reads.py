@@ -281,9 +281,12 @@ class Reader:
             problems.append(f"{name}: {damage}")
             self._metrics.failed(tier.tier, "verify")
             log.error(
-                "%s copy of %s is damaged (%s); trying the next tier", name, key, damage,
+                "%s copy of %s is damaged (%s); trying the next tier",
+                name,
+                key,
+                damage,
                 extra={"run": key.run, "step": key.step, "tier": name},
-            )  # fmt: skip
+            )
             self._failed(key, record, tier, damage)
         raise DataLoss(
             f"no verified copy of bytes {start}-{end} of {key}/{record.path}: "
@@ -323,9 +326,15 @@ class Reader:
                         self._source[(key, self._owner(record))] = peer.node
                         start, length = spans.popleft()
                         yield _piece(
-                            record, fast.tier, start, start + length, offset, data, peer.node,
+                            record,
+                            fast.tier,
+                            start,
+                            start + length,
+                            offset,
+                            data,
+                            peer.node,
                             lambda data=data: budget.recycle([data]),
-                        )  # fmt: skip
+                        )
                         if not spans:
                             return
                 except ScaletrainError as exc:

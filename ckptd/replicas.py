@@ -267,8 +267,11 @@ class Replicator:
                     self._retry[job] = (failures, time.monotonic() + pause)
                     log.warning(
                         "copy of node %s's part of %s failed (%s); trying again in %gs",
-                        job.owner, job.key, problem, pause,
-                    )  # fmt: skip
+                        job.owner,
+                        job.key,
+                        problem,
+                        pause,
+                    )
                 self._cond.notify_all()
 
 

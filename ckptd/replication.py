@@ -164,10 +164,12 @@ class S3Replication:
         crash_point("s3-marker-written")
         self._committed(key, manifest.total_bytes)
         log.info(
-            "uploaded %s to S3 (%d bytes, %.2fs)", key, manifest.total_bytes,
+            "uploaded %s to S3 (%d bytes, %.2fs)",
+            key,
+            manifest.total_bytes,
             time.perf_counter() - started,
             extra={"run": key.run, "step": key.step, "bytes": manifest.total_bytes, "tier": "S3"},
-        )  # fmt: skip
+        )
 
     def _committed(self, key: CheckpointKey, nbytes: int) -> None:
         """S3 holds the whole of `key`, marker included: say so, or remove it if it went."""

@@ -76,10 +76,13 @@ class Retainer:
         states = self._catalog.run_states(run)
         on_s3 = [s for s, tiers in states.items() if tiers.get(S3) == TIER_COMMITTED]
         wants = wanted(
-            self.policy(run), list(states), on_s3, has_s3=self._has_s3,
+            self.policy(run),
+            list(states),
+            on_s3,
+            has_s3=self._has_s3,
             keep=self._catalog.latest_safe(run).get(run),
             memory_only=self._catalog.memory_only_steps(run),
-        )  # fmt: skip
+        )
         if not self._has_s3:
             for step in on_s3:  # a store without S3 (offline) cannot manage S3's copies
                 wants[step].add(S3)

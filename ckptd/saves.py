@@ -494,15 +494,20 @@ class Saves:
         crash_point("cluster-decided")
         with phase.labels("notify").time():
             self._coordinator.decide(
-                record, manifest, retention=self._retainer.policy(key.run).to_proto(),
+                record,
+                manifest,
+                retention=self._retainer.policy(key.run).to_proto(),
                 unreachable=votes.unreachable,
-            )  # fmt: skip
+            )
         self._holding.offer_replicas(manifest)
         log.info(
-            "committed %s (%d bytes on %d node(s), %.3fs)", key, manifest.total_bytes,
-            len({f.node for f in manifest.files}), time.perf_counter() - started,
+            "committed %s (%d bytes on %d node(s), %.3fs)",
+            key,
+            manifest.total_bytes,
+            len({f.node for f in manifest.files}),
+            time.perf_counter() - started,
             extra={"run": key.run, "step": key.step, "bytes": manifest.total_bytes},
-        )  # fmt: skip
+        )
         return info
 
     def commit_part(self, save: OpenSave, manifest: Manifest) -> checkpoint_pb2.CheckpointInfo:

@@ -507,7 +507,8 @@ def serve(config: CkptdConfig, grace: float = 5.0, log_format: str = "json") -> 
     if running.metrics_port is not None:
         line += f", metrics on port {running.metrics_port}"
     log.info(
-        "ckptd started on %s", running.address,
+        "ckptd started on %s",
+        running.address,
         extra={"data_dir": str(config.data_dir), "s3": config.s3 is not None},
-    )  # fmt: skip
+    )
     serve_until_signalled(running, [line], name="ckptd", grace=grace, log=log)

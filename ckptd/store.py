@@ -143,32 +143,81 @@ class CheckpointStore:
     def _wire(self, config: CkptdConfig, coordinator: Coordinator, observer: TierObserver) -> None:
         """Build the parts, each given the others it calls (none is started here)."""
         self.reader = Reader(
-            self.catalog, self.memory, self.ssd, self.s3, self.metrics, self._lock,
-            self.peers, self.replicas, observer.damaged,
-        )  # fmt: skip
+            self.catalog,
+            self.memory,
+            self.ssd,
+            self.s3,
+            self.metrics,
+            self._lock,
+            self.peers,
+            self.replicas,
+            observer.damaged,
+        )
         self.retainer = Retainer(
-            config, self.catalog, self.budget, self.memory, self.ssd, self.replicas,
+            config,
+            self.catalog,
+            self.budget,
+            self.memory,
+            self.ssd,
+            self.replicas,
             has_s3=self.s3 is not None,
-        )  # fmt: skip
+        )
         if self.s3 is not None:
             self._replication = S3Replication(
-                self.s3, self.catalog, self._lock, self._closed, self.metrics, self.reader,
-                self.retainer.policy, self.retainer.apply, observer.notify,
-            )  # fmt: skip
+                self.s3,
+                self.catalog,
+                self._lock,
+                self._closed,
+                self.metrics,
+                self.reader,
+                self.retainer.policy,
+                self.retainer.apply,
+                observer.notify,
+            )
             self.retainer.attach(self._replication)
         self.holding = ReplicaHolding(
-            config, self.node, self.peers, self.catalog, self.memory, self.ssd, self.budget,
-            self.replicas, self.metrics, self._lock, self._closed, self.reader, self.retainer,
+            config,
+            self.node,
+            self.peers,
+            self.catalog,
+            self.memory,
+            self.ssd,
+            self.budget,
+            self.replicas,
+            self.metrics,
+            self._lock,
+            self._closed,
+            self.reader,
+            self.retainer,
             observer.notify,
-        )  # fmt: skip
+        )
         self.saves = Saves(
-            config, self.node, self.peers, coordinator, self._lock, self.catalog, self.ssd,
-            self.memory, self.budget, self.metrics, self.retainer, self.holding, observer.notify,
-        )  # fmt: skip
+            config,
+            self.node,
+            self.peers,
+            coordinator,
+            self._lock,
+            self.catalog,
+            self.ssd,
+            self.memory,
+            self.budget,
+            self.metrics,
+            self.retainer,
+            self.holding,
+            observer.notify,
+        )
         self.member = ClusterMember(
-            self.node, self.peers, self.catalog, self.ssd, self._lock, self._closed, self.saves,
-            self.holding, self.retainer, self._replication,
-        )  # fmt: skip
+            self.node,
+            self.peers,
+            self.catalog,
+            self.ssd,
+            self._lock,
+            self._closed,
+            self.saves,
+            self.holding,
+            self.retainer,
+            self._replication,
+        )
 
     # -- startup ---------------------------------------------------------------------------------
 

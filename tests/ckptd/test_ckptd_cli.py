@@ -236,10 +236,22 @@ def test_resume_at_a_step_goes_on_only_from_the_runs_newest_checkpoint(
 
     def resume(target: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "scaletrain", "run", "--workdir", str(workdir), "--resume",
-             target, "--print-config"],
-            capture_output=True, text=True, timeout=120, cwd=ROOT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "scaletrain",
+                "run",
+                "--workdir",
+                str(workdir),
+                "--resume",
+                target,
+                "--print-config",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
 
     older = resume("run@3")
     assert older.returncode == 1 and older.stderr.strip().endswith(

@@ -276,8 +276,11 @@ def test_a_part_damaged_on_its_node_is_read_from_s3_instead(
 def _ckptd(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "scaletrain", "ckptd", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_a_peer_list_naming_the_node_itself_or_a_node_name_in_use_refuses_to_start(
@@ -299,9 +302,15 @@ def test_a_peer_list_naming_the_node_itself_or_a_node_name_in_use_refuses_to_sta
     first = CkptdProcess(tmp_path / "b", extra_args=("--node", "twin"))
     try:
         result = _ckptd(
-            "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "c"), "--node", "twin",
-            "--peers", first.address,
-        )  # fmt: skip
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(tmp_path / "c"),
+            "--node",
+            "twin",
+            "--peers",
+            first.address,
+        )
     finally:
         first.stop()
     assert result.returncode != 0

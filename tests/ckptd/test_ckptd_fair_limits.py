@@ -124,9 +124,15 @@ def test_four_runs_save_while_a_fifth_client_abuses_the_data_socket_and_meets_it
     runs = [f"run{i}" for i in range(4)]
     security, tokens = _tokens(tmp_path, [*runs, "abuse"])
     limits = DataLimits(
-        uploads_per_caller=16, uploads_per_run=16, uploads=64, waiting_connections_per_host=40,
-        waiting_connections=80, ticket_wait_s=1.0, read_timeout_s=1.0, log_every_s=60,
-    )  # fmt: skip
+        uploads_per_caller=16,
+        uploads_per_run=16,
+        uploads=64,
+        waiting_connections_per_host=40,
+        waiting_connections=80,
+        ticket_wait_s=1.0,
+        read_timeout_s=1.0,
+        log_every_s=60,
+    )
     running = run_ckptd(security=security, limits=limits)
     caplog.set_level(logging.WARNING, logger="ckptd.datapath")
     stop, refusals, idle = threading.Event(), [], []

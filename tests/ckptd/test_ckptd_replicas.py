@@ -136,8 +136,11 @@ def ckpt(*args: str) -> str:
     """What `scaletrain ckpt ARGS` prints, after checking that it succeeded."""
     result = subprocess.run(
         [sys.executable, "-m", "scaletrain", "ckpt", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 

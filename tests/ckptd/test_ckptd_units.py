@@ -119,8 +119,10 @@ def test_a_chunk_encoded_by_hand_is_the_protobuf_message_and_decodes_to_the_same
     decoded = decode_write_request(wire)
     assert decoded.WhichOneof("part") == "chunk"
     assert (decoded.chunk.offset, bytes(decoded.chunk.data), decoded.chunk.crc32c) == (
-        offset, data, crc
-    )  # fmt: skip
+        offset,
+        data,
+        crc,
+    )
     assert crc32c(memoryview(data)) == google_crc32c.value(data)
 
 

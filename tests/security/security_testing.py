@@ -123,9 +123,11 @@ def running_services(
     )
     try:
         config = CkptdConfig(
-            data_dir=tmp_path / "ckptd", memory_budget_bytes=64 << 20, security=security,
+            data_dir=tmp_path / "ckptd",
+            memory_budget_bytes=64 << 20,
+            security=security,
             **ckptd_options,  # type: ignore[arg-type]
-        )  # fmt: skip
+        )
         ckptd = start_ckptd(config)
         try:
             yield Services(ckptd, telemetry, tokens, tls, trainers)
