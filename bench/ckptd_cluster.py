@@ -23,6 +23,7 @@ from ckptd_common import CkptdProcess, bench_parser, payload
 
 from ckptd.client import CkptdClient
 from scaletrain.app.stack import free_port
+from scaletrain.security import ClientSecurity
 from scaletrain.v1 import checkpoint_pb2
 
 SHARD = checkpoint_pb2.FILE_KIND_SHARD
@@ -39,6 +40,8 @@ class Nodes:
         n: int,
         *extra: str,
         per_node: list[tuple[str, ...]] | None = None,
+        env: dict[str, str] | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
         addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
         self.procs = []
@@ -47,9 +50,9 @@ class Nodes:
             args = ["--listen", address, "--node", f"node{i}", "--memory-budget-mb", "1024"]
             own = per_node[i] if per_node else ()
             self.procs.append(
-                CkptdProcess(root / f"node{i}", *args, "--peers", peers, *extra, *own)
+                CkptdProcess(root / f"node{i}", *args, "--peers", peers, *extra, *own, env=env)
             )
-        self.clients = [CkptdClient(p.address) for p in self.procs]
+        self.clients = [CkptdClient(p.address, security) for p in self.procs]
 
     def close(self) -> None:
         for client in self.clients:

@@ -15,7 +15,9 @@ best of a few each:
 Prints MB/s, the ratio of the TLS restore to bare TLS (goal >= 0.8) and to raw TCP, and the CPU
 seconds per GB that a TLS and a plaintext restore cost node0 and the client (from one more run
 each; all processes share this machine's cores).
-Run: `.venv/bin/python bench/datapath_tls.py [--mib 256] [--runs 3]`.
+Run: `.venv/bin/python bench/datapath_tls.py [--mib 256] [--runs 3] [--metrics]`.
+With --metrics, every ckptd serves /metrics and the nonzero ckptd_* series of each pair's two
+nodes are printed at the end (which node's tiers served the restores' bytes).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from ckptd_common import (
@@ -102,22 +105,38 @@ class BareTls:
         self._child.wait()
 
 
-def peers(root: Path, budget_mib: int, env: dict[str, str]) -> list[CkptdProcess]:
-    """node0 and node1, each the other's peer, making no replicas (node1 must hold no copy)."""
+def peers(
+    root: Path, budget_mib: int, env: dict[str, str], metrics: list[int] | None = None
+) -> list[CkptdProcess]:
+    """node0 and node1, each the other's peer, making no replicas (node1 must hold no copy);
+    with `metrics`, node i serves /metrics on port metrics[i]."""
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     return [
         CkptdProcess(
             root / f"node{i}",
             *("--listen", addresses[i], "--node", f"node{i}", "--peers", addresses[1 - i]),
             *("--memory-budget-mb", str(budget_mib), "--replicas", "1"),
+            *(("--metrics-port", str(metrics[i])) if metrics else ()),
             env=env,
         )
         for i in range(2)
     ]
 
 
+def nonzero_metrics(port: int) -> list[str]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    return [
+        ln for ln in text.splitlines()
+        if ln.startswith(("ckptd_tier_bytes", "ckptd_refused", "ckptd_failures"))
+        and not ln.endswith(" 0.0") and "_created" not in ln
+    ]  # fmt: skip
+
+
 def main() -> None:
-    args = bench_parser(__doc__).parse_args()
+    parser = bench_parser(__doc__)
+    parser.add_argument("--metrics", action="store_true", help="print the ckptds' counters")
+    args = parser.parse_args()
+    ports = {n: [free_port(), free_port()] if args.metrics else None for n in ("tls", "plain")}
     data = payload(args.mib)
     gb = len(data) / 1e9
     with tempfile.TemporaryDirectory(prefix="ckptd-tls-bench-") as tmp:
@@ -127,8 +146,14 @@ def main() -> None:
         tcp, bare = RawTcp(len(data), to_child=False), BareTls(tls, len(data))
         budget = args.mib + 64
         pairs = {
-            "tls": (peers(Path(tmp) / "tls", budget, secure_env), ClientSecurity(tls)),
-            "plain": (peers(Path(tmp) / "plain", budget, plain_env), ClientSecurity()),
+            "tls": (
+                peers(Path(tmp) / "tls", budget, secure_env, ports["tls"]),
+                ClientSecurity(tls),
+            ),
+            "plain": (
+                peers(Path(tmp) / "plain", budget, plain_env, ports["plain"]),
+                ClientSecurity(),
+            ),
         }
         clients: dict[str, CkptdClient] = {}
         try:
@@ -163,6 +188,10 @@ def main() -> None:
                 after = (cpu_seconds(pid), cpu_seconds())
                 cpu[name] = [(a - b) / gb for a, b in zip(after, before, strict=True)]
             served = {name: dict(client.served) for name, client in clients.items()}
+            counters = {
+                f"{name} node{i}": nonzero_metrics(port)
+                for name, pair_ports in ports.items() for i, port in enumerate(pair_ports or [])
+            }  # fmt: skip
         finally:
             for client in clients.values():
                 client.close()
@@ -182,6 +211,9 @@ def main() -> None:
     for name, (node0, client) in cpu.items():
         print(f"CPU per GB, {name} restore: ckptd node0 {node0:.2f} s, client {client:.2f} s")
     print(f"where the bytes came from: {served}")
+    for name, lines in counters.items():
+        print(f"--- {name} ---")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ Recovery is timed from the fresh ckptd's start to the first training step of the
 (memory@node0, SSD@node0, S3...), as the trainer reports them. The two drills alternate, one
 pair after another, so that both see the same load.
 Run: `OMP_NUM_THREADS=1 .venv/bin/python bench/node_recovery.py [--pairs 1] [--dim 256]`.
+
+With `--secure`, instead: the R=2 drill with the embedded stack's TLS and tokens (`scaletrain
+chaos --secure`) beside the same drill in plaintext, alternating; the ratio of the recovery times
+TLS / plaintext (goal <= 1.2).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from scaletrain.app.chaos import ChaosOptions, chaos, parse_schedule
 from scaletrain.app.stack import Workdir
 
 
-def drill(root: Path, replicas: int, args: argparse.Namespace) -> tuple[float, dict[str, int]]:
+def drill(
+    root: Path, replicas: int, args: argparse.Namespace, secure: bool = False
+) -> tuple[float, dict[str, int]]:
     """(seconds from the fresh ckptd to the first step after the restart, bytes per source)."""
     options = ChaosOptions(
         workdir=Workdir(root),
@@ -37,6 +43,7 @@ def drill(root: Path, replicas: int, args: argparse.Namespace) -> tuple[float, d
             *("--dim", str(args.dim), "--n-layers", str(args.layers)),
             *("--replicas", str(replicas)),
         ],
+        secure=secure,
     )
     report = chaos(options, io.StringIO())
     if not report.completed:
@@ -57,7 +64,11 @@ def main() -> None:
     parser.add_argument("--fault-step", type=int, default=14)
     parser.add_argument("--dim", type=int, default=256, help="model width (state size)")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--secure", action="store_true", help="R=2 with TLS vs plaintext")
     args = parser.parse_args()
+    if args.secure:
+        secure_main(args)
+        return
     seconds: dict[int, list[float]] = {2: [], 1: []}
     s3_bytes: dict[int, list[int]] = {2: [], 1: []}
     with tempfile.TemporaryDirectory(prefix="node-recovery-bench-") as tmp:
@@ -74,6 +85,27 @@ def main() -> None:
     print(json.dumps({
         "recovery_s": med, "s3_bytes": {r: max(v) for r, v in s3_bytes.items()},
         "ratio": round(med[2] / med[1], 3),
+    }))  # fmt: skip
+
+
+def secure_main(args: argparse.Namespace) -> None:
+    seconds: dict[str, list[float]] = {"tls": [], "plain": []}
+    sources: dict[str, list[dict[str, int]]] = {"tls": [], "plain": []}
+    with tempfile.TemporaryDirectory(prefix="node-recovery-tls-bench-") as tmp:
+        for pair in range(args.pairs):
+            for name in ("tls", "plain"):
+                took, served = drill(Path(tmp) / f"pair{pair}-{name}", 2, args, name == "tls")
+                seconds[name].append(took)
+                sources[name].append(served)
+                print(f"R=2 {name}: recovered in {took:.1f} s, restore read {served}", flush=True)
+    med = {n: statistics.median(v) for n, v in seconds.items()}
+    s3 = {n: max(s.get("S3", 0) for s in v) for n, v in sources.items()}
+    for name in ("tls", "plain"):
+        print(f"recovery from peer copies, {name:<5}: {med[name]:.1f} s, {s3[name]} B from S3")
+    print(f"ratio recovery TLS / plaintext: {med['tls'] / med['plain']:.2f} (goal <= 1.2)")
+    print(json.dumps({
+        "recovery_s": med, "s3_bytes": s3, "sources": sources,
+        "ratio": round(med["tls"] / med["plain"], 3),
     }))  # fmt: skip
 
 

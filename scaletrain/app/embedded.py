@@ -98,6 +98,9 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
             file=out,
             flush=True,
         )
+        # Minted now, not after training: ckptd re-reads its tokens file at most once a second,
+        # and a token minted in the instant before the summary's listing was still unknown to it.
+        reader = stack.client_security(Role.READER, run_id)
         code = stack.train(run_id, options.ranks, trainer_args, out, options.max_restarts)
         if code != 0:
             logs = [workdir.trainer_log(node) for node in range(options.nodes)]
@@ -105,7 +108,6 @@ def run(options: RunOptions, out: IO[str]) -> RunSummary:
                 f"training failed (exit code {code}): {_first_error(logs)}; "
                 f"see {', '.join(map(str, logs))}"
             )
-        reader = stack.client_security(Role.READER, run_id)
         copies = options.nodes > 1 and flag_value(options.trainer_args, "--replicas") != "1"
         checkpoints = _wait_for_tiers(
             stack.ckptd_address, run_id, options.upload_wait_s, saved_before, reader, copies

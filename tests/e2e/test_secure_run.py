@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from e2e_runs import scaletrain_json
 
 from scaletrain.security import token_hash
 
@@ -110,3 +111,24 @@ def test_a_secure_run_trains_over_tls_and_leaks_no_secret_into_logs_command_line
         if secret in content
     ]
     assert not leaks
+
+
+def test_a_secure_two_node_drill_replaces_a_lost_node_from_copies_sent_over_tls(
+    tmp_path: Path,
+) -> None:
+    workdir = tmp_path / "drill"
+    flags = "--nodes 2 --ranks 4 --steps 20 --ckpt-every 5 --spares 1 --schedule kill-node@8"
+    drill = scaletrain_json("chaos", "--secure", "--workdir", str(workdir), *flags.split())
+    assert drill["completed"] and not drill["checkpoints_lost"], drill["_log"][-3000:]
+    (record,) = drill["fault_recoveries"]
+    assert record["restarted"] and record["spare"], record
+    # The lost node's part came from its peer's copy (made over the TLS data socket), in memory:
+    # nothing from S3.
+    sources = {source.split("@")[0] for source in record["restored_from"]}
+    assert sources and "S3" not in sources, record
+    # Every ckptd served the others over its data socket, with TLS: none fell back to gRPC.
+    logs = "".join(_read(p).decode(errors="replace") for p in (workdir / "logs").glob("ckptd*"))
+    assert logs and "no TLS with the data socket" not in logs and "through ReadFile" not in logs
+    # The drill's own calls went with a token of their own (an admin of the stack).
+    grants = json.loads((workdir / "tokens.json").read_text())
+    assert "admin" in {g["role"] for g in grants}

@@ -27,6 +27,7 @@ from scaletrain.app.rendezvous import CAPACITY_WAIT_S
 from scaletrain.app.stack import Job, Stack, Workdir
 from scaletrain.cordon import CORDON_AFTER
 from scaletrain.errors import ScaletrainError, UserError
+from scaletrain.security import Role
 from telemetry import queries
 from telemetry.client import TelemetryClient, event
 
@@ -46,6 +47,8 @@ class ChaosOptions:
     spares: int = 0
     # With spares, a node whose ranks failed this many times is cordoned (0: never).
     cordon_after: int = CORDON_AFTER
+    # TLS and per-run tokens between every part (scaletrain run --secure).
+    secure: bool = False
     steps: int = 400
     ckpt_every: int = 5
     trainer_args: list[str] = field(default_factory=list)
@@ -93,7 +96,10 @@ class Drill:
         # The job's start and end (time.time()): the wall time of the drill.
         self.started_at = time.time()
         self.ended_at: float | None = None
-        self._telemetry = TelemetryClient(stack.telemetry_address)
+        # The drill's own calls (listings, replica rates, its events), as an admin of the stack
+        # when it is secure (minted now: the services re-read their tokens within a second).
+        self.security = stack.client_security(Role.ADMIN)
+        self._telemetry = TelemetryClient(stack.telemetry_address, security=self.security)
         self._threads = [
             threading.Thread(target=self._inject_all, name="chaos"),
             threading.Thread(target=self._watch_checkpoints, name="chaos-ckpt", daemon=True),
@@ -107,6 +113,10 @@ class Drill:
             if (flags := FAULTS[fault.kind].trainer_args) is not None
             for arg in flags(fault, self.rank_for(fault))
         ]
+
+    def ckptd(self, address: str = "") -> CkptdClient:
+        """A client of the ckptd at `address` (node0's if empty), secured as the stack is."""
+        return CkptdClient(address or self.stack.ckptd_address, self.security)
 
     def random_for(self, fault: Fault) -> random.Random:
         # Fixed by the seed and the fault's place in the schedule.
@@ -314,7 +324,7 @@ class Drill:
         while not self.done.wait(0.5):
             with (
                 contextlib.suppress(ScaletrainError),
-                CkptdClient(self.stack.ckptd_address) as client,
+                self.ckptd() as client,
             ):
                 self.committed |= {
                     c.ref.step

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from ckptd.client import CkptdClient
 from ckptd.states import TIER_COMMITTED
 from scaletrain.app.chaos.watch import WAIT_S, JobEnded, committed_on
 from scaletrain.app.embedded import flag_value
@@ -109,7 +108,7 @@ def kill_node_mid_save(drill: Drill, fault: Fault) -> tuple[str, str]:
             raise JobEnded
         drill.struck_step = drill.tap.step
         state = "already node-loss safe"
-        with contextlib.suppress(ScaletrainError), CkptdClient(drill.stack.ckptd_address) as c:
+        with contextlib.suppress(ScaletrainError), drill.ckptd() as c:
             info = c.get(drill.run_id, newest)
             on_s3 = common_pb2.TIER_S3 in {t.tier for t in info.tiers if t.state == TIER_COMMITTED}
             if not info.node_loss_safe and on_s3:
@@ -275,13 +274,13 @@ def _replica_rate(drill: Drill, bytes_s: float) -> Iterator[None]:
     each that still answers gets its own rate back after it."""
     before: dict[str, float] = {}
     for address in drill.stack.ckptd_addresses:
-        with contextlib.suppress(ScaletrainError), CkptdClient(address) as client:
+        with contextlib.suppress(ScaletrainError), drill.ckptd(address) as client:
             before[address] = client.set_replica_rate(bytes_s)
     try:
         yield
     finally:
         for address, rate in before.items():
-            with contextlib.suppress(ScaletrainError), CkptdClient(address) as client:
+            with contextlib.suppress(ScaletrainError), drill.ckptd(address) as client:
                 client.set_replica_rate(rate)
 
 
@@ -377,7 +376,7 @@ def _wait_committed(
     """Whether the run's committed checkpoints are `enough` (given node0's view of them), waiting
     for it until `deadline` (time.monotonic(); 0: asks once)."""
     while True:
-        with contextlib.suppress(ScaletrainError), CkptdClient(drill.stack.ckptd_address) as c:
+        with contextlib.suppress(ScaletrainError), drill.ckptd() as c:
             if enough(committed_on(c.list(drill.run_id, nodes=True))):
                 return True
         if drill.done.is_set() or time.monotonic() > deadline:
@@ -389,7 +388,7 @@ def _committed_steps(drill: Drill, address: str = "") -> set[int] | None:
     """The steps the ckptd at `address` (node0's if empty) lists as committed in its own catalog,
     asking no peer (None: it did not answer)."""
     address = address or drill.stack.ckptd_address
-    with contextlib.suppress(ScaletrainError), CkptdClient(address) as c:
+    with contextlib.suppress(ScaletrainError), drill.ckptd(address) as c:
         return {info.ref.step for info in committed_on(c.list(drill.run_id))}
     return None
 
@@ -399,7 +398,7 @@ def _wait_knows_newest(drill: Drill, address: str) -> str:
     restored (one lost with a node mid-save is committed, but gone)."""
     deadline = time.monotonic() + WAIT_S
     newest = -1
-    with contextlib.suppress(ScaletrainError), CkptdClient(drill.stack.ckptd_address) as c:
+    with contextlib.suppress(ScaletrainError), drill.ckptd() as c:
         newest = c.get(drill.run_id).ref.step
     while time.monotonic() < deadline and not drill.done.is_set():
         if newest in (_committed_steps(drill, address) or ()):

@@ -121,6 +121,7 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
         cordon_after=options.cordon_after,
         min_nodes=options.min_nodes,
         capacity_wait_s=options.capacity_wait_s,
+        secure=options.secure,
     )
     with disk, stack:
         workdir.remember_run(run_id)
@@ -147,7 +148,9 @@ def chaos(options: ChaosOptions, out: IO[str]) -> ChaosReport:
             finally:
                 drill.finish()
             # After a failure, only what is committed now: nothing will upload any more.
-            checkpoints = wait_on_s3(stack.ckptd_address, run_id, 120.0 if code == 0 else 0.0)
+            checkpoints = wait_on_s3(
+                stack.ckptd_address, run_id, 120.0 if code == 0 else 0.0, drill.security
+            )
             final = {c.ref.step for c in intact(checkpoints)}
             engine = connect(workdir.db_url)
             try:

@@ -105,7 +105,8 @@ def corrupt_shard(drill: Drill, fault: Fault) -> tuple[str, str]:
         os.kill(other, signal.SIGSTOP)
     try:
         # The checkpoint the job will resume from, once S3 holds the good copy to fall back on.
-        latest = committed_on(wait_on_s3(drill.stack.ckptd_address, drill.run_id))
+        on_s3 = wait_on_s3(drill.stack.ckptd_address, drill.run_id, security=drill.security)
+        latest = committed_on(on_s3)
         step = max(c.ref.step for c in latest)
         # node0's first shard: rank 0's, which node0's ranks wrote.
         shard = min((ssd_dir(drill.stack.workdir) / drill.run_id / str(step)).glob("__*.distcp"))

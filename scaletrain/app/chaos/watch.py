@@ -14,6 +14,7 @@ from typing import IO, TypeVar
 from ckptd.client import CkptdClient
 from ckptd.states import TIER_COMMITTED
 from scaletrain.app.recovery import ATTEMPT_LINE, IN_JOB_ATTEMPT, STEP_LINE
+from scaletrain.security import ClientSecurity
 from scaletrain.v1 import checkpoint_pb2, common_pb2
 
 # What has copies on tiers: a checkpoint as one node sees it, or one node's part of it.
@@ -103,7 +104,7 @@ def intact(
 
 
 def wait_on_s3(
-    address: str, run_id: str, timeout_s: float = WAIT_S
+    address: str, run_id: str, timeout_s: float = WAIT_S, security: ClientSecurity | None = None
 ) -> list[checkpoint_pb2.CheckpointInfo]:
     """The run's checkpoints with every node's part, once the newest committed one is on S3 too
     (or the time is up).
@@ -111,7 +112,7 @@ def wait_on_s3(
     Not every tier: a ckptd restarted by the drill lost its memory tier for good.
     """
     deadline = time.monotonic() + timeout_s
-    with CkptdClient(address) as client:
+    with CkptdClient(address, security) as client:
         while True:
             checkpoints = client.list(run_id, nodes=True)
             newest = max(committed_on(checkpoints), key=lambda c: c.ref.step, default=None)

@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     drill.set_defaults(handler=_chaos)
     workdir_arg(drill)
     drill.add_argument("--ranks", type=int, default=4, help="training processes (default 4)")
-    launch.nodes_arg(drill)
+    launch.cluster_args(drill)
     launch.launcher_args(drill, CHAOS_DEFAULTS)
     drill.add_argument(
         "--schedule",

@@ -60,7 +60,9 @@ def _node_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def nodes_arg(parser: argparse.ArgumentParser) -> None:
+def cluster_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the embedded cluster `run` and `chaos` start alike: its nodes (elastic or
+    not), spares, cordoning and security."""
     parser.add_argument(
         "--nodes",
         type=_node_range,
@@ -96,6 +98,9 @@ def nodes_arg(parser: argparse.ArgumentParser) -> None:
         "steps), is cordoned, its agent stopped for good and a waiting spare taking its place "
         f"(0: never; default {CORDON_AFTER})",
     )
+    parser.add_argument(
+        "--secure", action="store_true", help="TLS and per-run tokens between every part"
+    )
 
 
 def resolve_job(
@@ -126,6 +131,7 @@ def stack_options(args: argparse.Namespace, job: dict[str, options.Value]) -> di
         "nodes": args.nodes[1],
         "spares": args.spares,
         "cordon_after": args.cordon_after,
+        "secure": args.secure,
         "steps": int(job["steps"]),
         "ckpt_every": int(job["ckpt_every"]),
         "trainer_args": options.to_argv(options.passed_on(job)),

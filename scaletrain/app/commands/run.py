@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.set_defaults(handler=_run)
     workdir_arg(run)
     run.add_argument("--ranks", type=int, default=4, help="training processes (default 4)")
-    launch.nodes_arg(run)
+    launch.cluster_args(run)
     launch.launcher_args(run, launch.RUN_DEFAULTS)
     run.add_argument(
         "--run-id", default=argparse.SUPPRESS, help="name of the run (default: a new one)"
@@ -52,9 +52,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="restarts of the job after a rank fails, each from the latest committed checkpoint "
         "(default 0: a failure ends the run, --resume continues it)",
     )
-    run.add_argument(
-        "--secure", action="store_true", help="TLS and per-run tokens between every part"
-    )
     launch.trainer_options(run)
 
 
@@ -74,7 +71,6 @@ def _run(args: argparse.Namespace) -> int:
         **launch.stack_options(args, job),
         run_id=str(job["run_id"]) or None,
         resume=bool(job["resume"]),
-        secure=args.secure,
     )
     summary = launch.start_and_print(run, run_options, args.json, _print_summary)
     if args.tensorboard is not None:
