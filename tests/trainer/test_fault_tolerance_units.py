@@ -279,7 +279,8 @@ def test_a_repeating_fault_is_due_every_n_seconds_after_a_step_and_within_the_re
     schedule = parse_schedule("kill-rank@every0.2s,stop-s3@3")
     options = ChaosOptions(Workdir(tmp_path), schedule, max_restarts=3)
     tap = _Tap(io.StringIO())
-    drill = Drill(SimpleNamespace(telemetry_address="127.0.0.1:9"), options, "r1", tap)  # type: ignore[arg-type]
+    stack = SimpleNamespace(telemetry_address="127.0.0.1:9", client_security=lambda role: None)
+    drill = Drill(stack, options, "r1", tap)  # type: ignore[arg-type]
     try:
         once, due = [schedule[0]], {schedule[1]: drill.started_at + 0.2}
         tap.write("[trainer] run r1: 4 ranks, 1 parameters, steps 1..9\n[trainer] step 1 loss 1\n")
